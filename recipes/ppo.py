@@ -1,0 +1,47 @@
+"""The RL post-training recipe: PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF, DAPO, Dr.GRPO, GSPO.
+
+    torchrun --nproc_per_node=2 recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml
+    python recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml trainer.total_steps=2  # one process
+
+Every rank parses and validates the config (a bad key fails before any model loads), then `launch`
+makes rank 0 the single controller: it builds the worker groups and runs `RLTrainer.fit`, the
+dataflow of one step being: generate -> reward -> old/ref log-probs (+ values) -> advantages ->
+critic update -> actor update. The algorithm is chosen by the config, not by the recipe.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import OmegaConf
+
+from torchrlhf.config import ConfigError, load_config, parse_args
+from torchrlhf.runtime import launch
+from torchrlhf.trainer.build import build_trainer
+from torchrlhf.trainer.schema import RecipeConfig, load_recipe_config
+
+
+def main(cfg: RecipeConfig, raw: dict, world_size: int) -> dict[str, float]:
+    trainer = build_trainer(cfg, world_size, raw)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def cli(argv: list[str] | None = None) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        path, overrides = parse_args(argv)
+        raw_cfg = load_config(path, overrides, add_missing=True)  # the schema checks every key
+        cfg = load_recipe_config(raw_cfg, world_size)
+    except (ConfigError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"torchrlhf: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    launch(main, cfg, OmegaConf.to_container(raw_cfg, resolve=True), world_size)
+
+
+if __name__ == "__main__":
+    cli()

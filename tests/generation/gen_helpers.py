@@ -1,0 +1,65 @@
+"""Test helpers: tiny random HF models of every family the engine supports, prompts, a toy tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides):
+    """A 2-layer random model; large init std so greedy outputs are not degenerate."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500.0)),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    }
+    config_cls, model_cls, extra = classes[family]
+    config = config_cls(**{**common, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if family == "qwen2":  # make the qkv biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def left_padded(lengths: list[int], seed: int = 0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts (tokens 3..VOCAB-1, so no EOS/pad inside) left-padded to the longest."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[i, width - n :] = 1
+    return ids, mask
+
+
+class CharTokenizer:
+    """Token i decodes to one letter; enough for stop-string tests."""
+
+    eos_token_id = 2
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids)

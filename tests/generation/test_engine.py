@@ -1,0 +1,254 @@
+"""NativeEngine against transformers: greedy equality, log-probs, batching, stops, weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrlhf.data.batch import Batch
+from torchrlhf.generation import NativeEngine, SamplingParams
+
+from gen_helpers import CharTokenizer, left_padded, tiny_model
+
+LENGTHS = [5, 9, 3, 7, 6]
+
+
+def prompt_batch(lengths=LENGTHS, seed=0) -> Batch:
+    ids, mask = left_padded(lengths, seed)
+    n = len(lengths)
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask},
+        {"uid": [f"u{i}" for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
+        {"step": 3},
+    )
+
+
+def hf_greedy(model, batch: Batch, new_tokens: int) -> torch.Tensor:
+    out = model.generate(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[:, batch["input_ids"].shape[1] :]
+
+
+def forward_logits(model, out: Batch) -> torch.Tensor:
+    """Training-style forward on the generated sequences: logits predicting each response token."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
+    p = out["prompts"].shape[1]
+    return logits[:, p - 1 : -1].float()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_equals_hf_generate(family):
+    model = tiny_model(family)
+    batch = prompt_batch()
+    engine = NativeEngine(model, max_batch_size=2, max_seq_len=64)
+    out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert torch.equal(out["responses"], hf_greedy(model, batch, 12))
+    assert out["finish_reason"] == ["length"] * len(LENGTHS)
+
+
+def test_output_columns_follow_the_contract():
+    model = tiny_model()
+    batch = prompt_batch()
+    out = NativeEngine(model, max_batch_size=4, max_seq_len=64).generate(
+        batch, SamplingParams(n=2, max_tokens=6, seed=1, stop_token_ids=[5, 7, 11])
+    )
+    b, p = 2 * len(LENGTHS), batch["input_ids"].shape[1]
+    assert out["responses"].shape == (b, 6) and out["input_ids"].shape == (b, p + 6)
+    assert torch.equal(out["prompts"], batch["input_ids"].repeat_interleave(2, 0))
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    assert torch.equal(out["attention_mask"], torch.cat([batch["attention_mask"].repeat_interleave(2, 0), out["response_mask"]], 1))
+    assert torch.equal(out["position_ids"], (out["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+    assert out["rollout_log_probs"].dtype == torch.float32
+    assert (out["rollout_log_probs"][out["response_mask"] == 0] == 0).all()
+    assert (out["responses"][out["response_mask"] == 0] == 0).all()  # pad id
+    assert out["uid"] == [u for u in batch["uid"] for _ in range(2)]
+    assert out["raw_prompt"] == [r for r in batch["raw_prompt"] for _ in range(2)]
+    assert out.meta["step"] == 3 and out.meta["temperature"] == 1.0
+    lengths = out["response_mask"].sum(-1)
+    for i, reason in enumerate(out["finish_reason"]):
+        last = out["responses"][i, lengths[i] - 1].item()
+        assert reason == ("stop" if last in (5, 7, 11, 2) else "length")
+        assert reason == "stop" or lengths[i] == 6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_training_forward(temperature):
+    model = tiny_model("qwen2")
+    batch = prompt_batch()
+    out = NativeEngine(model, max_batch_size=3, max_seq_len=64).generate(
+        batch, SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=3)
+    )
+    logits = forward_logits(model, out) / (temperature or 1.0)
+    ref = torch.log_softmax(logits, -1).gather(-1, out["responses"][..., None])[..., 0] * out["response_mask"]
+    torch.testing.assert_close(out["rollout_log_probs"], ref, atol=1e-4, rtol=1e-4)
+    if temperature == 0:  # greedy picks the argmax of the training forward
+        mask = out["response_mask"].bool()
+        assert torch.equal(out["responses"][mask], logits.argmax(-1)[mask])
+
+
+def test_top_k_never_leaves_the_top_k():
+    model = tiny_model()
+    out = NativeEngine(model, max_batch_size=4, max_seq_len=64).generate(
+        prompt_batch(), SamplingParams(n=4, temperature=1.5, top_k=3, max_tokens=10, seed=0)
+    )
+    top3 = forward_logits(model, out).topk(3, dim=-1).indices
+    mask = out["response_mask"].bool()
+    assert (top3 == out["responses"][..., None]).any(-1)[mask].all()
+
+
+def test_same_seed_same_samples_regardless_of_batch():
+    model = tiny_model()
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11)
+    alone = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(prompt_batch([6], seed=5), params)
+    ids, mask = left_padded([6, 4, 9], seed=5)  # same first prompt, other company, fewer slots
+    crowd = NativeEngine(model, max_batch_size=2, max_seq_len=64).generate(
+        Batch({"input_ids": ids, "attention_mask": mask}), params
+    )
+    assert torch.equal(alone["responses"], crowd["responses"][:3])
+    assert not torch.equal(crowd["responses"][0], crowd["responses"][1])  # samples differ from each other
+    # With a per-prompt seed column the prompt's position does not matter either.
+    ids2 = torch.cat([left_padded([9], seed=7)[0], ids[:1, :]], 0)
+    mask2 = torch.cat([left_padded([9], seed=7)[1], mask[:1, :]], 0)
+    moved = NativeEngine(model, max_batch_size=4, max_seq_len=64).generate(
+        Batch({"input_ids": ids2, "attention_mask": mask2, "seed": torch.tensor([5, 11])}), params
+    )
+    assert torch.equal(moved["responses"][3:], alone["responses"])
+
+
+def test_continuous_batching_matches_running_alone():
+    model = tiny_model()
+    lengths = [4, 8, 3, 10, 5, 7, 6]
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[61, 33, 43, 91])
+    together = NativeEngine(model, max_batch_size=3, max_seq_len=64).generate(prompt_batch(lengths), params)
+    engine = NativeEngine(model, max_batch_size=1, max_seq_len=64)
+    alone = Batch.concat([engine.generate(prompt_batch(lengths)[i], params) for i in range(len(lengths))])
+    assert len(set(together["response_mask"].sum(-1).tolist())) > 1  # slots really finished at different times
+    for i in range(len(lengths)):
+        n = int(alone["response_mask"][i].sum())
+        assert together["response_mask"][i].sum() == n
+        assert torch.equal(together["responses"][i, :n], alone["responses"][i, :n])
+        torch.testing.assert_close(together["rollout_log_probs"][i], alone["rollout_log_probs"][i], atol=1e-5, rtol=1e-5)
+    assert together["finish_reason"] == alone["finish_reason"]
+
+
+def test_n_samples_share_the_prefill_and_greedy_agrees():
+    model = tiny_model("qwen3")
+    batch = prompt_batch()
+    params = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    out = NativeEngine(model, max_batch_size=4, max_seq_len=64).generate(batch, params)
+    ref = hf_greedy(model, batch, 8).repeat_interleave(3, 0)
+    assert torch.equal(out["responses"], ref)
+
+
+def test_stop_token_ids_end_with_stop():
+    model = tiny_model()
+    batch = prompt_batch()
+    free = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(
+        batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    stop_id = free["responses"][0, 3].item()
+    out = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(
+        batch, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    )
+    for i in range(len(batch)):
+        row = free["responses"][i].tolist()
+        n = row.index(stop_id) + 1 if stop_id in row else 12
+        assert out["response_mask"][i].sum() == n
+        assert out["responses"][i, :n].tolist() == row[:n]
+        assert out["finish_reason"][i] == ("stop" if stop_id in row else "length")
+
+
+def test_stop_strings_end_with_stop():
+    model = tiny_model()
+    tok = CharTokenizer()
+    batch = prompt_batch()
+    free = NativeEngine(model, tok, max_batch_size=8, max_seq_len=64).generate(
+        batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    text0 = tok.decode(free["responses"][0])
+    stop = text0[4:6]
+    out = NativeEngine(model, tok, max_batch_size=8, max_seq_len=64).generate(
+        batch, SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True)
+    )
+    for i in range(len(batch)):
+        text = tok.decode(free["responses"][i])
+        n = text.find(stop) + len(stop) if stop in text else 12
+        assert out["response_mask"][i].sum() == n
+        assert out["finish_reason"][i] == ("stop" if stop in text else "length")
+    assert out["finish_reason"][0] == "stop"
+
+
+def test_prompt_too_long_names_the_sample():
+    engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"prompt 1 has 9 tokens.*16 - 8 = 8"):
+        engine.generate(prompt_batch([5, 9]), SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        engine.generate(prompt_batch([5]), SamplingParams(max_tokens=8, stop=["x"]))
+
+
+def test_update_weights_release_resume(tmp_path):
+    model_a, model_b = tiny_model(seed=0), tiny_model(seed=1)
+    model_a.save_pretrained(tmp_path)
+    engine = NativeEngine(tmp_path, CharTokenizer(), max_batch_size=4, max_seq_len=64)
+    assert engine.owns_weights and set(engine.param_shard_dims().values()) == {None}
+    batch = prompt_batch()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert torch.equal(engine.generate(batch, params)["responses"], hf_greedy(model_a, batch, 8))
+
+    engine.release()
+    assert engine.kv_cache_bytes() == 0
+    with pytest.raises(RuntimeError, match="resume"):
+        engine.generate(batch, params)
+    engine.resume()
+    with pytest.raises(RuntimeError, match="missing weights"):
+        engine.generate(batch, params)
+    engine.update_weights((name, p.detach()) for name, p in model_b.named_parameters())
+    out = engine.generate(batch, params)
+    assert torch.equal(out["responses"], hf_greedy(model_b, batch, 8))  # new weights are used
+
+    with pytest.raises(ValueError, match="unknown parameter 'model.nope'"):
+        engine.update_weights([("model.nope", torch.zeros(1))])
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_engine_shares_the_models_tensors():
+    model = tiny_model()
+    engine = NativeEngine(model, max_batch_size=2, max_seq_len=32)
+    assert engine.model.model.layers[0].self_attn.q_proj.weight is model.model.layers[0].self_attn.q_proj.weight
+    engine.release()  # must not free a model the caller owns
+    assert model.model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() > 0
+
+
+def test_logprobs_off_drops_the_column():
+    out = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=32).generate(
+        prompt_batch([4]), SamplingParams(max_tokens=3, logprobs=False, seed=0)
+    )
+    assert "rollout_log_probs" not in out and out["responses"].shape == (1, 3)
+
+
+def test_tail_compaction_keeps_results(monkeypatch):
+    from torchrlhf.generation.engine import _Run
+
+    calls = []
+    original = _Run._compact
+    monkeypatch.setattr(_Run, "_compact", lambda self, live: (calls.append(list(live)), original(self, live)))
+    model = tiny_model()
+    lengths = [4, 8, 3, 10, 5, 7, 6, 9, 4, 6]
+    params = SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[61, 33, 43, 91, 22])
+    together = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(prompt_batch(lengths), params)
+    assert calls, "the run never compacted; pick stop ids that end more samples early"
+    engine = NativeEngine(model, max_batch_size=1, max_seq_len=64)
+    for i in range(len(lengths)):
+        alone = engine.generate(prompt_batch(lengths)[i], params)
+        assert torch.equal(together["responses"][i], alone["responses"][0])
+        assert together["finish_reason"][i] == alone["finish_reason"][0]

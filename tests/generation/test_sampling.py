@@ -1,0 +1,75 @@
+"""The batched sampler against hand-derived distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrlhf.generation import SamplingParams, sample_tokens
+from torchrlhf.generation.sampling import request_uniforms
+
+
+def test_params_validation():
+    for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2), dict(max_tokens=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams().logprobs is True
+
+
+def test_greedy_is_argmax_with_untempered_logprob():
+    logits = torch.randn(5, 11)
+    tok, lp = sample_tokens(logits, torch.rand(5, dtype=torch.float64), SamplingParams(temperature=0))
+    assert torch.equal(tok, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+
+
+def test_inverse_cdf_hand_derived():
+    # probs 0.1, 0.2, 0.3, 0.4 -> cumulative 0.1, 0.3, 0.6, 1.0
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().repeat(4, 1)
+    u = torch.tensor([0.05, 0.29, 0.31, 0.99], dtype=torch.float64)
+    tok, lp = sample_tokens(logits, u, SamplingParams(temperature=1.0))
+    assert tok.tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(lp, torch.tensor([0.1, 0.2, 0.3, 0.4]).log())
+
+
+def test_temperature_scales_logprob_not_filtered():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    tok, lp = sample_tokens(logits, torch.tensor([0.999], dtype=torch.float64), SamplingParams(temperature=0.5, top_k=2))
+    assert tok.item() == 2  # top-2 = {3, 2}; u near 1 picks the less likely one
+    assert lp.item() == pytest.approx(torch.log_softmax(logits / 0.5, -1)[0, 2].item(), abs=1e-6)
+
+
+def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int = 20000) -> torch.Tensor:
+    u = torch.rand(draws, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tok, _ = sample_tokens(logits.expand(draws, -1), u, params)
+    return torch.bincount(tok, minlength=logits.shape[-1]).double() / draws
+
+
+def test_top_k_distribution():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(1))
+    freq = _frequencies(logits, SamplingParams(temperature=0.8, top_k=4))
+    top = (logits[0] / 0.8).topk(4).indices
+    outside = torch.ones(30, dtype=torch.bool)
+    outside[top] = False
+    assert freq[outside].sum() == 0
+    expected = torch.softmax(logits[0, top] / 0.8, -1).double()
+    torch.testing.assert_close(freq[top], expected, atol=0.015, rtol=0)
+
+
+def test_top_p_and_min_p_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    # top_p=0.8: 0.5 + 0.25 = 0.75 < 0.8, so 0.15 joins; renormalised over the first three.
+    freq = _frequencies(probs.log()[None], SamplingParams(top_p=0.8))
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0, 0], dtype=torch.float64) / 0.9, atol=0.015, rtol=0)
+    # min_p=0.2: threshold 0.1 keeps the first three.
+    freq = _frequencies(probs.log()[None], SamplingParams(min_p=0.2))
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0, 0], dtype=torch.float64) / 0.9, atol=0.015, rtol=0)
+
+
+def test_request_uniforms_depend_only_on_seed_and_sample():
+    a = request_uniforms(7, 1, 10)
+    assert torch.equal(a, request_uniforms(7, 1, 10))
+    assert not torch.equal(a, request_uniforms(7, 0, 10))
+    assert not torch.equal(a, request_uniforms(8, 1, 10))
+    assert ((a >= 0) & (a < 1)).all()

@@ -1,0 +1,110 @@
+"""End-to-end runtime tests: real torchrun jobs (gloo, CPU) running tests/runtime/scenarios.py.
+
+Each torchrun launch groups several scenarios to keep the suite fast; the
+scenarios assert against hand-derived values on the controller and print
+``PASS ...`` lines. Every launch has a subprocess timeout so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).with_name("scenarios.py")
+
+
+def _env() -> dict[str, str]:
+    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+def _torchrun(
+    nproc: int, *args: str, monitor_interval: float | None = None, timeout: float = 150
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if monitor_interval is not None:
+        cmd.append(f"--monitor-interval={monitor_interval}")
+    cmd += [str(SCENARIOS), *args]
+    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_placement_colocation(world: int, tmp_path: Path) -> None:
+    p = _torchrun(world, "all", str(tmp_path))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    expected = ["one_to_all", "dp_compute", "async", "misuse", "worker error", "colocation", "ALL PASSED"]
+    if world == 4:
+        expected += ["tp routing", "device mesh", "split placement concurrency"]
+    for marker in expected:
+        assert marker in p.stdout, f"missing {marker!r}:\n{out}"
+
+
+def test_main_raises_every_rank_exits_nonzero() -> None:
+    # Bounded time: the subprocess timeout; a hang would raise TimeoutExpired.
+    p = _torchrun(2, "error", timeout=90)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "PASS call timeout" in p.stdout, out
+    assert "torchrlhf.runtime.group.WorkerError: worker group 'doomed', method 'fail_on' failed on rank 1" in out, out
+    assert "ValueError: planned failure on rank 1" in out, out
+    assert "rank 1 stopping with exit code 1" in out, out  # our stop, not torchrun's SIGTERM
+
+
+def test_killed_worker_fails_controller_and_stops_the_rest() -> None:
+    # A longer monitor interval keeps torchrun's own teardown from racing ours, so the
+    # test sees the controller's error and the runtime stopping the surviving rank 2.
+    p = _torchrun(3, "kill", monitor_interval=5, timeout=90)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "CAUGHT worker group 'victim', method 'die_on' failed on rank 1" in out, out
+    assert "did not answer" in out, out
+    assert "rank 2 stopping with exit code 1" in out, out
+
+
+NOTEBOOK = """
+import sys, torch
+from torchrlhf.data import Batch
+from torchrlhf.runtime import Dispatch, Worker, WorkerError, WorkerGroup, launch, register
+
+class Echo(Worker):
+    @register(Dispatch.DP_COMPUTE)
+    def double(self, b):
+        out = b.copy(); out["y"] = b["x"] * 2; return out
+    @register(Dispatch.ONE_TO_ALL)
+    def where(self):
+        return self.rank, self.ranks, self.process_group is not None
+    @register(Dispatch.ONE_TO_ALL)
+    def boom(self):
+        raise KeyError("nope")
+
+def main(k):
+    g = WorkerGroup(Echo, name="echo")
+    assert g.where() == [(0, [0], True)]
+    assert g.double(Batch({"x": torch.arange(3)}))["y"].tolist() == [0, 2, 4]
+    try:
+        g.boom()
+    except WorkerError as e:
+        assert "KeyError: 'nope'" in str(e) and "rank 0" in str(e)
+    from torchrlhf.runtime.group import busy_seconds  # the worker side of this (notebook) process
+    busy = busy_seconds("echo")
+    assert set(busy) == {"where", "double", "boom"} and all(0 < t < 5 for t in busy.values()), busy
+    return k
+
+assert launch(main, 7) == 7
+assert launch(main, 8) == 8  # init/shutdown can be repeated in one process; names are per run
+print("NOTEBOOK OK")
+"""
+
+
+def test_notebook_mode_single_process() -> None:
+    cmd = [sys.executable, "-c", NOTEBOOK]
+    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "NOTEBOOK OK" in p.stdout, p.stdout + p.stderr

@@ -1,0 +1,79 @@
+"""Test helpers for the worker tests: spawn gloo ranks with a timeout, and build synthetic rollout batches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchrlhf.data import Batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; fail (never hang) past ``timeout``."""
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout}s")
+
+
+def rollout_batch(num: int, prompt_len: int = 6, response_len: int = 5, vocab: int = 128, seed: int = 0,
+                  temperature: float = 1.0) -> Batch:
+    """Left-padded prompts + right-padded responses of varied lengths, with PPO columns filled in."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(1, prompt_len + 1, (num,), generator=g)
+    r_lens = torch.randint(1, response_len + 1, (num,), generator=g)
+    prompts = torch.randint(3, vocab, (num, prompt_len), generator=g)
+    responses = torch.randint(3, vocab, (num, response_len), generator=g)
+    p_mask = (torch.arange(prompt_len) >= prompt_len - p_lens[:, None]).long()
+    r_mask = (torch.arange(response_len) < r_lens[:, None]).long()
+    prompts = torch.where(p_mask.bool(), prompts, 2)
+    responses = torch.where(r_mask.bool(), responses, 2)
+    attention_mask = torch.cat([p_mask, r_mask], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cols = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": r_mask,
+        "old_log_probs": (-3.0 - torch.rand(num, response_len, generator=g)) * r_mask,
+        "ref_log_prob": (-3.0 - torch.rand(num, response_len, generator=g)) * r_mask,
+        "advantages": torch.randn(num, response_len, generator=g) * r_mask,
+        "values": torch.randn(num, response_len, generator=g) * r_mask,
+        "returns": torch.randn(num, response_len, generator=g) * r_mask,
+    }
+    return Batch(cols, meta={"temperature": temperature})
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (collective when the model is FSDP-sharded)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))

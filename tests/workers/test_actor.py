@@ -1,0 +1,230 @@
+"""ActorWorker numerics: HF-forward log-probs, hand-derived PPO gradients, micro-batching / FSDP / TP invariance."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
+
+from torchrlhf.data import Batch  # noqa: E402
+from torchrlhf.models import save_tiny_model  # noqa: E402
+from torchrlhf.workers.actor import ActorWorker  # noqa: E402
+from torchrlhf.workers.microbatch import validate_batch_sizes  # noqa: E402
+
+# 4 prompts x 2 responses; mini-batch of 2 prompts -> 2 mini-batches per step, 2 PPO epochs.
+TRAIN_KW = dict(lr=1e-3, warmup_steps=2, grad_clip=0.5, ppo_mini_batch_size=2, rollout_n=2, ppo_epochs=2,
+                use_kl_loss=True, kl_loss_type="k3", entropy_coeff=0.01)
+METRICS = ["actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
+           "actor/lr"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer_from=None, vocab_size=128))
+
+
+def hf_log_probs(model_dir: str, batch, temperature: float):
+    """log_softmax(logits / T) of each response token from a plain full-sequence HF forward, and the entropy."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    r = batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, -r - 1 : -1] / temperature
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return model, lp, ent
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compute_log_prob_matches_hf_forward(model_dir, dynamic):
+    batch = rollout_batch(7, temperature=0.7)
+    batch.meta["calculate_entropy"] = True
+    actor = ActorWorker(model_dir, freeze=True, ppo_micro_batch_size_per_device=3, use_dynamic_bsz=dynamic,
+                        max_tokens_per_micro_batch=16)
+    out = actor.compute_log_prob(batch)
+    _, lp, ent = hf_log_probs(model_dir, batch, 0.7)
+    mask = batch["response_mask"].bool()
+    assert out["old_log_probs"].shape == batch["responses"].shape
+    torch.testing.assert_close(out["old_log_probs"][mask], lp[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["entropys"][mask], ent[mask], atol=1e-5, rtol=1e-5)
+    ref = actor.compute_ref_log_prob(batch)["ref_log_prob"]
+    torch.testing.assert_close(ref[mask], lp[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_ref_log_prob_needs_frozen_worker(model_dir):
+    actor = ActorWorker(model_dir)
+    with pytest.raises(RuntimeError, match="freeze=True"):
+        actor.compute_ref_log_prob(rollout_batch(2))
+
+
+@pytest.mark.parametrize("micro_kw", [dict(ppo_micro_batch_size_per_device=1), dict(ppo_micro_batch_size_per_device=3),
+                                      dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=15)])
+def test_gradient_matches_hand_derived_ppo_loss(model_dir, micro_kw):
+    """One mini-batch: accumulated micro-batch gradients == gradient of the token-mean PPO loss over the whole batch."""
+    batch = rollout_batch(6, temperature=0.8, seed=3)
+    model, lp, _ = hf_log_probs(model_dir, batch, 0.8)
+    mask = batch["response_mask"].float()
+    noise = 0.2 * torch.rand(lp.shape, generator=torch.Generator().manual_seed(1)) - 0.1
+    batch["old_log_probs"] = (lp.detach() + noise) * mask  # ratios within the clip range: no clipping
+    ratio = torch.exp(lp - batch["old_log_probs"])
+    loss = -(batch["advantages"] * ratio * mask).sum() / mask.sum()
+    loss.backward()
+
+    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, **micro_kw)
+    stats = actor._train_mini_batch(batch, temperature=0.8)
+    assert stats["actor/pg_loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert stats["actor/pg_clipfrac"] == 0.0
+    ref_grads = dict(model.named_parameters())
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def _train(actor: ActorWorker, batch, steps: int = 2) -> list[dict[str, float]]:
+    shard = batch.chunk(actor.dp_size)[actor.dp_rank]
+    return [actor.update(shard) for _ in range(steps)]
+
+
+GREEDY = dict(n=1, temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def prompt_batch(batch) -> Batch:
+    """The (left-padded) prompts of a rollout batch, asking for greedy rollouts."""
+    width = batch["prompts"].shape[1]
+    return Batch({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :width]},
+                 meta={"sampling": GREEDY})
+
+
+def hf_greedy(model_dir: str, params: dict[str, torch.Tensor], prompts: Batch) -> torch.Tensor:
+    """4 greedy tokens per prompt from HF ``generate`` on a model holding ``params`` (independent of our engine)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(params)
+    out = model.generate(prompts["input_ids"], attention_mask=prompts["attention_mask"], do_sample=False,
+                         max_new_tokens=4, min_new_tokens=4, pad_token_id=2)
+    return out[:, prompts["input_ids"].shape[1]:]
+
+
+def _train_on_ranks(rank: int, world: int, model_dir: str, out: str, tp_size: int) -> None:
+    torch.set_num_threads(1)
+    batch = rollout_batch(8, temperature=0.9)
+    variants = {"fixed": dict(ppo_micro_batch_size_per_device=1)}
+    if tp_size == 1:
+        variants["dynamic"] = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=20)
+    results = {}
+    for name, kw in variants.items():
+        actor = ActorWorker(model_dir, tp_size=tp_size, **TRAIN_KW, **kw)
+        metrics = _train(actor, batch)
+        results[name] = {"metrics": metrics, "params": full_params(actor.model)}
+        # Rollouts after training use the trained weights, resharded into the engine (the hybrid engine).
+        gen = actor.generate(prompt_batch(batch).chunk(actor.dp_size)[actor.dp_rank])
+        parts: list = [None] * world
+        dist.all_gather_object(parts, gen["responses"])
+        results[name]["responses"] = torch.cat(parts[::tp_size])
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(model_dir):
+    actor = ActorWorker(model_dir, ppo_micro_batch_size_per_device=4, **TRAIN_KW)
+    metrics = _train(actor, rollout_batch(8, temperature=0.9))
+    return metrics, {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
+
+
+def _assert_same_run(run, reference, model_dir):
+    metrics, params = run["metrics"], run["params"]
+    ref_metrics, ref_params = reference
+    for got, want in zip(metrics, ref_metrics):
+        assert got["actor/skipped_steps"] == 0
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, atol=2e-5, rtol=1e-4, msg=name)
+    want = hf_greedy(model_dir, ref_params, prompt_batch(rollout_batch(8, temperature=0.9)))
+    assert torch.equal(run["responses"], want)
+
+
+def test_generate_uses_current_weights_single_process(model_dir):
+    actor = ActorWorker(model_dir, ppo_micro_batch_size_per_device=4, **TRAIN_KW)
+    batch = rollout_batch(8, temperature=0.9)
+    prompts = prompt_batch(batch)
+    before = actor.generate(prompts)
+    assert torch.equal(before["responses"], hf_greedy(model_dir, actor.model.state_dict(), prompts))
+    _train(actor, batch)
+    after = actor.generate(prompts)
+    assert torch.equal(after["responses"], hf_greedy(model_dir, actor.model.state_dict(), prompts))
+    assert not torch.equal(after["responses"], before["responses"])  # lr=1e-3 moves greedy tokens
+    assert after["response_mask"].sum() == 8 * 4 and len(after) == 8
+
+
+def test_fsdp_two_ranks_match_single_process(model_dir, single_process_run, tmp_path):
+    """2-rank FSDP2 (fixed micro-batches of 1, and token-balanced dynamic) == 1 process with 4-sample micro-batches."""
+    out = tmp_path / "fsdp.pt"
+    run_ranks(_train_on_ranks, 2, model_dir, str(out), 1)
+    results = torch.load(out, weights_only=True)
+    assert single_process_run[0][0]["actor/lr"] == pytest.approx(5e-4)  # warmup: step 1 of 2
+    _assert_same_run(results["fixed"], single_process_run, model_dir)
+    _assert_same_run(results["dynamic"], single_process_run, model_dir)
+
+
+def test_fsdp_tp_2x2_matches_single_process(model_dir, single_process_run, tmp_path):
+    out = tmp_path / "tp.pt"
+    run_ranks(_train_on_ranks, 4, model_dir, str(out), 2, timeout=300)
+    _assert_same_run(torch.load(out, weights_only=True)["fixed"], single_process_run, model_dir)
+
+
+def test_nan_loss_skips_step_and_keeps_params(model_dir):
+    actor = ActorWorker(model_dir, lr=1e-2, ppo_mini_batch_size=4, rollout_n=1, ppo_micro_batch_size_per_device=2)
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    batch = rollout_batch(4)
+    batch["advantages"][1, 0] = float("nan")  # a valid response token (every response has >= 1)
+    metrics = actor.update(batch)
+    assert metrics["actor/grad_norm_nonfinite"] == 1.0 and metrics["actor/skipped_steps"] == 1.0
+    assert "actor/grad_norm" not in metrics
+    for k, v in actor.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    metrics = actor.update(rollout_batch(4))  # a clean batch trains normally afterwards
+    assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
+    assert any(not torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
+
+
+def test_bad_batch_sizes_raise_before_work(model_dir):
+    with pytest.raises(ValueError, match=r"train_batch_size=6 .*ppo_mini_batch_size=4"):
+        validate_batch_sizes(train_batch_size=6, ppo_mini_batch_size=4, rollout_n=2, dp_size=1,
+                             ppo_micro_batch_size_per_device=1)
+    with pytest.raises(ValueError, match=r"3 prompts x rollout.n=1 = 3 responses .* 2 data-parallel"):
+        validate_batch_sizes(ppo_mini_batch_size=3, rollout_n=1, dp_size=2, ppo_micro_batch_size_per_device=1)
+    with pytest.raises(ValueError, match=r"= 4 per rank, not divisible by ppo_micro_batch_size_per_device=3"):
+        validate_batch_sizes(ppo_mini_batch_size=4, rollout_n=2, dp_size=2, ppo_micro_batch_size_per_device=3)
+    with pytest.raises(ValueError, match=r"max_tokens_per_micro_batch=10 .* 12 tokens"):
+        validate_batch_sizes(ppo_mini_batch_size=4, rollout_n=1, dp_size=1, use_dynamic_bsz=True,
+                             max_tokens_per_micro_batch=10, max_seq_len=12)
+    with pytest.raises(ValueError, match="ppo_micro_batch_size_per_device=3"):
+        ActorWorker(model_dir, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=3)
+    actor = ActorWorker(model_dir, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=2)
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"got 6 samples .* 2 prompts x 2 responses / 1 ranks = 4"):
+        actor.update(rollout_batch(6))
+    assert all(torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_seq_mean_modes_do_not_depend_on_micro_batching(model_dir, mode):
+    """Sequence-level aggregation over trimmed, token-balanced micro-batches == one whole-batch micro-batch."""
+    batch = rollout_batch(6, seed=5)
+    grads, losses = [], []
+    for kw in (dict(ppo_micro_batch_size_per_device=6), dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=13)):
+        actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, loss_agg_mode=mode, entropy_coeff=0.1, **kw)
+        losses.append(actor._train_mini_batch(batch, temperature=1.0)["actor/pg_loss"])
+        grads.append({n: p.grad.clone() for n, p in actor.model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4, msg=name)

@@ -1,0 +1,45 @@
+"""Pure tensor maths of the RL algorithms: advantages, policy/value losses, KL, aggregation, Safe-RLHF, DAPO."""
+
+from torchrlhf.algorithms.advantages import ADV_ESTIMATORS, compute_advantage, group_ids
+from torchrlhf.algorithms.aggregation import AGG_MODES, agg_loss
+from torchrlhf.algorithms.dapo import filter_groups, overlong_penalty
+from torchrlhf.algorithms.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+)
+from torchrlhf.algorithms.logprob import entropy_from_logits, log_probs_from_logits
+from torchrlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss
+from torchrlhf.algorithms.registry import Registry
+from torchrlhf.algorithms.safe_rlhf import LagrangeMultiplier, combine_safe_advantages
+from torchrlhf.algorithms.value_loss import compute_value_loss
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AGG_MODES",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LagrangeMultiplier",
+    "Registry",
+    "agg_loss",
+    "apply_kl_penalty",
+    "combine_safe_advantages",
+    "compute_advantage",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "filter_groups",
+    "group_ids",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+]

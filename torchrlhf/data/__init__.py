@@ -1,0 +1,3 @@
+from torchrlhf.data.batch import Batch
+
+__all__ = ["Batch"]

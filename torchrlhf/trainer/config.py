@@ -1,0 +1,128 @@
+"""Typed sections of a recipe config that the controller itself consumes.
+
+Worker sections (``actor``, ``critic``, ``reward_model``, ...) mirror the worker
+constructors instead; these dataclasses cover the dataflow's own knobs. Keys are
+flat and mirror the attributes one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation, KL and algorithm-specific knobs."""
+
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    # KL penalty folded into the reward (PPO-style); KL as a loss lives in the actor section.
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    # DAPO: dynamic sampling and overlong reward shaping.
+    filter_groups: bool = False
+    max_num_gen_batches: int = 10
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    # Safe-RLHF: the cost constraint's Lagrange multiplier (used when a cost model is configured).
+    cost_threshold: float = 0.0
+    lagrangian_init: float = 1.0
+    lagrangian_lr: float = 0.05
+    lagrangian_max: float | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling for training and validation rollouts."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    val_temperature: float = 0.0
+    val_n: int = 1
+
+    def sampling_params(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+        }
+
+    def val_sampling_params(self) -> dict[str, Any]:
+        return {**self.sampling_params(), "n": self.val_n, "temperature": self.val_temperature}
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: length, validation, checkpoints, logging."""
+
+    total_steps: int = 10
+    critic_warmup: int = 0
+    test_freq: int = 0
+    val_before_train: bool = False
+    save_freq: int = 0
+    keep_last_checkpoints: int | None = None
+    output_dir: str = "outputs/run"
+    resume: str = "auto"  # "auto" (latest complete checkpoint), "disable", or a checkpoint path
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "torchrlhf"
+    experiment_name: str = "run"
+    log_val_generations: int = 4
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Prompt files and batch sizes. ``train_batch_size`` counts prompts; each gets ``rollout.n`` responses."""
+
+    train_files: list[str]
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    train_batch_size: int = 8
+    val_batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    max_samples: int | None = None
+    val_max_samples: int | None = None
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (built only when a KL term needs it); unset keys follow the actor."""
+
+    model_path: str | None = None
+    dtype: str | None = None
+    log_prob_micro_batch_size_per_device: int | None = None
+    cpu_offload: bool = False
+
+
+@dataclass
+class PlacementConfig:
+    """Ranks of each role. ``None``: the actor (with the reference) on every rank, other roles beside it.
+
+    Roles on the same ranks are colocated (one process per rank holds them all, the hybrid engine);
+    roles on disjoint ranks run side by side (split placement).
+    """
+
+    actor: list[int] | None = None
+    critic: list[int] | None = None
+    reward_model: list[int] | None = None
+    cost_model: list[int] | None = None

@@ -1,0 +1,63 @@
+"""Per-step data metrics under verl's names, so runs compare across frameworks."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from torchrlhf.data import Batch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    if values.numel() == 0:
+        return {}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
+
+
+def _masked_values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x[mask.bool()]
+
+
+def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of one training batch."""
+    response_mask = batch["response_mask"]
+    prompt_mask = batch["attention_mask"][:, : batch["prompts"].shape[1]]
+    response_length = response_mask.sum(-1).float()
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
+    metrics.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    metrics.update(_stats("critic/advantages", _masked_values(batch["advantages"], response_mask)))
+    metrics.update(_stats("critic/returns", _masked_values(batch["returns"], response_mask)))
+    if "values" in batch:
+        metrics.update(_stats("critic/values", _masked_values(batch["values"], response_mask)))
+    if "cost_scores" in batch:
+        metrics.update(_stats("critic/cost", batch["cost_scores"]))
+    metrics.update(_stats("response_length", response_length))
+    metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
+    metrics.update(_stats("prompt_length", prompt_mask.sum(-1).float()))
+    return metrics
+
+
+def compute_throughput_metrics(batch: Batch, step_seconds: float, num_devices: int) -> dict[str, float]:
+    """Tokens (prompt + response) processed per second per device, verl's ``perf/throughput``."""
+    total_tokens = batch["attention_mask"].sum().item()
+    return {
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/throughput": total_tokens / max(step_seconds, 1e-9) / max(num_devices, 1),
+        "perf/max_memory_allocated_gb": max_memory_gb(),
+    }
+
+
+def max_memory_gb() -> float:
+    """Peak device memory on GPU; on CPU the controller process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)

@@ -1,0 +1,350 @@
+"""The controller-side RL dataflow: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF and DAPO.
+
+Runs on rank 0. Every heavy step is one call on a worker group (SPMD on its
+ranks); the light math in between (KL in reward, advantages, Lagrangian) runs
+here on CPU tensors through the pure functions of `torchrlhf.algorithms`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchrlhf import algorithms
+from torchrlhf.data import Batch
+from torchrlhf.trainer.checkpointing import CheckpointManager
+from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from torchrlhf.trainer.metrics import compute_data_metrics, compute_throughput_metrics
+from torchrlhf.trainer.prompts import PromptLoader
+from torchrlhf.utils.timer import timer
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class Roles:
+    """Controller handles of the worker groups; absent roles are None."""
+
+    actor: Any
+    ref: Any = None
+    critic: Any = None
+    reward_model: Any = None
+    cost_model: Any = None
+
+
+class RLTrainer:
+    """Drives the roles through the RL dataflow, step by step.
+
+    Args:
+        roles: worker-group handles (see `Roles`).
+        reward_fn: scores a generation Batch; returns (token_level_scores [B, R], metrics).
+        train_prompts / val_prompts: prompt loaders yielding Batches of prompts.
+        logger: metric logger with ``log(metrics, step)`` and ``log_samples(rows, step)``.
+        num_devices: ranks in the job, for per-device throughput.
+    """
+
+    def __init__(
+        self,
+        *,
+        algorithm: AlgorithmConfig,
+        rollout: RolloutConfig,
+        trainer: TrainerConfig,
+        roles: Roles,
+        reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]],
+        train_prompts: PromptLoader,
+        val_prompts: PromptLoader | None,
+        logger: Any,
+        num_devices: int,
+    ) -> None:
+        self.algo = algorithm
+        self.rollout = rollout
+        self.cfg = trainer
+        self.roles = roles
+        self.reward_fn = reward_fn
+        self.train_prompts = train_prompts
+        self.val_prompts = val_prompts
+        self.logger = logger
+        self.num_devices = num_devices
+        self.global_step = 0
+        torch.manual_seed(trainer.seed)  # draws the per-prompt sampling seeds; saved with checkpoints
+        self.kl_ctrl = _make_kl_controller(algorithm)
+        self.lagrange = (
+            algorithms.LagrangeMultiplier(
+                init=algorithm.lagrangian_init,
+                lr=algorithm.lagrangian_lr,
+                threshold=algorithm.cost_threshold,
+                max_value=algorithm.lagrangian_max,
+            )
+            if roles.cost_model is not None
+            else None
+        )
+        self.checkpoints = CheckpointManager(trainer.output_dir, keep_last=trainer.keep_last_checkpoints)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
+        self._maybe_resume()
+        if self.val_prompts is not None and self.cfg.val_before_train and self.global_step == 0:
+            self.logger.log(self.validate(), step=0)
+        metrics: dict[str, float] = {}
+        while self.global_step < self.cfg.total_steps:
+            self.global_step += 1
+            metrics = self.train_step()
+            last = self.global_step == self.cfg.total_steps
+            if self.val_prompts is not None and self.cfg.test_freq > 0 and (
+                self.global_step % self.cfg.test_freq == 0 or last
+            ):
+                metrics.update(self.validate())
+            if self.cfg.save_freq > 0 and (self.global_step % self.cfg.save_freq == 0 or last):
+                with timer("save_checkpoint", metrics):
+                    self.save_checkpoint()
+            self.logger.log(metrics, step=self.global_step)
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = self._collect_rollouts(metrics)
+        roles, algo = self.roles, self.algo
+
+        with timer("old_log_prob", metrics):
+            batch.meta["calculate_entropy"] = True
+            batch = batch.union(roles.actor.compute_log_prob(batch))
+        if "entropys" in batch:
+            metrics["actor/entropy"] = _masked_mean(batch.pop("entropys"), batch["response_mask"])
+        if roles.ref is not None:
+            with timer("ref", metrics):
+                batch = batch.union(roles.ref.compute_ref_log_prob(batch))
+        if roles.critic is not None:
+            with timer("values", metrics):
+                batch = batch.union(roles.critic.compute_values(batch))
+
+        with timer("adv", metrics):
+            if algo.use_kl_in_reward:
+                rewards, kl_metrics = algorithms.apply_kl_penalty(
+                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                    batch["response_mask"], self.kl_ctrl, kind=algo.kl_penalty,
+                )
+                metrics.update(kl_metrics)
+                self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=len(batch))
+            else:
+                rewards = batch["token_level_scores"]
+            batch["token_level_rewards"] = rewards
+            advantages, returns = self._advantages(batch, rewards)
+            if self.lagrange is not None:
+                advantages = self._apply_safe_rlhf(batch, advantages, metrics)
+            batch["advantages"], batch["returns"] = advantages, returns
+
+        if roles.critic is not None:
+            with timer("update_critic", metrics):
+                metrics.update(roles.critic.update(batch))
+        if self.global_step > self.cfg.critic_warmup:
+            with timer("update_actor", metrics):
+                metrics.update(roles.actor.update(batch))
+
+        step_seconds = time.perf_counter() - start
+        metrics["timing_s/step"] = step_seconds
+        metrics["training/global_step"] = float(self.global_step)
+        metrics.update(compute_data_metrics(batch, self.rollout.max_tokens))
+        metrics.update(compute_throughput_metrics(batch, step_seconds, self.num_devices))
+        if algo.use_kl_in_reward:
+            metrics["actor/kl_coef"] = self.kl_ctrl.value
+        return metrics
+
+    def close(self) -> None:
+        """Flush the loggers and stop the reward worker processes."""
+        self.logger.close()
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
+
+    # ------------------------------------------------------------------ rollout
+    def _collect_rollouts(self, metrics: dict[str, float]) -> Batch:
+        """Generate and score; with DAPO's dynamic sampling, keep drawing until enough informative groups."""
+        want_groups = self.train_prompts.batch_size
+        kept: list[Batch] = []
+        num_groups = num_gen_batches = dropped = 0
+        while num_groups < want_groups:
+            num_gen_batches += 1
+            if num_gen_batches > max(1, self.algo.max_num_gen_batches):
+                raise RuntimeError(
+                    f"dynamic sampling: only {num_groups} of {want_groups} prompt groups had non-constant rewards "
+                    f"after {num_gen_batches - 1} generation batches (algorithm.max_num_gen_batches); "
+                    "the data may be too hard or too easy for the model"
+                )
+            with timer("gen", metrics, accumulate=True):
+                gen = self._generate(self.train_prompts.next_batch(), self.rollout.sampling_params())
+            with timer("reward", metrics, accumulate=True):
+                gen = self._score(gen, metrics)
+            if self.rollout.n > 1 and self.algo.adv_estimator == "remax":
+                raise ValueError("remax uses one sample per prompt plus a greedy baseline: set rollout.n=1")
+            if self.algo.adv_estimator == "remax":
+                with timer("gen_baseline", metrics, accumulate=True):
+                    gen["reward_baselines"] = self._greedy_baseline(gen)
+            if not self.algo.filter_groups:
+                return gen
+            keep, n_dropped = algorithms.filter_groups(gen["uid"], gen["token_level_scores"].sum(-1))
+            dropped += n_dropped
+            gen = gen[keep]
+            kept.append(gen)
+            num_groups += len(set(gen["uid"]))
+        metrics["train/num_gen_batches"] = float(num_gen_batches)
+        metrics["train/dropped_groups"] = float(dropped)
+        batch = Batch.concat(kept)
+        return batch[: want_groups * self.rollout.n]
+
+    def _generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
+        # Fresh per-prompt seeds from the controller's RNG: reproducible, resumable, different every step.
+        prompts["seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
+        prompts.meta["sampling"] = sampling
+        gen = self.roles.actor.generate(prompts)
+        gen.meta["temperature"] = sampling["temperature"] or 1.0
+        return gen
+
+    def _greedy_baseline(self, gen: Batch) -> torch.Tensor:
+        """ReMax: reward of the greedy response to the same prompt (one per sample)."""
+        prompts = Batch(
+            {"input_ids": gen["prompts"], "attention_mask": gen["attention_mask"][:, : gen["prompts"].shape[1]]},
+            {k: gen[k] for k in ("uid", "raw_prompt", "ground_truth", "data_source") if k in gen},
+        )
+        greedy = self._generate(prompts, {**self.rollout.sampling_params(), "n": 1, "temperature": 0.0})
+        scores, _ = self.reward_fn(greedy)
+        if self.roles.reward_model is not None:
+            scores = scores.sum(-1) + self.roles.reward_model.compute_scores(greedy)["rm_scores"]
+            return scores
+        return scores.sum(-1)
+
+    def _score(self, gen: Batch, metrics: dict[str, float]) -> Batch:
+        scores, reward_metrics = self.reward_fn(gen)
+        metrics.update(reward_metrics)
+        if self.roles.reward_model is not None:
+            rm = self.roles.reward_model.compute_scores(gen)["rm_scores"]
+            scores = scores + _at_last_token(rm, gen["response_mask"])
+        if self.roles.cost_model is not None:
+            gen["cost_scores"] = self.roles.cost_model.compute_scores(gen)["cost_scores"]
+        if self.algo.overlong_buffer_len > 0:
+            penalty = algorithms.overlong_penalty(
+                gen["response_mask"].sum(-1),
+                max_response_length=self.rollout.max_tokens,
+                overlong_buffer_len=self.algo.overlong_buffer_len,
+                penalty_factor=self.algo.overlong_penalty_factor,
+            )
+            metrics["reward/overlong_penalty_mean"] = penalty.float().mean().item()
+            scores = scores + _at_last_token(penalty, gen["response_mask"])
+        gen["token_level_scores"] = scores
+        return gen
+
+    # ------------------------------------------------------------------ advantages
+    def _advantages(self, batch: Batch, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        algo = self.algo
+        return algorithms.compute_advantage(
+            algo.adv_estimator,
+            rewards,
+            batch["response_mask"],
+            values=batch.get("values"),
+            index=batch["uid"],
+            reward_baselines=batch.get("reward_baselines"),
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std,
+        )
+
+    def _apply_safe_rlhf(self, batch: Batch, reward_adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """Safe-RLHF: advantage of the Lagrangian, then the multiplier's dual ascent step."""
+        costs = batch["cost_scores"]
+        token_costs = _at_last_token(costs, batch["response_mask"])
+        cost_adv, _ = algorithms.compute_advantage(
+            self.algo.adv_estimator,  # critic-free estimators only (checked by the config schema)
+            token_costs,
+            batch["response_mask"],
+            index=batch["uid"],
+            gamma=self.algo.gamma,
+            norm_adv_by_std=self.algo.norm_adv_by_std,
+        )
+        lam = self.lagrange.value
+        combined = algorithms.combine_safe_advantages(reward_adv, cost_adv, lam)
+        self.lagrange.update(costs.float().mean().item())
+        metrics["safe_rlhf/lambda"] = float(lam)
+        metrics["safe_rlhf/cost_mean"] = costs.float().mean().item()
+        return combined
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy (or configured) generation on the validation set; accuracy per data source."""
+        assert self.val_prompts is not None
+        sampling = self.rollout.val_sampling_params()
+        per_source: dict[str, list[float]] = {}
+        samples: list[dict[str, Any]] = []
+        for prompts in self.val_prompts.epoch():
+            gen = self._generate(prompts, sampling)
+            scores, _ = self.reward_fn(gen)
+            seq_scores = scores.sum(-1).tolist()
+            for source, score in zip(gen["data_source"], seq_scores):
+                per_source.setdefault(source, []).append(score)
+            if len(samples) < self.cfg.log_val_generations:
+                texts = self.train_prompts.decode(gen["responses"], gen["response_mask"])
+                for prompt, text, score in zip(gen["raw_prompt"], texts, seq_scores):
+                    samples.append({"prompt": str(prompt), "response": text, "score": score})
+        self.logger.log_samples(samples[: self.cfg.log_val_generations], step=self.global_step)
+        return {f"val/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        def save_roles(path: str) -> None:
+            self.roles.actor.save_checkpoint(f"{path}/actor")
+            if self.roles.critic is not None:
+                self.roles.critic.save_checkpoint(f"{path}/critic")
+
+        return self.checkpoints.save(self.global_step, save_roles, self.controller_state())
+
+    def controller_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "global_step": self.global_step,
+            "sampler": self.train_prompts.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        if self.lagrange is not None:
+            state["lagrange"] = self.lagrange.state_dict()
+        return state
+
+    def _maybe_resume(self) -> None:
+        path = self.checkpoints.resolve(self.cfg.resume)
+        if path is None:
+            return
+        state = self.checkpoints.load_controller_state(path)
+        self.roles.actor.load_checkpoint(f"{path}/actor")
+        if self.roles.critic is not None:
+            self.roles.critic.load_checkpoint(f"{path}/critic")
+        self.global_step = state["global_step"]
+        self.train_prompts.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        torch.set_rng_state(state["rng"])
+        if self.lagrange is not None:
+            self.lagrange.load_state_dict(state["lagrange"])
+        log.info("resumed from %s at step %d", path, self.global_step)
+
+
+def _make_kl_controller(algo: AlgorithmConfig):
+    if algo.kl_ctrl_type == "adaptive":
+        return algorithms.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+    return algorithms.FixedKLController(algo.kl_coef)
+
+
+def _at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place a per-sequence value at the last valid response token of a [B, R] tensor."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    out[torch.arange(len(out)), last] = values.float()
+    return out
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+__all__ = ["RLTrainer", "Roles"]

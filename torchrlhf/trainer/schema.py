@@ -1,0 +1,150 @@
+"""The whole recipe config as one schema, plus the checks that span sections.
+
+Worker sections (``actor``, ``critic``, ``reward_model``, ``cost_model``) and ``reward`` are generated
+from the constructors they configure, so a config key is always a constructor argument. Keys the
+recipe derives from other sections (``rollout_n``, ``total_steps``, ...) are excluded and read as
+unknown keys if set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torchrlhf import algorithms
+from torchrlhf.config import ConfigError, schema_from_signature, validate
+from torchrlhf.rewards import RewardManager
+from torchrlhf.trainer.config import (
+    AlgorithmConfig,
+    DataConfig,
+    PlacementConfig,
+    RefConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
+
+ActorSection = schema_from_signature(ActorWorker, name="ActorSection", exclude=("rollout_n", "total_steps", "freeze"))
+CriticSection = schema_from_signature(CriticWorker, name="CriticSection", exclude=("rollout_n", "total_steps"))
+RewardModelSection = schema_from_signature(RewardModelWorker, name="RewardModelSection", exclude=("output_key",))
+RewardSection = schema_from_signature(RewardManager, name="RewardSection", exclude=("tokenizer",))
+
+
+@dataclass
+class RecipeConfig:
+    data: DataConfig
+    actor: ActorSection  # type: ignore[valid-type]
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    reward: RewardSection  # type: ignore[valid-type]
+    ref: RefConfig
+    placement: PlacementConfig
+    critic: CriticSection | None = None  # type: ignore[valid-type]
+    reward_model: RewardModelSection | None = None  # type: ignore[valid-type]
+    cost_model: RewardModelSection | None = None  # type: ignore[valid-type]
+    model_path: str | None = None  # a shared default the sections interpolate (``${model_path}``)
+    tokenizer_path: str | None = None  # default: the actor's model_path
+
+
+def needs_reference(cfg: RecipeConfig) -> bool:
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+
+
+def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
+    """Ranks of every configured role (the reference always sits with the actor)."""
+    p = cfg.placement
+    actor = list(p.actor) if p.actor is not None else list(range(world_size))
+    ranks = {"actor": actor}
+    if needs_reference(cfg):
+        ranks["ref"] = actor
+    for role in ("critic", "reward_model", "cost_model"):
+        if getattr(cfg, role) is not None:
+            chosen = getattr(p, role)
+            ranks[role] = list(chosen) if chosen is not None else actor
+    return ranks
+
+
+def check(cfg: RecipeConfig, world_size: int) -> None:
+    """Cross-section consistency; raises `ConfigError` listing every problem with its keys."""
+    errors: list[str] = []
+    algo, rollout, actor, data = cfg.algorithm, cfg.rollout, cfg.actor, cfg.data
+    if algo.adv_estimator not in algorithms.ADV_ESTIMATORS:
+        errors.append(f"algorithm.adv_estimator: unknown {algo.adv_estimator!r}; valid: {sorted(algorithms.ADV_ESTIMATORS)}")
+    if actor.policy_loss not in algorithms.POLICY_LOSSES:
+        errors.append(f"actor.policy_loss: unknown {actor.policy_loss!r}; valid: {sorted(algorithms.POLICY_LOSSES)}")
+    if algo.adv_estimator == "gae" and cfg.critic is None:
+        errors.append("algorithm.adv_estimator=gae (PPO) needs a critic section")
+    if algo.adv_estimator != "gae" and cfg.critic is not None:
+        errors.append(f"a critic is configured but algorithm.adv_estimator={algo.adv_estimator} does not use values; "
+                      "remove the critic section (critic=null) or use gae")
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={algo.adv_estimator} compares responses of one prompt: "
+                      f"rollout.n must be >= 2, got {rollout.n}")
+    if algo.adv_estimator == "remax" and rollout.n != 1:
+        errors.append("algorithm.adv_estimator=remax samples one response plus a greedy baseline: set rollout.n=1")
+    if algo.filter_groups and algo.adv_estimator not in GROUP_ESTIMATORS:
+        errors.append("algorithm.filter_groups (DAPO dynamic sampling) needs a group estimator "
+                      f"({sorted(GROUP_ESTIMATORS)})")
+    if cfg.cost_model is not None and algo.adv_estimator == "gae":
+        errors.append("Safe-RLHF (cost_model) is supported with critic-free estimators only (e.g. grpo, "
+                      "reinforce_pp): the cost has no value head here")
+    if algo.use_kl_in_reward and actor.use_kl_loss:
+        errors.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both on: choose one KL term")
+    if data.max_prompt_length + rollout.max_tokens > actor.generation_max_seq_len:
+        errors.append(f"data.max_prompt_length ({data.max_prompt_length}) + rollout.max_tokens ({rollout.max_tokens}) "
+                      f"exceeds actor.generation_max_seq_len ({actor.generation_max_seq_len})")
+    if not data.train_files:
+        errors.append("data.train_files is empty")
+    for key in ("train_files", "val_files"):
+        missing = [f for f in getattr(data, key) if not os.path.isfile(f)]
+        if missing:
+            errors.append(f"data.{key}: no such file(s) {missing} (relative paths are from {os.getcwd()})")
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
+            errors.append(f"{role}.loss_agg_mode: unknown {section.loss_agg_mode!r}; valid: {list(algorithms.AGG_MODES)}")
+    if cfg.trainer.test_freq > 0 and not data.val_files:
+        errors.append("trainer.test_freq > 0 needs data.val_files")
+    for role, ranks in role_ranks(cfg, world_size).items():
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad or len(set(ranks)) != len(ranks) or not ranks:
+            errors.append(f"placement.{role}: ranks {ranks} must be distinct and in [0, {world_size}) "
+                          f"(the job has {world_size} ranks)")
+    if not errors:
+        ranks = role_ranks(cfg, world_size)
+        errors += _batch_size_errors(cfg, ranks)
+    if errors:
+        raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+    from torchrlhf.workers import validate_batch_sizes
+
+    errors = []
+    sections = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic is not None else [])
+    for role, sec in sections:
+        if len(ranks[role]) % sec.tp_size:
+            errors.append(f"{role}.tp_size={sec.tp_size} must divide the role's {len(ranks[role])} ranks")
+            continue
+        try:
+            validate_batch_sizes(
+                ppo_mini_batch_size=sec.ppo_mini_batch_size, rollout_n=cfg.rollout.n,
+                dp_size=len(ranks[role]) // sec.tp_size,
+                ppo_micro_batch_size_per_device=sec.ppo_micro_batch_size_per_device,
+                train_batch_size=cfg.data.train_batch_size, use_dynamic_bsz=sec.use_dynamic_bsz,
+                max_tokens_per_micro_batch=sec.max_tokens_per_micro_batch, role=role,
+            )
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def load_recipe_config(cfg: Any, world_size: int) -> RecipeConfig:
+    """Validate a loaded (OmegaConf) config against `RecipeConfig` and the cross-section checks."""
+    recipe = validate(cfg, RecipeConfig)
+    check(recipe, world_size)
+    return recipe

@@ -1,0 +1,272 @@
+"""The policy role: log-probs of responses, PPO-family updates; frozen, it serves as the reference policy.
+
+The reference policy is a separate `ActorWorker(freeze=True)` (no optimizer)
+rather than a second copy inside the actor: the runtime colocates roles on the
+same ranks, so one class covers both and a frozen worker never holds optimizer
+state. A trainable actor also owns a generation engine (the hybrid engine): its
+rollouts use the current training weights, resharded into the engine's layout.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchrlhf import hybrid
+from torchrlhf.algorithms import (
+    agg_loss,
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_from_logits,
+)
+from torchrlhf.data import Batch
+from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.models import load_causal_lm
+from torchrlhf.runtime.worker import Dispatch, register
+from torchrlhf.workers.base import FSDPWorker, resolve_dtype
+from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
+
+# batch.meta key asking compute_log_prob to also return per-token entropy ("entropys").
+CALCULATE_ENTROPY = "calculate_entropy"
+
+
+class ActorWorker(FSDPWorker):
+    """FSDP2 (× TP) policy. Arguments mirror the ``actor`` config section (flat keys).
+
+    Batch sizes are global and counted in prompts: a mini-batch is
+    ``ppo_mini_batch_size * rollout_n`` responses split over the data-parallel
+    ranks; micro-batches (``ppo_micro_batch_size_per_device`` samples, or token
+    budgets with ``use_dynamic_bsz``) only change speed, never the result.
+    ``total_steps``/``warmup_steps`` count `update` calls (training iterations).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        lr: float = 1e-6,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        lr_scheduler: str = "constant",
+        min_lr_ratio: float = 0.0,
+        grad_clip: float = 1.0,
+        ppo_mini_batch_size: int = 1,
+        rollout_n: int = 1,
+        ppo_micro_batch_size_per_device: int = 1,
+        log_prob_micro_batch_size_per_device: int | None = None,
+        ppo_epochs: int = 1,
+        policy_loss: str = "ppo",
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        clip_ratio_c: float = 3.0,
+        loss_agg_mode: str = "token-mean",
+        entropy_coeff: float = 0.0,
+        use_kl_loss: bool = False,
+        kl_loss_coef: float = 0.001,
+        kl_loss_type: str = "k3",
+        use_dynamic_bsz: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
+        tp_size: int = 1,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        freeze: bool = False,
+        generation_tp_size: int = 1,
+        generation_max_batch_size: int = 64,
+        generation_max_seq_len: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(tp_size=tp_size, seed=seed)
+        if not freeze:
+            validate_batch_sizes(
+                ppo_mini_batch_size=ppo_mini_batch_size, rollout_n=rollout_n, dp_size=self.dp_size,
+                ppo_micro_batch_size_per_device=ppo_micro_batch_size_per_device, use_dynamic_bsz=use_dynamic_bsz,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch, role="actor",
+            )
+        if ppo_epochs <= 0:
+            raise ValueError(f"actor.ppo_epochs must be positive, got {ppo_epochs}")
+        self.freeze = freeze
+        self.grad_clip = grad_clip
+        self.ppo_mini_batch_size = ppo_mini_batch_size
+        self.rollout_n = rollout_n
+        self.micro_batch_size = ppo_micro_batch_size_per_device
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size_per_device or ppo_micro_batch_size_per_device
+        self.ppo_epochs = ppo_epochs
+        self.policy_loss = policy_loss
+        self.clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_c": clip_ratio_c}
+        self.loss_agg_mode = loss_agg_mode
+        self.entropy_coeff = entropy_coeff
+        self.use_kl_loss = use_kl_loss
+        self.kl_loss_coef = kl_loss_coef
+        self.kl_loss_type = kl_loss_type
+        self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
+
+        dtype_ = resolve_dtype(dtype)
+        model = load_causal_lm(model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        if freeze:
+            model.requires_grad_(False)
+        self.model = self._shard(model, dtype_, activation_checkpointing and not freeze, cpu_offload)
+        if not freeze:
+            self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
+                                 total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
+        # The rollout engine is built on the first `generate` (roles that never generate never pay for it).
+        self._engine_args = (model_path, dtype_, generation_tp_size, generation_max_batch_size, generation_max_seq_len)
+        self.engine: NativeEngine | None = None
+
+    def _build_engine(self, model_path: str, dtype: torch.dtype, tp_size: int, max_batch_size: int,
+                      max_seq_len: int) -> NativeEngine:
+        """The rollout engine: its own (TP-sharded) weights, released between rollouts, refilled from training."""
+        tp_mesh = None
+        if tp_size > 1:
+            train_mesh = hybrid.training_mesh(self.model)
+            if train_mesh is None:
+                raise ValueError(f"generation_tp_size={tp_size} needs torch.distributed (run under torchrun)")
+            tp_mesh = hybrid.generation_mesh(train_mesh, tp_size)["tp"]
+        engine = NativeEngine(model_path, max_batch_size=max_batch_size,
+                              max_seq_len=max_seq_len, device=self.device, dtype=dtype, tp_mesh=tp_mesh)
+        engine.release()  # the weights arrive from training at each rollout
+        return engine
+
+    # ------------------------------------------------------------------ rollout
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def generate(self, prompts: Batch) -> Batch:
+        """Rollouts with the current weights; sampling from ``prompts.meta["sampling"]`` (`SamplingParams` fields).
+
+        Returns the engine's columns (``responses``, ``input_ids``, ``response_mask``, ...), ``n`` rows per
+        prompt, with the other prompt columns repeated.
+        """
+        if self.freeze:
+            raise RuntimeError("a frozen ActorWorker (reference) does not generate")
+        if self.engine is None:
+            self.engine = self._build_engine(*self._engine_args)
+        sampling = SamplingParams(**prompts.meta.get("sampling", {}))
+        return hybrid.generate_with_current_weights(self.model, self.engine, prompts, sampling,
+                                                    optimizer=self.optimizer)
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, mb: Batch, temperature: float, with_entropy: bool):
+        """Log-probs ``[b, R]`` (and entropy) of the response tokens at ``temperature``.
+
+        The model runs on the micro-batch trimmed of all-padding columns; outputs are
+        zero-padded back to the full response width so losses see the usual shapes.
+        """
+        width = mb["responses"].shape[1]
+        inp = trimmed_inputs(mb, width)
+        out = self.model(
+            input_ids=inp.input_ids,
+            attention_mask=inp.attention_mask,
+            position_ids=inp.position_ids,
+            use_cache=False,
+            logits_to_keep=inp.response_len + 1,
+        )
+        logits = out.logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        logits = logits[:, :-1].float() / temperature
+        log_probs = log_probs_from_logits(logits, mb["responses"][:, : inp.response_len])
+        entropy = pad_response_columns(entropy_from_logits(logits), width) if with_entropy else None
+        return pad_response_columns(log_probs, width), entropy
+
+    def _log_probs(self, batch: Batch, key: str, with_entropy: bool) -> Batch:
+        temperature = float(batch.meta.get("temperature", 1.0))
+
+        def fn(mb: Batch) -> dict[str, torch.Tensor]:
+            lp, ent = self._forward(mb, temperature, with_entropy)
+            return {key: lp} if ent is None else {key: lp, "entropys": ent}
+
+        self.model.eval()
+        outs = self.map_micro_batches(batch, fn, micro_batch_size=self.log_prob_micro_batch_size,
+                                      max_tokens=self.max_tokens)
+        return Batch(outs, meta=batch.meta)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """``old_log_probs [B,R]`` (+ ``entropys`` when ``batch.meta["calculate_entropy"]``) at meta["temperature"]."""
+        return self._log_probs(batch, "old_log_probs", bool(batch.meta.get(CALCULATE_ENTROPY, False)))
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """``ref_log_prob [B,R]`` from the frozen reference weights."""
+        if not self.freeze:
+            raise RuntimeError("compute_ref_log_prob is served by a frozen ActorWorker (freeze=True), the reference role")
+        return self._log_probs(batch, "ref_log_prob", False)
+
+    # ------------------------------------------------------------------ update
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs × mini-batches (one optimizer step each) × micro-batches (gradient accumulation).
+
+        Each micro-batch loss is normalised by the whole mini-batch's global token
+        (or sequence) count, so the accumulated gradient is the mini-batch gradient
+        whatever the micro-batching and data-parallel split. FSDP averages gradients
+        over data-parallel ranks, so the backward loss is scaled by ``dp_size``.
+        """
+        if self.freeze:
+            raise RuntimeError("a frozen ActorWorker (reference) cannot be updated")
+        num_mini = self.check_local_batch(batch, ppo_mini_batch_size=self.ppo_mini_batch_size,
+                                          rollout_n=self.rollout_n, role="actor")
+        needed = ["responses", "input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
+        needed += ["ref_log_prob"] if self.use_kl_loss else []
+        missing = [k for k in needed if k not in batch]
+        if missing:
+            raise KeyError(f"actor.update: batch lacks columns {missing}; it has {batch.keys()}")
+        temperature = float(batch.meta.get("temperature", 1.0))
+        lr = self.current_lr
+        self.model.train()
+        sums: dict[str, list[float]] = defaultdict(list)
+        skipped = 0
+        for _ in range(self.ppo_epochs):
+            for mini in self.mini_batches(batch, num_mini):
+                stats = self._train_mini_batch(mini, temperature)
+                grad_norm, skip = self.optimizer_step(self.grad_clip)
+                skipped += int(skip)
+                if not skip:
+                    stats["actor/grad_norm"] = grad_norm
+                for k, v in stats.items():
+                    sums[k].append(v)
+        self.lr_scheduler.step()
+        metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+        metrics["actor/lr"] = lr
+        metrics["actor/grad_norm_nonfinite"] = float(skipped > 0)
+        metrics["actor/skipped_steps"] = float(skipped)
+        return metrics
+
+    def _train_mini_batch(self, mini: Batch, temperature: float) -> dict[str, float]:
+        """Accumulate one mini-batch's gradient; returns its globally-reduced loss metrics."""
+        mini_mask = mini["response_mask"]
+        tokens, seqs = self.dp_sum([float(mini_mask.sum()), float((mini_mask.sum(-1) > 0).sum())])
+        normalizer = tokens if self.loss_agg_mode == "token-mean" else seqs
+        local: dict[str, float] = defaultdict(float)
+        for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens):
+            log_prob, entropy = self._forward(mb, temperature, with_entropy=True)
+            mask = mb["response_mask"].to(log_prob.dtype)
+            pg_loss, pg_metrics = compute_policy_loss(
+                self.policy_loss, mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                loss_agg_mode=self.loss_agg_mode, normalizer=normalizer, **self.clip,
+            )
+            ent_loss = agg_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
+            loss = pg_loss - self.entropy_coeff * ent_loss
+            if self.use_kl_loss:
+                kl = kl_penalty(log_prob, mb["ref_log_prob"], self.kl_loss_type)
+                kl_loss = agg_loss(kl, mask, self.loss_agg_mode, normalizer=normalizer)
+                loss = loss + self.kl_loss_coef * kl_loss
+            weight = 0.0 if index is None else 1.0  # filler micro-batches only keep collectives in step
+            (loss * (weight * self.dp_size)).backward()
+            if index is None:
+                continue
+            share = float(mask.sum()) / max(tokens, 1.0)  # token-weighted mean of per-micro-batch ratios
+            local["actor/pg_loss"] += float(pg_loss.detach())
+            local["actor/entropy"] += float(ent_loss.detach())
+            for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                local[f"actor/{name}"] += float(pg_metrics[name]) * share
+            if self.use_kl_loss:
+                local["actor/kl_loss"] += float(kl_loss.detach())
+        keys = ["actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"]
+        keys += ["actor/kl_loss"] if self.use_kl_loss else []
+        return dict(zip(keys, self.dp_sum([local[k] for k in keys])))
