@@ -64,7 +64,9 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
         cmd = [sys.executable, str(RECIPE)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RECIPE)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # tests/trainer on the path of every rank: custom_components.py is imported by ``_component_`` tests.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     return subprocess.run([*cmd, "--config", str(config), *overrides], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 

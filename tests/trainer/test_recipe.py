@@ -50,7 +50,12 @@ def test_ppo_with_critic_learns(tiny_model_dir, tmp_path):
 
 # Each algorithm's own branch of the dataflow, two steps each; the keys prove the branch ran.
 ALGORITHMS = {
-    "rloo": ({"algorithm": {"adv_estimator": "rloo"}}, []),
+    # ... and user subclasses named by ``_component_`` (tests/trainer/custom_components.py) are what runs.
+    "rloo_custom_components": ({"algorithm": {"adv_estimator": "rloo"},
+                                "actor": {"_component_": "custom_components.MarkedActor", "marker": 7.0},
+                                "reward": {"_component_": "custom_components.ShiftedRewardManager",
+                                           "score_shift": 10.0}},
+                               ["actor/marker"]),
     "reinforce_pp_baseline": ({"algorithm": {"adv_estimator": "reinforce_pp_baseline"}}, []),
     "remax": ({"algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1},
                "actor": {"ppo_micro_batch_size_per_device": 4}}, ["timing_s/gen_baseline"]),
@@ -84,6 +89,8 @@ def test_algorithm_runs(tiny_model_dir, tmp_path, name):
         for key in ["actor/pg_loss", "actor/grad_norm", "critic/advantages/mean", *keys]:
             assert key in m, f"{name}: {key} missing from {sorted(m)}"
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    if name == "rloo_custom_components":
+        assert all(m["actor/marker"] == 7.0 and m["critic/score/mean"] >= 10.0 for m in metrics), metrics
     if name == "safe_rlhf":  # cost above the threshold 0 pushes lambda up; below it, down
         assert metrics[1]["safe_rlhf/lambda"] != metrics[0]["safe_rlhf/lambda"]
 

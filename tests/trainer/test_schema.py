@@ -13,7 +13,7 @@ from torchrlhf.config import ConfigError, load_config
 from torchrlhf.trainer.schema import load_recipe_config, role_ranks
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
-WORLD = {"grpo_qwen2p5_7b_8gpu.yaml": 8}
+WORLD = {"grpo_qwen2p5_7b_8gpu.yaml": 8, "ppo_qwen2p5_0p5b_8gpu.yaml": 8}
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,27 @@ def test_cli_bad_key_exits_2_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert "algorithm.kl_coeff: unknown key (did you mean 'kl_coef'?)" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_component_sections_take_the_subclass_arguments(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    cfg = _check(tmp_path, actor={"_component_": "custom_components.MarkedActor", "marker": 2.0},
+                 reward={"_component_": "custom_components.ShiftedRewardManager", "score_shift": 1.5, "timeout_s": 3.0})
+    assert cfg.actor.marker == 2.0 and cfg.actor._component_ == "custom_components.MarkedActor"
+    assert cfg.reward.score_shift == 1.5 and cfg.reward.timeout_s == 3.0  # the base class's arguments too
+    assert _check(tmp_path).actor._component_ == "torchrlhf.workers.actor.ActorWorker"  # the default
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"actor": {"marker": 2.0}}, "actor.marker: unknown key"),  # only the subclass takes it
+    ({"actor": {"_component_": "custom_components.MarkedActor", "markr": 2.0}},
+     "actor.markr: unknown key (did you mean 'marker'?)"),
+    ({"actor": {"_component_": "custom_components.NotAWorker"}},
+     "actor._component_: 'custom_components.NotAWorker' must be a subclass of torchrlhf.workers.actor.ActorWorker"),
+    ({"reward": {"_component_": "custom_components.NoSuchManager"}}, "reward._component_: cannot import component"),
+])
+def test_bad_component_is_refused(tmp_path, monkeypatch, sections, message):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, **sections)
+    assert message in str(e.value), str(e.value)

