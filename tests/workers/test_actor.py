@@ -88,6 +88,25 @@ def test_gradient_matches_hand_derived_ppo_loss(model_dir, micro_kw):
         torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_on_policy_update_without_old_log_probs_is_the_policy_gradient(model_dir):
+    """No old log-probs (one optimizer step per rollout): ratio 1, gradient of -mean(A * log pi) by hand."""
+    batch = rollout_batch(6, temperature=0.8, seed=4)
+    batch.pop("old_log_probs")
+    model, lp, _ = hf_log_probs(model_dir, batch, 0.8)
+    mask = batch["response_mask"].float()
+    (-(batch["advantages"] * lp * mask).sum() / mask.sum()).backward()
+
+    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3)
+    stats = actor._train_mini_batch(batch, temperature=0.8)
+    assert stats["actor/ppo_kl"] == 0.0 and stats["actor/pg_clipfrac"] == 0.0
+    ref_grads = dict(model.named_parameters())
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+    # Two mini-batches (or epochs) see a moved policy: then old log-probs are required.
+    with pytest.raises(KeyError, match="old_log_probs"):
+        ActorWorker(model_dir, ppo_mini_batch_size=3, rollout_n=1).update(batch)
+
+
 def _train(actor: ActorWorker, batch, steps: int = 2) -> list[dict[str, float]]:
     shard = batch.chunk(actor.dp_size)[actor.dp_rank]
     return [actor.update(shard) for _ in range(steps)]

@@ -116,6 +116,25 @@ def _bind_to_master_interface(master_addr: str) -> None:
 
 
 # ---------------------------------------------------------------------- init / shutdown
+def _limit_malloc_arenas(limit: int = 1) -> None:
+    """Cap glibc's malloc arenas (unless the user set ``MALLOC_ARENA_MAX``).
+
+    RPC runs each call on one of a pool of threads, and glibc gives threads their own arenas:
+    memory a step freed in one arena is not reused by the next step's thread, so a rank's RSS grew
+    by ~1 GB per step on SmolLM2 (3.5 -> 7.3 GB in 4 steps; 3.65 GB flat with one arena, and faster).
+    """
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): nothing to tune
+        return
+    M_ARENA_MAX = -8
+    libc.mallopt(M_ARENA_MAX, limit)
+
+
 def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 16) -> int:
     """Initialise the default process group and RPC on this rank; returns the global rank.
 
@@ -124,6 +143,7 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
     """
     if _state["initialized"]:
         return dist.get_rank()
+    _limit_malloc_arenas()  # before RPC starts its thread pool
     global _stop_code
     _stop_event.clear()
     _stop_code = 0

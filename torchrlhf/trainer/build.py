@@ -96,6 +96,11 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, Prom
     return train_loader, PromptLoader(val, data.val_batch_size, shuffle=False, drop_last=False)
 
 
+def on_policy_update(cfg: RecipeConfig) -> bool:
+    """One optimizer step per rollout (one PPO epoch, one mini-batch): old log-probs = current, detached."""
+    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+
+
 def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any] | None = None) -> RLTrainer:
     """Everything a run needs, built in dependency order (data first: a bad file fails before models load)."""
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path))
@@ -107,4 +112,4 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     roles = build_roles(cfg, world_size)
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
                      reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts, logger=logger,
-                     num_devices=world_size)
+                     num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg))

@@ -45,6 +45,9 @@ class RLTrainer:
         train_prompts / val_prompts: prompt loaders yielding Batches of prompts.
         logger: metric logger with ``log(metrics, step)`` and ``log_samples(rows, step)``.
         num_devices: ranks in the job, for per-device throughput.
+        recompute_old_log_prob: run the actor's extra forward for old log-probs. `build_trainer` turns it
+            off when one optimizer step consumes the whole rollout (one PPO epoch, one mini-batch) and no
+            KL-in-reward needs them: the update then uses its own log-probs, detached, which is exact.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class RLTrainer:
         val_prompts: PromptLoader | None,
         logger: Any,
         num_devices: int,
+        recompute_old_log_prob: bool = True,
     ) -> None:
         self.algo = algorithm
         self.rollout = rollout
@@ -69,6 +73,7 @@ class RLTrainer:
         self.val_prompts = val_prompts
         self.logger = logger
         self.num_devices = num_devices
+        self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward
         self.global_step = 0
         torch.manual_seed(trainer.seed)  # draws the per-prompt sampling seeds; saved with checkpoints
         self.kl_ctrl = _make_kl_controller(algorithm)
@@ -111,9 +116,10 @@ class RLTrainer:
         batch = self._collect_rollouts(metrics)
         roles, algo = self.roles, self.algo
 
-        with timer("old_log_prob", metrics):
-            batch.meta["calculate_entropy"] = True
-            batch = batch.union(roles.actor.compute_log_prob(batch))
+        if self.recompute_old_log_prob:
+            with timer("old_log_prob", metrics):
+                batch.meta["calculate_entropy"] = True
+                batch = batch.union(roles.actor.compute_log_prob(batch))
         if "entropys" in batch:
             metrics["actor/entropy"] = _masked_mean(batch.pop("entropys"), batch["response_mask"])
         if roles.ref is not None:

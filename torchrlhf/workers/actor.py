@@ -211,8 +211,13 @@ class ActorWorker(FSDPWorker):
             raise RuntimeError("a frozen ActorWorker (reference) cannot be updated")
         num_mini = self.check_local_batch(batch, ppo_mini_batch_size=self.ppo_mini_batch_size,
                                           rollout_n=self.rollout_n, role="actor")
-        needed = ["responses", "input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
+        needed = ["responses", "input_ids", "attention_mask", "response_mask", "advantages"]
         needed += ["ref_log_prob"] if self.use_kl_loss else []
+        if "old_log_probs" not in batch and (num_mini > 1 or self.ppo_epochs > 1):
+            raise KeyError(
+                f"actor.update: batch lacks 'old_log_probs', which {num_mini} mini-batches x {self.ppo_epochs} "
+                "epochs need (only a single optimizer step per rollout may use its own log-probs, detached)"
+            )
         missing = [k for k in needed if k not in batch]
         if missing:
             raise KeyError(f"actor.update: batch lacks columns {missing}; it has {batch.keys()}")
@@ -246,8 +251,11 @@ class ActorWorker(FSDPWorker):
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens):
             log_prob, entropy = self._forward(mb, temperature, with_entropy=True)
             mask = mb["response_mask"].to(log_prob.dtype)
+            # One optimizer step per rollout: the sampling policy is the one being updated, so the
+            # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
+            old_log_prob = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
             pg_loss, pg_metrics = compute_policy_loss(
-                self.policy_loss, mb["old_log_probs"], log_prob, mb["advantages"], mask,
+                self.policy_loss, old_log_prob, log_prob, mb["advantages"], mask,
                 loss_agg_mode=self.loss_agg_mode, normalizer=normalizer, **self.clip,
             )
             ent_loss = agg_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)

@@ -101,8 +101,12 @@ class FSDPWorker(Worker):
         return mesh["dp"], mesh["tp"]
 
     def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
-        """FSDP2 (× TP) when distributed, else the plain module (one process: nothing to shard)."""
-        if self.dp_mesh is None:
+        """FSDP2 (× TP) over the group's ranks; the plain module when the group is one rank.
+
+        A one-rank group has nothing to shard, and FSDP2 there only adds DTensor dispatch and
+        all-gather copies (~15-20% of a CPU update step); CPU offload still needs FSDP2.
+        """
+        if self.dp_mesh is None or (self.group_size == 1 and not cpu_offload):
             if activation_checkpointing:
                 from torchrlhf.models.parallelize import enable_activation_checkpointing
 
