@@ -2,7 +2,8 @@
 
 Same process, same prompts, greedy, fixed number of new tokens (EOS ignored so
 both sides generate exactly ``--max-new-tokens`` per sample). Prints one row per
-batch size with the ratio native / HF.
+batch size with the ratio native / HF, and both against the matmul floor (the
+tokens/s of a decode step that did nothing but its ``nn.Linear`` GEMMs).
 
     PYTHONPATH=. python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 1
 """
@@ -79,6 +80,26 @@ def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int) -> float
     return len(prompts) * new_tokens / elapsed
 
 
+def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
+    """Tokens/s if a decode step cost only its matmuls: every ``nn.Linear`` once on ``[batch, in]``.
+
+    Neither engine can beat this on the CPU with these GEMMs, so it bounds any speed-up ratio.
+    """
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features) for m in linears}
+
+    def step() -> None:
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+
+    with torch.inference_mode():
+        step()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+    return batch_size * repeats / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -99,7 +120,8 @@ def main() -> None:
     bench_native(engine, warm, 4)
     bench_hf(model, warm, 4, pad_id)
     print(f"SmolLM2-135M fp32, {args.threads} threads, {args.max_new_tokens} new tokens, greedy")
-    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6}")
+    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'matmul floor tok/s':>19} "
+          f"{'native/floor':>12} {'hf/floor':>9}")
     for bs in args.batch_sizes:
         prompts = make_prompts(tokenizer, bs)
         # Alternate the two so load from other processes on a shared machine hits both alike.
@@ -109,7 +131,9 @@ def main() -> None:
             if not args.skip_hf:
                 hf_runs.append(bench_hf(model, prompts, args.max_new_tokens, pad_id))
         native, hf = max(native_runs), max(hf_runs, default=float("nan"))
-        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f}", flush=True)
+        floor = linear_floor(model, bs)
+        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {floor:>19.1f} {native / floor:>12.2f} "
+              f"{hf / floor:>9.2f}", flush=True)
 
 
 if __name__ == "__main__":

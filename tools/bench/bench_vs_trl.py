@@ -30,14 +30,16 @@ def run_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], li
         "data.val_files=[]", f"data.train_batch_size={args.prompts}", "data.shuffle=false", f"rollout.n={args.n}",
         f"rollout.max_tokens={args.max_tokens}", "actor.use_kl_loss=false", f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.ppo_micro_batch_size_per_device={args.prompts * args.n}", "actor.lr=1e-6",
-        f"actor.generation_max_batch_size={args.prompts * args.n}",
+        f"actor.generation_max_batch_size={args.prompts * args.n}", f"actor.generation_max_seq_len={64 + args.max_tokens}",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
         f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(ROOT / "recipes/ppo.py"), "--config",
            str(ROOT / "recipes/configs/grpo_arithmetic_cpu.yaml"), *overrides]
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrlhf run failed:\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["timing_s/step"] for r in rows], [r["response_length/mean"] for r in rows]
 

@@ -170,7 +170,10 @@ class ActorWorker(FSDPWorker):
             logits = logits.full_tensor()
         logits = logits[:, :-1].float() / temperature
         log_probs = log_probs_from_logits(logits, mb["responses"][:, : inp.response_len])
-        entropy = pad_response_columns(entropy_from_logits(logits), width) if with_entropy else None
+        entropy = None
+        if with_entropy:  # the entropy needs a graph only when the loss has an entropy bonus
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coeff != 0):
+                entropy = pad_response_columns(entropy_from_logits(logits), width)
         return pad_response_columns(log_probs, width), entropy
 
     def _log_probs(self, batch: Batch, key: str, with_entropy: bool) -> Batch:
