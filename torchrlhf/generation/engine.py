@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torchrlhf.data.batch import Batch
+from torchrlhf.generation.cuda_graphs import GraphedDecode
 from torchrlhf.generation.model import TP_SHARD_DIMS, CompactDecoder
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
 
@@ -81,6 +82,9 @@ class NativeEngine:
             Every TP rank must call `generate` with the same prompts and sampling
             params; all ranks then produce identical outputs. With TP the engine
             owns its weights (`release` frees them).
+        cuda_graphs: on a CUDA device with TP=1, replay decode steps from captured CUDA
+            graphs (`GraphedDecode`); graphs are captured on first use after each
+            `resume` (the freed weights and cache come back at new addresses).
 
     Weight contract for the hybrid engine (`update_weights`):
         * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
@@ -103,6 +107,7 @@ class NativeEngine:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         tp_mesh=None,
+        cuda_graphs: bool = True,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -140,6 +145,8 @@ class NativeEngine:
             self.owns_weights = True  # the sharded projections are new tensors
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
         self._missing: set[str] = set()
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.tp_size == 1
+        self._graphed: GraphedDecode | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._allocate_cache()
@@ -207,6 +214,7 @@ class NativeEngine:
         `update_weights` before `generate`.
         """
         self.k_cache = self.v_cache = None
+        self._graphed = None  # captured on the addresses being freed
         if self.owns_weights and not self._missing:
             for p in self._params().values():  # named_parameters lists a tied tensor once
                 _local(p).untyped_storage().resize_(0)
@@ -225,6 +233,14 @@ class NativeEngine:
             self._allocate_cache()
 
     # ------------------------------------------------------------------ generate
+    def decode_fn(self):
+        """The decode step to call: graph replay where enabled, else the eager `CompactDecoder.decode`."""
+        if not self.use_cuda_graphs:
+            return self.decoder.decode
+        if self._graphed is None:
+            self._graphed = GraphedDecode(self.decoder, self.k_cache, self.v_cache)
+        return self._graphed
+
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -334,6 +350,7 @@ class _Run:
 
     def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds) -> None:
         self.e, self.p = engine, params
+        self.decode = engine.decode_fn()
         self.prompt_tokens, self.seeds = prompt_tokens, seeds
         dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
         total = len(prompt_tokens) * params.n
@@ -502,7 +519,7 @@ class _Run:
             live = list(range(len(live)))
             span = len(live)
         kv_len = max(self.slot_pos[s] for s in live) + 1
-        logits = e.decoder.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
+        logits = self.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
         rows = torch.arange(span, device=e.device)
         step = self.step[:span].clamp(max=self.p.max_tokens - 1)
         tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)

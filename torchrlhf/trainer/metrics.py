@@ -45,6 +45,22 @@ def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, fl
     return metrics
 
 
+def rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """How far the rollout engine's token probabilities are from the training forward's (verl's names).
+
+    Both score the same tokens with the same weights, so the gap is only kernel and
+    precision noise; a large gap means the engine sampled from other weights (a
+    missed weight sync) or another model/temperature. Empty when either column is absent.
+    """
+    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+        return {}
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"].float().exp() - batch["old_log_probs"].float().exp()).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_max": diff.max().item()}
+
+
 def compute_throughput_metrics(batch: Batch, step_seconds: float, num_devices: int) -> dict[str, float]:
     """Tokens (prompt + response) processed per second per device, verl's ``perf/throughput``."""
     total_tokens = batch["attention_mask"].sum().item()

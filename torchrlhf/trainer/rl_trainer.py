@@ -19,7 +19,7 @@ from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from torchrlhf.trainer.metrics import compute_data_metrics, compute_throughput_metrics
+from torchrlhf.trainer.metrics import compute_data_metrics, compute_throughput_metrics, rollout_mismatch_metrics
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.utils.timer import timer
 
@@ -120,6 +120,7 @@ class RLTrainer:
             with timer("old_log_prob", metrics):
                 batch.meta["calculate_entropy"] = True
                 batch = batch.union(roles.actor.compute_log_prob(batch))
+            metrics.update(rollout_mismatch_metrics(batch))
         if "entropys" in batch:
             metrics["actor/entropy"] = _masked_mean(batch.pop("entropys"), batch["response_mask"])
         if roles.ref is not None:

@@ -79,6 +79,7 @@ class ActorWorker(FSDPWorker):
         generation_tp_size: int = 1,
         generation_max_batch_size: int = 64,
         generation_max_seq_len: int = 1024,
+        generation_cuda_graphs: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
@@ -116,11 +117,12 @@ class ActorWorker(FSDPWorker):
             self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                                  total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
         # The rollout engine is built on the first `generate` (roles that never generate never pay for it).
-        self._engine_args = (model_path, dtype_, generation_tp_size, generation_max_batch_size, generation_max_seq_len)
+        self._engine_args = (model_path, dtype_, generation_tp_size, generation_max_batch_size, generation_max_seq_len,
+                             generation_cuda_graphs)
         self.engine: NativeEngine | None = None
 
     def _build_engine(self, model_path: str, dtype: torch.dtype, tp_size: int, max_batch_size: int,
-                      max_seq_len: int) -> NativeEngine:
+                      max_seq_len: int, cuda_graphs: bool) -> NativeEngine:
         """The rollout engine: its own (TP-sharded) weights, released between rollouts, refilled from training."""
         tp_mesh = None
         if tp_size > 1:
@@ -129,7 +131,8 @@ class ActorWorker(FSDPWorker):
                 raise ValueError(f"generation_tp_size={tp_size} needs torch.distributed (run under torchrun)")
             tp_mesh = hybrid.generation_mesh(train_mesh, tp_size)["tp"]
         engine = NativeEngine(model_path, max_batch_size=max_batch_size,
-                              max_seq_len=max_seq_len, device=self.device, dtype=dtype, tp_mesh=tp_mesh)
+                              max_seq_len=max_seq_len, device=self.device, dtype=dtype, tp_mesh=tp_mesh,
+                              cuda_graphs=cuda_graphs)
         engine.release()  # the weights arrive from training at each rollout
         return engine
 

@@ -101,12 +101,14 @@ class FSDPWorker(Worker):
         return mesh["dp"], mesh["tp"]
 
     def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
-        """FSDP2 (× TP) over the group's ranks; the plain module when the group is one rank.
+        """FSDP2 (× TP) over the group's ranks; the plain module when the group is one fp32 rank.
 
-        A one-rank group has nothing to shard, and FSDP2 there only adds DTensor dispatch and
-        all-gather copies (~15-20% of a CPU update step); CPU offload still needs FSDP2.
+        A one-rank fp32 group has nothing to shard, and FSDP2 there only adds DTensor dispatch
+        and all-gather copies (~15-20% of a CPU update step). CPU offload and a lower compute
+        dtype (FSDP2's mixed-precision policy, fp32 master weights) still need FSDP2.
         """
-        if self.dp_mesh is None or (self.group_size == 1 and not cpu_offload):
+        plain = self.group_size == 1 and not cpu_offload and dtype == torch.float32
+        if self.dp_mesh is None or plain:
             if activation_checkpointing:
                 from torchrlhf.models.parallelize import enable_activation_checkpointing
 
@@ -163,10 +165,12 @@ class FSDPWorker(Worker):
     def micro_batches(
         self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
     ) -> Iterator[tuple[Batch, torch.Tensor | None]]:
-        """(micro-batch, its row indices in ``batch``) pairs; the same count on every data-parallel rank.
+        """(micro-batch on this worker's device, its row indices in ``batch``) pairs.
 
-        A rank with fewer samples than its peers gets filler micro-batches (the
-        first sample, index None) that it must run and discard, so collectives match.
+        Every data-parallel rank gets the same count: a rank with fewer samples than its
+        peers gets filler micro-batches (the first sample, index None) that it must run
+        and discard, so collectives match. Batches travel between roles on the CPU; only
+        the micro-batch being computed is on the accelerator.
         """
         lengths = batch["attention_mask"].sum(-1).tolist()
         groups = micro_batch_groups(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
@@ -174,15 +178,15 @@ class FSDPWorker(Worker):
         for idx in groups:
             if idx:
                 index = torch.tensor(idx)
-                yield batch[index], index
+                yield batch[index].to(self.device), index
             else:
-                yield batch[0:1], None
+                yield batch[0:1].to(self.device), None
 
     def map_micro_batches(
         self, batch: Batch, fn: Callable[[Batch], dict[str, torch.Tensor]], *, micro_batch_size: int | None,
         max_tokens: int | None,
     ) -> dict[str, torch.Tensor]:
-        """Apply ``fn`` per micro-batch (no grad) and reassemble its outputs in the batch's original order."""
+        """Apply ``fn`` per micro-batch (no grad) and reassemble its outputs, on the CPU, in the batch's order."""
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         order: list[torch.Tensor] = []
         with torch.no_grad():
@@ -192,7 +196,7 @@ class FSDPWorker(Worker):
                     continue
                 order.append(index)
                 for k, v in out.items():
-                    parts[k].append(v)
+                    parts[k].append(v.cpu())
         perm = torch.cat(order)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(len(perm))
