@@ -4,7 +4,9 @@ Same process, same prompts, greedy, fixed number of new tokens (EOS ignored so
 both sides generate exactly ``--max-new-tokens`` per sample). Prints one row per
 batch size with the ratio native / HF. On CPU both are also compared with the
 matmul floor (the tokens/s of a decode step that did nothing but its ``nn.Linear``
-GEMMs); on CUDA the native engine runs with and without CUDA-graph decode.
+GEMMs); on CUDA the native engine runs with and without CUDA-graph decode. Every
+row also gives the memory-bandwidth bound: the tokens/s of decode steps that only
+read the weights and the KV cache once, at the copy bandwidth measured in-process.
 
     python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 2
     python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
@@ -129,6 +131,33 @@ def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
     return batch_size * repeats / (time.perf_counter() - start)
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written (the memory ceiling)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def bandwidth_bound(model, engine: NativeEngine, batch_size: int, prompt_len: int, new_tokens: int,
+                    bytes_per_s: float) -> float:
+    """Tokens/s if every decode step only read the weights once and each sample's KV so far once.
+
+    The KV read is taken at the run's mean context (prompt + half the new tokens), so this is the
+    bound of the whole run, not of its first step.
+    """
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    d = engine.dims
+    kv_bytes_per_token = 2 * d.num_layers * d.num_kv_heads * d.head_dim * engine.k_cache.element_size()
+    step_bytes = weight_bytes + batch_size * (prompt_len + new_tokens / 2) * kv_bytes_per_token
+    return batch_size * bytes_per_s / step_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -162,8 +191,11 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
     weights = "random weights" if args.random_weights else "real weights"
     print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, greedy")
+    bytes_per_s = copy_bandwidth(device)
+    print(f"memory copy bandwidth (read + write): {bytes_per_s / 1e9:.1f} GB/s")
     extra = f"{'eager tok/s':>12} {'graphs/eager':>12}" if cuda else f"{'matmul floor tok/s':>19} {'native/floor':>12}"
-    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra}")
+    print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra} {'bw bound tok/s':>15} "
+          f"{'native/bw':>9}")
     for bs in args.batch_sizes:
         prompts = make_prompts(tokenizer, bs, device)
         # Alternate the runs so load from other processes on a shared machine hits all alike.
@@ -180,7 +212,10 @@ def main() -> None:
         else:
             floor = linear_floor(model, bs)
             tail = f"{floor:>19.1f} {native / floor:>12.2f}"
-        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail}", flush=True)
+        bound = bandwidth_bound(model, engines["native"], bs, prompts["input_ids"].shape[1], args.max_new_tokens,
+                                bytes_per_s)
+        print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail} {bound:>15.0f} {native / bound:>9.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":
