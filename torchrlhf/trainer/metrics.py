@@ -54,8 +54,8 @@ def rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:
     """
     if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
         return {}
-    mask = batch["response_mask"].bool()
-    diff = (batch["rollout_log_probs"].float().exp() - batch["old_log_probs"].float().exp()).abs()[mask]
+    diff = _masked_values((batch["rollout_log_probs"].float().exp() - batch["old_log_probs"].float().exp()).abs(),
+                          batch["response_mask"])
     if diff.numel() == 0:
         return {}
     return {"training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_max": diff.max().item()}

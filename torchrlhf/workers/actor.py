@@ -117,11 +117,12 @@ class ActorWorker(FSDPWorker):
             self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                                  total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
         # The rollout engine is built on the first `generate` (roles that never generate never pay for it).
-        self._engine_args = (model_path, dtype_, generation_tp_size, generation_max_batch_size, generation_max_seq_len,
-                             generation_cuda_graphs)
+        self._engine_kwargs = dict(model_path=model_path, dtype=dtype_, tp_size=generation_tp_size,
+                                   max_batch_size=generation_max_batch_size, max_seq_len=generation_max_seq_len,
+                                   cuda_graphs=generation_cuda_graphs)
         self.engine: NativeEngine | None = None
 
-    def _build_engine(self, model_path: str, dtype: torch.dtype, tp_size: int, max_batch_size: int,
+    def _build_engine(self, *, model_path: str, dtype: torch.dtype, tp_size: int, max_batch_size: int,
                       max_seq_len: int, cuda_graphs: bool) -> NativeEngine:
         """The rollout engine: its own (TP-sharded) weights, released between rollouts, refilled from training."""
         tp_mesh = None
@@ -147,7 +148,7 @@ class ActorWorker(FSDPWorker):
         if self.freeze:
             raise RuntimeError("a frozen ActorWorker (reference) does not generate")
         if self.engine is None:
-            self.engine = self._build_engine(*self._engine_args)
+            self.engine = self._build_engine(**self._engine_kwargs)
         sampling = SamplingParams(**prompts.meta.get("sampling", {}))
         return hybrid.generate_with_current_weights(self.model, self.engine, prompts, sampling,
                                                     optimizer=self.optimizer)
