@@ -73,3 +73,53 @@ def test_request_uniforms_depend_only_on_seed_and_sample():
     assert not torch.equal(a, request_uniforms(7, 0, 10))
     assert not torch.equal(a, request_uniforms(8, 1, 10))
     assert ((a >= 0) & (a < 1)).all()
+
+
+def _textbook_tokens(probs: torch.Tensor, u: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
+    """Inverse CDF with one float64 cumsum over the whole vocabulary (sorted by probability when top_p < 1)."""
+    order = torch.arange(probs.shape[-1]).expand_as(probs)
+    if top_p < 1:
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+    cdf = probs.double().cumsum(-1)
+    pos = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    return order.gather(-1, pos).squeeze(-1)
+
+
+def test_two_level_inverse_cdf_matches_one_full_cumsum(monkeypatch):
+    from torchrlhf.generation import sampling
+
+    monkeypatch.setattr(sampling, "CDF_BLOCK", 64)  # 1000 tokens -> 16 blocks, the last one padded
+    draws = 4000
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3)).mul(2).expand(draws, -1)
+    u = torch.rand(draws, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    tok, lp = sample_tokens(logits, u, SamplingParams(temperature=1.0))
+    expected = _textbook_tokens(torch.softmax(logits, -1), u)
+    # The block sums are float32, so a draw within ~1e-7 of a token boundary may land one token over.
+    assert (tok == expected).float().mean() >= 0.999
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+
+
+def test_top_p_candidates_widen_to_match_a_full_sort(monkeypatch):
+    from torchrlhf.generation import sampling
+
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 8)
+    gen = torch.Generator().manual_seed(5)
+    # Peaked rows hold top_p within 8 candidates; flat rows need the search to widen (to 32, 128, then all 300).
+    logits = torch.cat([torch.randn(50, 300, generator=gen) * 4, torch.randn(50, 300, generator=gen) * 0.1])
+    u = torch.rand(100, generator=gen, dtype=torch.float64)
+    tok, _ = sample_tokens(logits, u, SamplingParams(temperature=1.0, top_p=0.9))
+    assert torch.equal(tok, _textbook_tokens(torch.softmax(logits, -1), u, top_p=0.9))
+
+
+@pytest.mark.parametrize("vocab", [40, 5000])  # one-level and two-level inverse CDF
+def test_a_rounding_overshoot_never_picks_a_filtered_token(vocab):
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(6)) * 3
+    logits[:, -1] = -1e4  # the last token has zero probability even before filtering
+    u = torch.ones(3, dtype=torch.float64)  # u = 1 is the overshoot that rounding can produce
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, min_p=0.3)):
+        tok, lp = sample_tokens(logits, u, params)
+        probs = torch.softmax(logits, -1)
+        kept = probs >= params.min_p * probs.amax(-1, keepdim=True)
+        assert bool(kept.gather(-1, tok[:, None]).all()) and torch.isfinite(lp).all()
+        assert (tok < vocab - 1).all()

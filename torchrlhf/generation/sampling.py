@@ -80,6 +80,15 @@ def request_uniforms(seed: int, sample: int, steps: int) -> torch.Tensor:
     return torch.rand(steps, generator=gen, dtype=torch.float64)
 
 
+# The inverse CDF over a large vocabulary runs in two levels: block sums find the block
+# that holds the target, then one block's cumulative sum finds the token. A full-vocab
+# float64 cumsum per row per step would cost more than a decode step's attention.
+CDF_BLOCK = 1024
+# top-p looks for the nucleus among the top TOP_P_CANDIDATES tokens first (a partial
+# sort) and widens only for rows whose candidates hold less than top_p of the mass.
+TOP_P_CANDIDATES = 1024
+
+
 def sample_tokens(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,22 +96,19 @@ def sample_tokens(
 
     Returns (tokens [B] long, log-probs [B] float32) where the log-prob is of the
     temperature-scaled distribution before top-k/top-p/min-p filtering (the
-    distribution the trainer recomputes).
+    distribution the trainer recomputes). A token of zero probability is never returned.
     """
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, _token_logprob(torch.softmax(logits, dim=-1), tokens)
 
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logp.exp()
-    vocab = probs.shape[-1]
-    index = None
-    if 0 < params.top_k < vocab:
+    full = torch.softmax(logits / params.temperature if params.temperature != 1 else logits, dim=-1)
+    probs, index = full, None
+    if 0 < params.top_k < probs.shape[-1]:
         probs, index = probs.topk(params.top_k, dim=-1)  # sorted, most likely first
     elif params.top_p < 1:
-        probs, index = probs.sort(dim=-1, descending=True)
+        probs, index = _top_p_candidates(probs, params.top_p)
     if params.top_p < 1:
         # Keep a token while the mass before it is below top_p (the top token always stays).
         before = probs.cumsum(dim=-1) - probs
@@ -110,9 +116,54 @@ def sample_tokens(
     if params.min_p > 0:
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
-    # Inverse CDF: the first position whose cumulative mass exceeds u * total.
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    pos = _inverse_cdf(probs, uniforms.to(probs.device, torch.float64)[:, None])
     tokens = (index.gather(-1, pos) if index is not None else pos).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, _token_logprob(full, tokens)
+
+
+def _token_logprob(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) from the softmax (the token has non-zero probability, so no -inf)."""
+    return probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, index) of the most likely tokens, sorted, a prefix long enough to hold every row's nucleus.
+
+    The nucleus is the sorted prefix whose mass before each token is below ``top_p``; when the
+    top ``k`` hold at least ``top_p``, token ``k + 1`` and later are outside it, so sorting the
+    top ``k`` gives exactly what sorting the whole vocabulary would.
+    """
+    vocab = probs.shape[-1]
+    k = min(TOP_P_CANDIDATES, vocab)
+    while True:
+        top, index = probs.topk(k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
+        if k == vocab or bool((top.sum(dim=-1) >= top_p).all()):
+            return top, index
+        k = min(4 * k, vocab)
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First position whose ``cdf`` exceeds ``target`` [B, 1], never past the last position with mass.
+
+    Rounding can put the target at or beyond the total; such a row gets the last token of
+    non-zero probability instead of the zero-probability tail.
+    """
+    pos = torch.searchsorted(cdf, target, right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(pos, last)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of (unnormalised) ``probs``, the position where the CDF crosses ``u * total``: [B, 1]."""
+    rows, width = probs.shape
+    if width <= 4 * CDF_BLOCK:
+        cdf = probs.double().cumsum(dim=-1)
+        return _search(cdf, uniforms * cdf[:, -1:])
+    blocks = -(-width // CDF_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - width)).view(rows, blocks, CDF_BLOCK)
+    block_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)
+    target = uniforms * block_cdf[:, -1:]
+    block = _search(block_cdf, target)
+    mass_before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)
+    inner = padded[torch.arange(rows, device=probs.device), block[:, 0]].double().cumsum(dim=-1)
+    return block * CDF_BLOCK + _search(inner, (target - mass_before).clamp(min=0))
