@@ -3,14 +3,16 @@
 Same process, same prompts, fixed number of new tokens (EOS ignored so both
 sides generate exactly ``--max-new-tokens`` per sample), greedy or, with
 ``--temperature`` > 0, sampled from the whole softmax (``top_k=0`` for HF, whose
-default is 50; ``--top-p`` for both). Prints one row per
-batch size with the ratio native / HF. On CPU the native engine also runs without
-its oneDNN-prepacked projections (``cpu_prepack=False``), and both are compared
-with the ``F.linear`` floor (the tokens/s of a decode step that did nothing but
-its ``nn.Linear`` GEMMs, which bounds HF ``generate``); on CUDA the native engine
-runs with and without CUDA-graph decode. Every
-row also gives the memory-bandwidth bound: the tokens/s of decode steps that only
-read the weights and the KV cache once, at the copy bandwidth measured in-process.
+default is 50; ``--top-p`` for both). Prints one row per batch size with the
+ratio native / HF. On CPU the native engine also runs without its
+oneDNN-prepacked projections (``cpu_prepack=False``), and both are compared with
+the ``F.linear`` floor (the tokens/s of a decode step that did nothing but its
+``nn.Linear`` GEMMs, which bounds HF ``generate``); on CUDA the native engine
+runs with and without CUDA-graph decode. Two ceilings no engine can pass are
+printed too: the compute bound (projection FLOPs at the throughput of a large
+matmul, measured in-process) and, per row, the memory-bandwidth bound (decode
+steps that only read the weights and the KV cache once, at the copy bandwidth
+measured in-process).
 
     python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 2
     python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
@@ -148,6 +150,28 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5
     return 2 * nbytes * repeats / (time.perf_counter() - start)
 
 
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul: the most any GEMM-bound decode can get from this device."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def compute_bound(model, flops_per_s: float) -> float:
+    """Tokens/s if each token cost only its projection FLOPs (2 per weight of every ``nn.Linear``) at ``flops_per_s``.
+
+    Independent of the batch size: no engine gets past it whatever its batching.
+    """
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return flops_per_s / (2 * weights)
+
+
 def bandwidth_bound(model, engine: NativeEngine, batch_size: int, prompt_len: int, new_tokens: int,
                     bytes_per_s: float) -> float:
     """Tokens/s if every decode step only read the weights once and each sample's KV so far once.
@@ -202,6 +226,9 @@ def main() -> None:
           + ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature}, top_p {sampling.top_p}"))
     bytes_per_s = copy_bandwidth(device)
     print(f"memory copy bandwidth (read + write): {bytes_per_s / 1e9:.1f} GB/s")
+    flops = matmul_flops(device, dtype)
+    peak = compute_bound(model, flops)
+    print(f"large-matmul throughput: {flops / 1e9:.0f} GFLOP/s -> compute bound {peak:.0f} tok/s at any batch size")
     extra = f"{baseline + ' tok/s':>14} {('graphs/' if cuda else 'packed/') + baseline:>15}"
     if not cuda:
         extra += f" {'F.linear floor tok/s':>21} {'native/floor':>12}"
