@@ -46,10 +46,10 @@ PROMPTS = [
 ]
 
 
-def random_smollm2():
+def random_smollm2(path: str):
     """SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, tied 49152 vocab), random weights.
 
-    Returns (model, None, path): the model is also saved to a temporary dir for the engines to load.
+    Returns (model, None, path): the model is also saved to ``path`` for the engines to load.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,7 +58,6 @@ def random_smollm2():
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = LlamaForCausalLM(config)
-    path = tempfile.mkdtemp(prefix="bench_generate_")
     model.save_pretrained(path)
     return model, None, path
 
@@ -202,18 +201,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model, tokenizer, path = random_smollm2() if args.random_weights else load_smollm2()
-    model = model.to(device=device, dtype=dtype).eval()
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:  # random weights: saved, loaded, deleted
+        model, tokenizer, path = random_smollm2(tmp) if args.random_weights else load_smollm2()
+        model = model.to(device=device, dtype=dtype).eval()
+        # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
+        sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=64 + args.max_new_tokens, device=device,
+                     dtype=dtype)
+        engines = {"native": NativeEngine(path, tokenizer, **sizes)}
+        # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
+        baseline = "eager" if cuda else "unpacked"
+        engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
     pad_id = 2 if tokenizer is None else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-    cuda = device.type == "cuda"
-    max_seq_len = 64 + args.max_new_tokens
-    # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
-    sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=max_seq_len, device=device, dtype=dtype)
-    engines = {"native": NativeEngine(path, tokenizer, **sizes)}
-    # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
-    baseline = "eager" if cuda else "unpacked"
-    engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
     # Warm up every path once (allocator, kernels) on a short run.
     warm = make_prompts(tokenizer, 2, device)
     for engine in engines.values():

@@ -318,8 +318,6 @@ class NativeEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; pass one to NativeEngine")
-        if self.prepacked is not None:
-            self.prepacked.refresh()
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
         if input_ids.dim() != 2 or input_ids.shape != mask.shape:
             raise ValueError(
@@ -337,6 +335,8 @@ class NativeEngine:
                 )
         ids_cpu, mask_cpu = input_ids.cpu(), mask.cpu().bool()
         prompt_tokens = [ids_cpu[i][mask_cpu[i]] for i in range(len(lengths))]
+        if self.prepacked is not None:
+            self.prepacked.refresh()
         run = _Run(self, params, prompt_tokens, self._prompt_seeds(prompts, params))
         tokens, logps, resp_len, reasons = run.run()
         return self._assemble(prompts, params, tokens, logps, resp_len, reasons)

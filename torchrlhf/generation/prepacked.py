@@ -35,6 +35,9 @@ class PrepackedLinears:
         self.linears = list(linears)
         self.free_plain = set(free_plain)
         self._packed: dict[nn.Linear, torch.Tensor] = {}
+        self._readers: dict[int, list[nn.Linear]] = {}  # id(weight) -> the modules that read it (tied weights: several)
+        for module in self.linears:
+            self._readers.setdefault(id(module.weight), []).append(module)
 
     @torch.no_grad()
     def refresh(self) -> int:
@@ -51,9 +54,8 @@ class PrepackedLinears:
 
     def invalidate(self, weight: torch.Tensor) -> None:
         """Drop the packed copy of every module whose weight is ``weight`` (it was just written)."""
-        for module in self.linears:
-            if module.weight is weight:
-                self._packed.pop(module, None)
+        for module in self._readers.get(id(weight), ()):
+            self._packed.pop(module, None)
 
     def clear(self) -> None:
         """Drop the packed copies (``release``); the next `refresh` packs everything again."""
