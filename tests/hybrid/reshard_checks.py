@@ -183,8 +183,8 @@ class StandIn:
         self.fail = fail
         self.tp_size = 1
 
-    def resume(self) -> None:
-        self.calls.append("resume")
+    def resume(self, tags=("weights", "kv_cache")) -> None:
+        self.calls.extend(f"resume:{t}" for t in tags)
 
     def release(self) -> None:
         self.calls.append("release")
@@ -203,8 +203,8 @@ def mode_checks(world) -> None:
     engine = StandIn()
     with generation_mode(model, engine, optimizer=opt) as stats:
         check("mode/grads_freed", all(p.grad is None for p in model.parameters()))
-        check("mode/resumed_first", engine.calls == ["resume"])
-    check("mode/released", engine.calls == ["resume", "release"])
+        check("mode/resumed_first", engine.calls == ["resume:weights", "resume:kv_cache"])
+    check("mode/released", engine.calls == ["resume:weights", "resume:kv_cache", "release"])
     full = {k: v.full_tensor() for k, v in model.named_parameters()}
     check("mode/weights_delivered", engine.weights.keys() == full.keys()
           and all(torch.equal(engine.weights[k], full[k]) for k in full))

@@ -135,13 +135,14 @@ class _Engine:
         self.calls: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
 
-    def resume(self):
-        self.calls.append("resume")
+    def resume(self, tags=("weights", "kv_cache")):
+        self.calls.extend(f"resume:{t}" for t in tags)
 
     def release(self):
         self.calls.append("release")
 
     def update_weights(self, named_tensors):
+        self.calls.append("update_weights")
         self.weights = {k: v.clone() for k, v in named_tensors}
 
 
@@ -153,7 +154,8 @@ def test_generation_mode_single_process_hands_over_plain_weights_and_releases_on
         with generation_mode(model, engine):
             assert all(p.grad is None for p in model.parameters())
             raise RuntimeError("inside")
-    assert engine.calls == ["resume", "release"]
+    # verl's order: weights come back and are refilled before the KV cache is allocated
+    assert engine.calls == ["resume:weights", "update_weights", "resume:kv_cache", "release"]
     assert engine.weights.keys() == dict(model.named_parameters()).keys()
     assert all(torch.equal(engine.weights[k], p) for k, p in model.named_parameters())
 

@@ -24,12 +24,9 @@ BASE: dict[str, Any] = {
         "val_files": [str(ROOT / "recipes/data/arithmetic_test.jsonl")],
         "max_prompt_length": 64, "train_batch_size": 4, "val_batch_size": 16, "val_max_samples": 16,
     },
-    "rollout": {"n": 4, "max_tokens": 8},
+    "rollout": {"n": 4, "max_tokens": 8, "engine": {"max_batch_size": 16, "max_seq_len": 80}},
     "algorithm": {"adv_estimator": "grpo"},
-    "actor": {
-        "lr": 3e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 16,
-        "generation_max_batch_size": 16, "generation_max_seq_len": 80,
-    },
+    "actor": {"lr": 3e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 16},
     "reward": {"reward_fn": f"{REWARD_FNS}:e_fraction", "isolate": False},
     "trainer": {"total_steps": 2, "loggers": ["jsonl"]},
 }

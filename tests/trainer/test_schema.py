@@ -52,7 +52,15 @@ def _check(tmp_path, tiny="/models/tiny", world: int = 1, **sections):
     ({"rollout": {"n": 1}}, "rollout.n must be >= 2"),
     ({"actor": {"ppo_mini_batch_size": 3}}, "actor"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode: unknown 'mean'"),
-    ({"actor": {"generation_max_seq_len": 32}}, "exceeds actor.generation_max_seq_len (32)"),
+    ({"rollout": {"engine": {"max_seq_len": 32}}}, "exceeds rollout.engine.max_seq_len (32)"),
+    ({"rollout": {"engine": {"max_batch_sise": 8}}}, "rollout.engine.max_batch_sise: unknown key (did you mean "
+                                                     "'max_batch_size'?)"),
+    ({"rollout": {"engine": {"_component_": "torchrlhf.data.Batch"}}}, "is not a rollout engine class"),
+    ({"rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine", "kv_cache_gib": "lots"}}},
+     "rollout.engine.kv_cache_gib: expected float, got 'lots'"),
+    ({"actor": {"generation_max_batch_size": 32}}, "actor.generation_max_batch_size: moved to "
+                                                    "rollout.engine.max_batch_size"),
+    ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
       "critic": {"model_path": "x", "ppo_mini_batch_size": 4}}, "placement.critic: ranks [0, 5]"),
@@ -61,6 +69,12 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:
         _check(tmp_path, **sections)
     assert message in str(e.value), str(e.value)
+
+
+def test_rollout_ranks_either_match_the_actors_or_are_their_own(tmp_path):
+    with pytest.raises(ConfigError, match=r"placement.rollout \[1, 2\] overlaps placement.actor \[0, 1\]"):
+        _check(tmp_path, world=3, placement={"actor": [0, 1], "rollout": [1, 2]},
+               actor={"ppo_micro_batch_size_per_device": 4})
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -74,10 +88,13 @@ def test_placement_colocates_by_default_and_splits_on_request(tmp_path):
     actor = {"ppo_micro_batch_size_per_device": 4}
     cfg = _check(tmp_path, world=4, algorithm={"adv_estimator": "gae", "use_kl_in_reward": True}, critic=critic,
                  actor=actor)
-    assert role_ranks(cfg, 4) == {"actor": [0, 1, 2, 3], "ref": [0, 1, 2, 3], "critic": [0, 1, 2, 3]}
+    everywhere = [0, 1, 2, 3]
+    assert role_ranks(cfg, 4) == {"actor": everywhere, "rollout": everywhere, "ref": everywhere, "critic": everywhere}
     cfg = _check(tmp_path, world=4, algorithm={"adv_estimator": "gae"}, critic=critic, actor=actor,
                  placement={"actor": [0, 1], "critic": [2, 3]})
-    assert role_ranks(cfg, 4) == {"actor": [0, 1], "critic": [2, 3]}
+    assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [0, 1], "critic": [2, 3]}
+    cfg = _check(tmp_path, world=4, placement={"actor": [0, 1], "rollout": [2, 3]}, actor=actor)
+    assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [2, 3]}
 
 
 def test_cli_bad_key_exits_2_before_any_work(tmp_path):

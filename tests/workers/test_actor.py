@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
 
 from torchrlhf.data import Batch  # noqa: E402
+from torchrlhf.generation import NativeEngine, SamplingParams  # noqa: E402
+from torchrlhf.hybrid import generate_with_current_weights  # noqa: E402
 from torchrlhf.models import save_tiny_model  # noqa: E402
 from torchrlhf.workers.actor import ActorWorker  # noqa: E402
 from torchrlhf.workers.microbatch import validate_batch_sizes  # noqa: E402
@@ -131,6 +133,14 @@ def hf_greedy(model_dir: str, params: dict[str, torch.Tensor], prompts: Batch) -
     return out[:, prompts["input_ids"].shape[1]:]
 
 
+def _rollout(actor: ActorWorker, model_dir: str, prompts: Batch) -> Batch:
+    """What a colocated `RolloutWorker` does: the actor's current shards streamed into a released engine."""
+    engine = NativeEngine(model_dir, max_batch_size=64, max_seq_len=64)
+    engine.release()
+    return generate_with_current_weights(actor.model, engine, prompts, SamplingParams(**GREEDY),
+                                         optimizer=actor.optimizer)
+
+
 def _train_on_ranks(rank: int, world: int, model_dir: str, out: str, tp_size: int) -> None:
     torch.set_num_threads(1)
     batch = rollout_batch(8, temperature=0.9)
@@ -143,7 +153,7 @@ def _train_on_ranks(rank: int, world: int, model_dir: str, out: str, tp_size: in
         metrics = _train(actor, batch)
         results[name] = {"metrics": metrics, "params": full_params(actor.model)}
         # Rollouts after training use the trained weights, resharded into the engine (the hybrid engine).
-        gen = actor.generate(prompt_batch(batch).chunk(actor.dp_size)[actor.dp_rank])
+        gen = _rollout(actor, model_dir, prompt_batch(batch).chunk(actor.dp_size)[actor.dp_rank])
         parts: list = [None] * world
         dist.all_gather_object(parts, gen["responses"])
         results[name]["responses"] = torch.cat(parts[::tp_size])
@@ -169,19 +179,6 @@ def _assert_same_run(run, reference, model_dir):
         torch.testing.assert_close(params[name], want, atol=2e-5, rtol=1e-4, msg=name)
     want = hf_greedy(model_dir, ref_params, prompt_batch(rollout_batch(8, temperature=0.9)))
     assert torch.equal(run["responses"], want)
-
-
-def test_generate_uses_current_weights_single_process(model_dir):
-    actor = ActorWorker(model_dir, ppo_micro_batch_size_per_device=4, **TRAIN_KW)
-    batch = rollout_batch(8, temperature=0.9)
-    prompts = prompt_batch(batch)
-    before = actor.generate(prompts)
-    assert torch.equal(before["responses"], hf_greedy(model_dir, actor.model.state_dict(), prompts))
-    _train(actor, batch)
-    after = actor.generate(prompts)
-    assert torch.equal(after["responses"], hf_greedy(model_dir, actor.model.state_dict(), prompts))
-    assert not torch.equal(after["responses"], before["responses"])  # lr=1e-3 moves greedy tokens
-    assert after["response_mask"].sum() == 8 * 4 and len(after) == 8
 
 
 def test_fsdp_two_ranks_match_single_process(model_dir, single_process_run, tmp_path):

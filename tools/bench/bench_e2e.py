@@ -10,6 +10,7 @@ steps after ``--warmup``:
   role calls minus the slowest rank's time inside those methods, from `FSDPWorker.busy_seconds`).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tools/bench/bench_e2e.py [--steps 4 --warmup 1]
+    python tools/bench/bench_e2e.py --engine vllm       # the same step with vLLM rollouts (needs the vllm extra)
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from torchrlhf.trainer.build import build_trainer
 from torchrlhf.trainer.schema import load_recipe_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --engine -> the rollout.engine overrides for a batch of this many samples per rank
+ENGINES = {
+    "native": lambda batch: ["rollout.engine._component_=torchrlhf.generation.NativeEngine",
+                             f"rollout.engine.max_batch_size={batch}", "rollout.engine.max_seq_len=160"],
+    "vllm": lambda batch: ["rollout.engine._component_=torchrlhf.generation.VLLMEngine",
+                           f"rollout.engine.max_batch_size={batch}", "rollout.engine.max_seq_len=160"],
+}
 ROLE_PHASES = {"gen": "generate", "old_log_prob": "compute_log_prob", "ref": "compute_ref_log_prob",
                "update_actor": "update", "values": "compute_values", "update_critic": "update"}
 
@@ -43,7 +51,9 @@ def bench(cfg, world: int, warmup: int) -> None:
     total = sum(m["timing_s/step"] for m in measured)
     tokens = sum(m["perf/total_num_tokens"] for m in measured)
     n = len(measured)
-    print(f"\nGRPO, SmolLM2-135M fp32, {world} rank(s), {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples "
+    engine = trainer.roles.rollout.engine_info()["engine"]
+    print(f"\nGRPO, SmolLM2-135M fp32, {engine} rollouts, {world} rank(s), "
+          f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples "
           f"x <= {cfg.rollout.max_tokens} new tokens; steps {warmup + 1}..{warmup + n}")
     print(f"  step            {total / n:8.2f} s   ({tokens / total:.0f} tokens/s over all ranks, "
           f"mean response {sum(m['response_length/mean'] for m in measured) / n:.1f} tokens)")
@@ -67,7 +77,8 @@ def bench(cfg, world: int, warmup: int) -> None:
 
 def _groups(trainer) -> dict:
     roles = trainer.roles
-    return {name: getattr(roles, name) for name in ("actor", "ref", "critic") if getattr(roles, name) is not None}
+    return {name: getattr(roles, name) for name in ("actor", "rollout", "ref", "critic")
+            if getattr(roles, name) is not None}
 
 
 def main() -> None:
@@ -78,13 +89,14 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--micro", type=int, default=4, help="ppo_micro_batch_size_per_device")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="native", help="the rollout engine")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = [
         "data.val_files=[]", f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
         f"rollout.max_tokens={args.max_tokens}", f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.ppo_micro_batch_size_per_device={args.micro}",
-        f"actor.generation_max_batch_size={args.prompts * args.n // world}", "actor.generation_max_seq_len=160",
+        *ENGINES[args.engine](args.prompts * args.n // world),
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
         "trainer.output_dir=/tmp/torchrlhf_bench_e2e", "trainer.loggers=[jsonl]",
     ]

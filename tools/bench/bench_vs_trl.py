@@ -30,7 +30,7 @@ def run_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], li
         "data.val_files=[]", f"data.train_batch_size={args.prompts}", "data.shuffle=false", f"rollout.n={args.n}",
         f"rollout.max_tokens={args.max_tokens}", "actor.use_kl_loss=false", f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.ppo_micro_batch_size_per_device={args.prompts * args.n}", "actor.lr=1e-6",
-        f"actor.generation_max_batch_size={args.prompts * args.n}", f"actor.generation_max_seq_len={64 + args.max_tokens}",
+        f"rollout.engine.max_batch_size={args.prompts * args.n}", f"rollout.engine.max_seq_len={64 + args.max_tokens}",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
         f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
     ]

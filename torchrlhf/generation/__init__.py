@@ -1,6 +1,19 @@
-"""Rollout generation: the native KV-cached, continuously batched engine."""
+"""Rollout generation: one engine interface (`RolloutEngine`), the native engine and the vLLM engine.
 
+`VLLMEngine` imports vLLM only when constructed, so the package works without the `vllm` extra.
+"""
+
+from torchrlhf.generation.base import RolloutEngine, assemble_generation
 from torchrlhf.generation.engine import NativeEngine
 from torchrlhf.generation.sampling import SamplingParams, sample_tokens
+from torchrlhf.generation.vllm_engine import VLLMEngine, vllm_available
 
-__all__ = ["NativeEngine", "SamplingParams", "sample_tokens"]
+__all__ = [
+    "NativeEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "assemble_generation",
+    "sample_tokens",
+    "vllm_available",
+]

@@ -12,27 +12,24 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from torchrlhf.data.batch import Batch
+from torchrlhf.generation.base import (
+    RESUME_TAGS,
+    assemble_generation,
+    check_resume_tags,
+    prompt_token_lists,
+    validate_prompts,
+)
 from torchrlhf.generation.cuda_graphs import GraphedDecode
 from torchrlhf.generation.model import TP_SHARD_DIMS, CompactDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
-
-GENERATION_COLUMNS = (
-    "prompts",
-    "responses",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "response_mask",
-    "rollout_log_probs",
-)
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
@@ -248,12 +245,13 @@ class NativeEngine:
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def resume(self) -> None:
-        """Re-allocate what `release` freed (weights come back uninitialised)."""
-        if self._missing:
+    def resume(self, tags: Sequence[str] = RESUME_TAGS) -> None:
+        """Re-allocate what `release` freed: ``"weights"`` (uninitialised until `update_weights`), ``"kv_cache"``."""
+        tags = check_resume_tags(tags)
+        if "weights" in tags and self._missing:
             for p in self._params().values():
                 _ensure_storage(_local(p))
-        if self.k_cache is None:
+        if "kv_cache" in tags and self.k_cache is None:
             self._allocate_cache()
 
     # ------------------------------------------------------------------ generate
@@ -318,23 +316,8 @@ class NativeEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; pass one to NativeEngine")
-        input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        if input_ids.dim() != 2 or input_ids.shape != mask.shape:
-            raise ValueError(
-                f"input_ids and attention_mask must both be [B, P]; got {tuple(input_ids.shape)} and {tuple(mask.shape)}"
-            )
-        lengths = mask.sum(-1).tolist()
-        limit = self.max_seq_len - params.max_tokens
-        for i, length in enumerate(lengths):
-            if length == 0:
-                raise ValueError(f"prompt {i} is empty (attention_mask has no 1s)")
-            if length > limit:
-                raise ValueError(
-                    f"prompt {i} has {length} tokens; with max_tokens={params.max_tokens} the limit is "
-                    f"max_seq_len - max_tokens = {self.max_seq_len} - {params.max_tokens} = {limit}"
-                )
-        ids_cpu, mask_cpu = input_ids.cpu(), mask.cpu().bool()
-        prompt_tokens = [ids_cpu[i][mask_cpu[i]] for i in range(len(lengths))]
+        validate_prompts(prompts, params, self.max_seq_len)
+        prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
         run = _Run(self, params, prompt_tokens, self._prompt_seeds(prompts, params))
@@ -342,33 +325,7 @@ class NativeEngine:
         return self._assemble(prompts, params, tokens, logps, resp_len, reasons)
 
     def _assemble(self, prompts: Batch, params: SamplingParams, tokens, logps, resp_len, reasons) -> Batch:
-        n, out_device = params.n, prompts["input_ids"].device
-        r = params.max_tokens
-        response_mask = (torch.arange(r)[None, :] < resp_len[:, None]).long()
-        responses = torch.where(response_mask.bool(), tokens, self._pad_id())
-        prompt_ids = prompts["input_ids"].cpu().repeat_interleave(n, dim=0)
-        prompt_mask = prompts["attention_mask"].cpu().long().repeat_interleave(n, dim=0)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        columns = {
-            "prompts": prompt_ids,
-            "responses": responses,
-            "input_ids": torch.cat([prompt_ids, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "response_mask": response_mask,
-            "rollout_log_probs": (logps * response_mask).float(),
-        }
-        if not params.logprobs:
-            del columns["rollout_log_probs"]
-        columns = {k: v.to(out_device) for k, v in columns.items()}
-        reserved = {*GENERATION_COLUMNS, "finish_reason"}
-        rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
-        out = Batch(
-            {**(rest.tensors if rest else {}), **columns},
-            {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
-            {**prompts.meta, "temperature": params.temperature if params.temperature > 0 else 1.0},
-        )
-        return out
+        return assemble_generation(prompts, params, tokens, logps, resp_len, reasons, self._pad_id())
 
 
 class _Run:

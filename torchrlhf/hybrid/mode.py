@@ -1,13 +1,13 @@
 """The train→generate transition as a context: weights in, training memory out, everything back on exit.
 
-A worker runs the whole transition inside one controller call (e.g. ``ActorWorker.generate``):
+A worker runs the whole transition inside one controller call (``RolloutWorker.generate``, colocated):
 
     with generation_mode(self.model, self.engine, optimizer=self.optimizer) as stats:
         out = self.engine.generate(prompts, sampling)
 
-The engine is duck-typed; `torchrlhf.generation.NativeEngine` implements it:
+The engine is a `torchrlhf.generation.RolloutEngine` (`NativeEngine`, `VLLMEngine`):
 
-- ``resume()`` / ``release()``: re-allocate / free its weights and KV cache.
+- ``resume(("weights",))``, then the weights, then ``resume(("kv_cache",))``; ``release()`` frees both.
 - ``update_weights(named_tensors)``: consume an iterator of ``(hf_name, local_tensor)`` in the generation
   layout, copying each tensor before taking the next (the resharder frees it when the iterator resumes).
   Tied parameters come once, under their first name (``model.embed_tokens.weight`` for a tied Llama head).
@@ -142,7 +142,7 @@ def generation_mode(
     offloaded = OptimizerOffload(optimizer) if (offload and optimizer is not None and on_device) else None
     stats = ReshardStats()
     try:
-        engine.resume()
+        engine.resume(("weights",))  # weights before the KV cache: the incoming tensors need their memory first
         mesh = gen_mesh if gen_mesh is not None else resolve_generation_mesh(model, engine)
         dims = tp_dim_of or engine_tp_dims(engine)
         if mesh is None:  # no distributed training layout: hand over the plain parameters
@@ -152,6 +152,7 @@ def generation_mode(
             engine.update_weights(stream)
             if next(stream, None) is not None:
                 raise RuntimeError(f"{type(engine).__name__}.update_weights stopped before the last parameter")
+        engine.resume(("kv_cache",))
         yield stats
     finally:
         engine.release()
@@ -180,13 +181,8 @@ def generate_with_current_weights(
 ) -> Batch:
     """``engine.generate(prompts, sampling)`` with the training model's current weights: the actor's rollout.
 
-    For ``ActorWorker.generate``: one controller call per rollout, every rank of the actor group runs it
-    (the transition is collective), each with its own DP_COMPUTE shard of prompts::
-
-        @register(dispatch=Dispatch.DP_COMPUTE)
-        def generate(self, prompts: Batch) -> Batch:
-            return hybrid.generate_with_current_weights(
-                self.model, self.engine, prompts, self.sampling, optimizer=self.optimizer)
+    For ``RolloutWorker.generate`` colocated with the actor: one controller call per rollout, every rank of
+    the actor group runs it (the transition is collective), each with its own DP_COMPUTE shard of prompts.
 
     With generation TP > 1 the ranks of a TP group pool their shards (TP ranks must decode the same
     batch), generate once, and each returns the rows of its own prompts, so the training-layout

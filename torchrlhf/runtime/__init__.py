@@ -1,6 +1,14 @@
 """The single-controller runtime: rank 0 drives SPMD worker groups over torch.distributed.rpc."""
 
-from torchrlhf.runtime.group import GroupFuture, WorkerError, WorkerGroup, colocate
+from torchrlhf.runtime.group import (
+    GroupFuture,
+    WorkerError,
+    WorkerGroup,
+    colocate,
+    local_worker,
+    new_process_group,
+    process_group,
+)
 from torchrlhf.runtime.launch import init, launch, shutdown
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, register
 
@@ -14,6 +22,9 @@ __all__ = [
     "colocate",
     "init",
     "launch",
+    "local_worker",
+    "new_process_group",
+    "process_group",
     "register",
     "shutdown",
 ]

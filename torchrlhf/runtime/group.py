@@ -100,6 +100,21 @@ def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool
     return out if want_result else None
 
 
+def local_worker(name: str) -> Worker:
+    """Worker side: the instance of group ``name`` living in this process (roles colocated on this rank)."""
+    if name not in _workers:
+        raise LookupError(f"no worker group {name!r} in this process (rank {dist.get_rank()}); colocated roles "
+                          f"here: {sorted(_workers)}")
+    return _workers[name]
+
+
+def process_group(key: str) -> dist.ProcessGroup:
+    """Worker side: the process group the controller created with `new_process_group(key, ranks)`."""
+    if key not in _process_groups:
+        raise LookupError(f"no process group {key!r} on rank {dist.get_rank()}; this rank is not one of its members")
+    return _process_groups[key]
+
+
 def busy_seconds(name: str) -> dict[str, float]:
     """Seconds this rank has spent inside each method of worker ``name``: the controller's wall time of a
     call minus this is what dispatch, RPC and serialization cost."""
@@ -170,6 +185,18 @@ def _create_process_group(key: str, ranks: list[int]) -> None:
             f.wait()
 
 
+def new_process_group(key: str, ranks: Sequence[int]) -> None:
+    """Controller side: a process group over ``ranks`` (e.g. across two roles' groups, for weight sync).
+
+    Every world rank takes part in the creation; members find it with `process_group(key)`.
+    """
+    ranks = _check_ranks(ranks)
+    if key in _names:
+        raise ValueError(f"process group key {key!r} is already in use")
+    _names.add(key)
+    _create_process_group(key, ranks)
+
+
 class GroupFuture:
     """The pending answers of one group call; `wait()` returns the collected result.
 
@@ -217,6 +244,19 @@ class GroupFuture:
         if self._error is not None:
             raise self._error
         return self._collect(self._results)
+
+
+def wait_all(*futures: GroupFuture, poll_s: float = 0.05) -> list[Any]:
+    """Wait for several group calls that depend on each other (two halves of one collective).
+
+    Raises the first failure as soon as it happens: the other call may never finish once its peer died.
+    """
+    while not all(f.done() for f in futures):
+        failed = next((f for f in futures if f.done() and f._error is not None), None)
+        if failed is not None:
+            failed.wait()
+        time.sleep(poll_s)
+    return [f.wait() for f in futures]
 
 
 def _mean_metrics(answers: list[Mapping[str, Any]]) -> dict[str, float]:

@@ -67,6 +67,29 @@ def _default_context() -> WorkerContext:
     return WorkerContext("local", ranks, rank, pg, device)
 
 
+REGISTER_ATTR = "_torchrlhf_dispatch"
+
+
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: str | Callable | None = None, blocking: bool = True):
+    """Mark a Worker method as callable from the controller.
+
+    Args:
+        dispatch: how arguments are split across the group's ranks.
+        collect: how answers are combined; ``None`` picks the dispatch's default
+            (DP_COMPUTE: concatenate Batches / average metric dicts; RANK_ZERO:
+            the first answer; ONE_TO_ALL and ALL_TO_ALL: the list of answers).
+            A callable receives the list of answers, one per data-parallel group
+            for DP_COMPUTE, one per rank otherwise.
+        blocking: default of the controller-side call; ``False`` returns a future.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        setattr(fn, REGISTER_ATTR, {"dispatch": dispatch, "collect": collect, "blocking": blocking})
+        return fn
+
+    return decorate
+
+
 class Worker:
     """Base of every role (actor, critic, reward model, ...).
 
@@ -114,6 +137,13 @@ class Worker:
     def is_dp_leader(self) -> bool:
         """True on the rank whose answer DP_COMPUTE collects for this data-parallel group."""
         return getattr(self, "_is_dp_leader", True)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def busy_seconds(self) -> dict[str, float]:
+        """Seconds spent inside each method on this rank (for the controller/RPC overhead in benchmarks)."""
+        from torchrlhf.runtime.group import busy_seconds
+
+        return busy_seconds(self.context.group_name)
 
     def device_mesh(self, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
         """A DeviceMesh over this group's ranks (row-major over ``self.ranks``), e.g. ``(dp, tp)``.
@@ -168,29 +198,6 @@ def _equalize_group_counts(pg: dist.ProcessGroup) -> None:
     dist.all_reduce(target, op=dist.ReduceOp.MAX, group=pg)
     for _ in range(int(target - count)):
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
-
-
-REGISTER_ATTR = "_torchrlhf_dispatch"
-
-
-def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: str | Callable | None = None, blocking: bool = True):
-    """Mark a Worker method as callable from the controller.
-
-    Args:
-        dispatch: how arguments are split across the group's ranks.
-        collect: how answers are combined; ``None`` picks the dispatch's default
-            (DP_COMPUTE: concatenate Batches / average metric dicts; RANK_ZERO:
-            the first answer; ONE_TO_ALL and ALL_TO_ALL: the list of answers).
-            A callable receives the list of answers, one per data-parallel group
-            for DP_COMPUTE, one per rank otherwise.
-        blocking: default of the controller-side call; ``False`` returns a future.
-    """
-
-    def decorate(fn: Callable) -> Callable:
-        setattr(fn, REGISTER_ATTR, {"dispatch": dispatch, "collect": collect, "blocking": blocking})
-        return fn
-
-    return decorate
 
 
 def registered_methods(cls: type) -> dict[str, dict[str, Any]]:

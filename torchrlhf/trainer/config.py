@@ -40,8 +40,15 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling for training and validation rollouts."""
+    """Sampling for training and validation rollouts, and the rollout role's layout.
 
+    The engine itself is the ``rollout.engine`` sub-section (its ``_component_`` and constructor
+    arguments; see `trainer.schema`). ``tp_size`` is each engine's tensor-parallel size;
+    ``weight_sync_bucket_mb`` bounds the buckets that carry new weights to rollout ranks of their own.
+    """
+
+    tp_size: int = 1
+    weight_sync_bucket_mb: int = 64
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -116,13 +123,15 @@ class RefConfig:
 
 @dataclass
 class PlacementConfig:
-    """Ranks of each role. ``None``: the actor (with the reference) on every rank, other roles beside it.
+    """Ranks of each role. ``None``: the actor (with the reference and the rollout) on every rank, other roles
+    beside it.
 
     Roles on the same ranks are colocated (one process per rank holds them all, the hybrid engine);
     roles on disjoint ranks run side by side (split placement).
     """
 
     actor: list[int] | None = None
+    rollout: list[int] | None = None  # None: colocated with the actor (hybrid engine)
     critic: list[int] | None = None
     reward_model: list[int] | None = None
     cost_model: list[int] | None = None

@@ -30,10 +30,12 @@ class Roles:
     """Controller handles of the worker groups; absent roles are None."""
 
     actor: Any
+    rollout: Any = None
     ref: Any = None
     critic: Any = None
     reward_model: Any = None
     cost_model: Any = None
+    weight_sync: Any = None  # split placement: pushes new actor weights to the rollout ranks (`WeightSync`)
 
 
 class RLTrainer:
@@ -75,6 +77,7 @@ class RLTrainer:
         self.num_devices = num_devices
         self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward
         self.global_step = 0
+        self.weight_version = 0  # actor updates so far; every sample records the version that generated it
         torch.manual_seed(trainer.seed)  # draws the per-prompt sampling seeds; saved with checkpoints
         self.kl_ctrl = _make_kl_controller(algorithm)
         self.lagrange = (
@@ -149,9 +152,12 @@ class RLTrainer:
         if roles.critic is not None:
             with timer("update_critic", metrics):
                 metrics.update(roles.critic.update(batch))
+        metrics.update(_staleness_metrics(batch, self.weight_version))
         if self.global_step > self.cfg.critic_warmup:
             with timer("update_actor", metrics):
                 metrics.update(roles.actor.update(batch))
+            self.weight_version += 1
+            self._sync_weights(metrics)
 
         step_seconds = time.perf_counter() - start
         metrics["timing_s/step"] = step_seconds
@@ -161,6 +167,12 @@ class RLTrainer:
         if algo.use_kl_in_reward:
             metrics["actor/kl_coef"] = self.kl_ctrl.value
         return metrics
+
+    def _sync_weights(self, metrics: dict[str, float]) -> None:
+        """Split placement: the rollout ranks get the new version now (colocated, they read it at generate)."""
+        if self.roles.weight_sync is not None:
+            with timer("weight_sync", metrics):
+                metrics.update(self.roles.weight_sync(self.weight_version))
 
     def close(self) -> None:
         """Flush the loggers and stop the reward worker processes."""
@@ -208,7 +220,8 @@ class RLTrainer:
         # Fresh per-prompt seeds from the controller's RNG: reproducible, resumable, different every step.
         prompts["seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
         prompts.meta["sampling"] = sampling
-        gen = self.roles.actor.generate(prompts)
+        prompts.meta["weight_version"] = self.weight_version
+        gen = self.roles.rollout.generate(prompts)
         gen.meta["temperature"] = sampling["temperature"] or 1.0
         return gen
 
@@ -311,6 +324,7 @@ class RLTrainer:
     def controller_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "global_step": self.global_step,
+            "weight_version": self.weight_version,
             "sampler": self.train_prompts.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "rng": torch.get_rng_state(),
@@ -328,6 +342,8 @@ class RLTrainer:
         if self.roles.critic is not None:
             self.roles.critic.load_checkpoint(f"{path}/critic")
         self.global_step = state["global_step"]
+        self.weight_version = state["weight_version"]
+        self._sync_weights({})
         self.train_prompts.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["rng"])
@@ -348,6 +364,13 @@ def _at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     last = (response_mask.sum(-1) - 1).clamp(min=0).long()
     out[torch.arange(len(out)), last] = values.float()
     return out
+
+
+def _staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """How many actor updates behind the trained weights each sample's generating weights are."""
+    lag = (version - batch["weight_version"]).float()
+    return {"rollout/weight_version": float(version), "rollout/staleness/mean": lag.mean().item(),
+            "rollout/staleness/max": lag.max().item()}
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -28,7 +28,9 @@ from torchrlhf.trainer.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from torchrlhf.generation import NativeEngine
 from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
 
@@ -41,6 +43,18 @@ COMPONENT_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
     "reward_model": (RewardModelWorker, ("output_key",)),
     "cost_model": (RewardModelWorker, ("output_key",)),
     "reward": (RewardManager, ("tokenizer",)),
+}
+
+
+ENGINE_KEY = "rollout.engine"  # a nested component section: the rollout engine class and its arguments
+ENGINE_METHODS = ("generate", "update_weights", "param_shard_dims", "release", "resume")
+
+# Keys that moved; an old config gets told where they went instead of "unknown key".
+MOVED_KEYS = {
+    "actor.generation_tp_size": "rollout.tp_size",
+    "actor.generation_max_batch_size": "rollout.engine.max_batch_size",
+    "actor.generation_max_seq_len": "rollout.engine.max_seq_len",
+    "actor.generation_cuda_graphs": "rollout.engine.cuda_graphs",
 }
 
 
@@ -66,10 +80,13 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
     components = dict(chosen)
     sections = {role: section_schema(components.get(role, base), exclude)
                 for role, (base, exclude) in COMPONENT_SECTIONS.items()}
+    engine = section_schema(components.get(ENGINE_KEY, NativeEngine), ENGINE_ARGS_SET_BY_ROLE)
+    rollout = dataclasses.make_dataclass(
+        "RolloutSection", [("engine", engine, dataclasses.field(default_factory=engine))], bases=(RolloutConfig,))
     return dataclasses.make_dataclass("RecipeConfig", [
         ("data", DataConfig),
         ("actor", sections["actor"]),
-        ("rollout", RolloutConfig),
+        ("rollout", rollout),
         ("algorithm", AlgorithmConfig),
         ("trainer", TrainerConfig),
         ("reward", sections["reward"]),
@@ -104,6 +121,17 @@ def chosen_components(cfg: Mapping[str, Any]) -> dict[str, type]:
             errors.append(f"{key}: {section['_component_']!r} must be a subclass of {component_path(base)}")
             continue
         chosen[role] = cls
+    engine = (cfg.get("rollout") or {}).get("engine") if isinstance(cfg.get("rollout"), Mapping) else None
+    if isinstance(engine, Mapping) and engine.get("_component_") is not None:
+        try:
+            cls = get_component(engine["_component_"])
+            missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
+            if not isinstance(cls, type) or missing:
+                raise ConfigError(f"{engine['_component_']!r} is not a rollout engine class (missing {missing}; "
+                                  "see torchrlhf.generation.RolloutEngine)")
+            chosen[ENGINE_KEY] = cls
+        except ConfigError as e:
+            errors.append(f"{ENGINE_KEY}._component_: {e}")
     if errors:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
     return chosen
@@ -117,7 +145,7 @@ def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
     """Ranks of every configured role (the reference always sits with the actor)."""
     p = cfg.placement
     actor = list(p.actor) if p.actor is not None else list(range(world_size))
-    ranks = {"actor": actor}
+    ranks = {"actor": actor, "rollout": list(p.rollout) if p.rollout is not None else actor}
     if needs_reference(cfg):
         ranks["ref"] = actor
     for role in ("critic", "reward_model", "cost_model"):
@@ -153,9 +181,10 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
                       "reinforce_pp): the cost has no value head here")
     if algo.use_kl_in_reward and actor.use_kl_loss:
         errors.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both on: choose one KL term")
-    if data.max_prompt_length + rollout.max_tokens > actor.generation_max_seq_len:
+    max_seq_len = getattr(rollout.engine, "max_seq_len", None)
+    if max_seq_len is not None and data.max_prompt_length + rollout.max_tokens > max_seq_len:
         errors.append(f"data.max_prompt_length ({data.max_prompt_length}) + rollout.max_tokens ({rollout.max_tokens}) "
-                      f"exceeds actor.generation_max_seq_len ({actor.generation_max_seq_len})")
+                      f"exceeds rollout.engine.max_seq_len ({max_seq_len})")
     if not data.train_files:
         errors.append("data.train_files is empty")
     for key in ("train_files", "val_files"):
@@ -175,6 +204,13 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
                           f"(the job has {world_size} ranks)")
     if not errors:
         ranks = role_ranks(cfg, world_size)
+        if ranks["rollout"] != ranks["actor"] and set(ranks["rollout"]) & set(ranks["actor"]):
+            errors.append(f"placement.rollout {ranks['rollout']} overlaps placement.actor {ranks['actor']}: a rollout "
+                          "is either colocated with the actor (same ranks, or null) or on ranks of its own")
+        if rollout.tp_size < 1 or len(ranks["rollout"]) % rollout.tp_size:
+            errors.append(f"rollout.tp_size={rollout.tp_size} must divide the rollout's {len(ranks['rollout'])} ranks")
+        if rollout.weight_sync_bucket_mb < 1:
+            errors.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
         errors += _batch_size_errors(cfg, ranks)
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
@@ -207,6 +243,11 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    moved = [f"{old}: moved to {new}" for old, new in MOVED_KEYS.items()
+             if isinstance(container.get(old.split(".")[0]), Mapping) and old.split(".")[1] in container[old.split(".")[0]]]
+    if moved:
+        raise ConfigError("config keys that moved (the engine is now its own section, rollout.engine):\n"
+                          + "\n".join(f"  - {m}" for m in moved))
     recipe = validate(container, recipe_schema(chosen_components(container)))
     check(recipe, world_size)
     return recipe

@@ -3,8 +3,9 @@
 The reference policy is a separate `ActorWorker(freeze=True)` (no optimizer)
 rather than a second copy inside the actor: the runtime colocates roles on the
 same ranks, so one class covers both and a frozen worker never holds optimizer
-state. A trainable actor also owns a generation engine (the hybrid engine): its
-rollouts use the current training weights, resharded into the engine's layout.
+state. Generation is the rollout role's (`RolloutWorker`): colocated, it reads
+this worker's training weights in the same process; on its own ranks, it
+receives them from `send_weights`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchrlhf import hybrid
 from torchrlhf.algorithms import (
     agg_loss,
     compute_policy_loss,
@@ -23,8 +23,9 @@ from torchrlhf.algorithms import (
     log_probs_from_logits,
 )
 from torchrlhf.data import Batch
-from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models import load_causal_lm
+from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
@@ -76,10 +77,6 @@ class ActorWorker(FSDPWorker):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         freeze: bool = False,
-        generation_tp_size: int = 1,
-        generation_max_batch_size: int = 64,
-        generation_max_seq_len: int = 1024,
-        generation_cuda_graphs: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
@@ -116,42 +113,23 @@ class ActorWorker(FSDPWorker):
         if not freeze:
             self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                                  total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
-        # The rollout engine is built on the first `generate` (roles that never generate never pay for it).
-        self._engine_kwargs = dict(model_path=model_path, dtype=dtype_, tp_size=generation_tp_size,
-                                   max_batch_size=generation_max_batch_size, max_seq_len=generation_max_seq_len,
-                                   cuda_graphs=generation_cuda_graphs)
-        self.engine: NativeEngine | None = None
 
-    def _build_engine(self, *, model_path: str, dtype: torch.dtype, tp_size: int, max_batch_size: int,
-                      max_seq_len: int, cuda_graphs: bool) -> NativeEngine:
-        """The rollout engine: its own (TP-sharded) weights, released between rollouts, refilled from training."""
-        tp_mesh = None
-        if tp_size > 1:
-            train_mesh = hybrid.training_mesh(self.model)
-            if train_mesh is None:
-                raise ValueError(f"generation_tp_size={tp_size} needs torch.distributed (run under torchrun)")
-            tp_mesh = hybrid.generation_mesh(train_mesh, tp_size)["tp"]
-        engine = NativeEngine(model_path, max_batch_size=max_batch_size,
-                              max_seq_len=max_seq_len, device=self.device, dtype=dtype, tp_mesh=tp_mesh,
-                              cuda_graphs=cuda_graphs)
-        engine.release()  # the weights arrive from training at each rollout
-        return engine
+    # ------------------------------------------------------------------ weight sync (split placement)
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def weight_manifest(self) -> Manifest:
+        """(HF name, full shape) of every parameter, in the order `send_weights` streams them."""
+        return weight_manifest(self.model)
 
-    # ------------------------------------------------------------------ rollout
-    @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate(self, prompts: Batch) -> Batch:
-        """Rollouts with the current weights; sampling from ``prompts.meta["sampling"]`` (`SamplingParams` fields).
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect="first")
+    def send_weights(self, sync_key: str, manifest: Manifest, dtype: str, bucket_bytes: int) -> dict[str, float]:
+        """Broadcast the current weights to the rollout ranks (collective with `RolloutWorker.receive_weights`).
 
-        Returns the engine's columns (``responses``, ``input_ids``, ``response_mask``, ...), ``n`` rows per
-        prompt, with the other prompt columns repeated.
+        Every actor rank gathers full tensors (FSDP2); this group's first rank, the only one in the sync
+        group, broadcasts them bucket by bucket in ``dtype``.
         """
-        if self.freeze:
-            raise RuntimeError("a frozen ActorWorker (reference) does not generate")
-        if self.engine is None:
-            self.engine = self._build_engine(**self._engine_kwargs)
-        sampling = SamplingParams(**prompts.meta.get("sampling", {}))
-        return hybrid.generate_with_current_weights(self.model, self.engine, prompts, sampling,
-                                                    optimizer=self.optimizer)
+        group = process_group(sync_key) if self.group_rank == 0 else None
+        stats = send_weights(self.model, group, self.ranks[0], manifest, resolve_dtype(dtype), bucket_bytes)
+        return stats.as_dict()
 
     # ------------------------------------------------------------------ forward
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool):

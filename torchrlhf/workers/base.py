@@ -228,14 +228,6 @@ class FSDPWorker(Worker):
         assert self.optimizer is not None
         return float(self.optimizer.param_groups[0]["lr"])
 
-    # ------------------------------------------------------------------ accounting
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def busy_seconds(self) -> dict[str, float]:
-        """Seconds spent inside each method on this rank (for the controller/RPC overhead in benchmarks)."""
-        from torchrlhf.runtime.group import busy_seconds
-
-        return busy_seconds(self.context.group_name)
-
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -1,0 +1,64 @@
+"""The rollout role with every engine, colocated (hybrid engine) and split (weights broadcast to its own ranks).
+
+Each case is a real job (tests/workers/rollout_scenarios.py): one process for colocated, torchrun with
+3 ranks (actor on rank 0, rollout on ranks 1 and 2) for split placement and for a dying rollout rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchrlhf.generation import vllm_available
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = Path(__file__).with_name("rollout_scenarios.py")
+VLLM_OK, VLLM_WHY = vllm_available()
+ENGINES = [
+    "torchrlhf.generation.NativeEngine",
+    pytest.param("torchrlhf.generation.VLLMEngine",
+                 marks=pytest.mark.skipif(not VLLM_OK, reason=f"vLLM is not importable here: {VLLM_WHY}")),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from torchrlhf.models import save_tiny_model
+
+    # head_dim 32: vLLM's CPU attention needs >= 32
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny"), tokenizer_from=None, vocab_size=128,
+                               hidden_size=128, head_dim=32))
+
+
+def _run(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
+    env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run([*cmd, str(SCENARIOS), *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("mode, nproc", [("colocated", 1), ("split", 3)])
+def test_next_rollout_uses_the_updated_weights(model_dir, engine, mode, nproc):
+    p = _run(nproc, mode, engine, model_dir)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "ALL PASSED" in p.stdout, out[-6000:]
+    if mode == "split":
+        assert "PASS weights went by bucketed broadcast" in p.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_dying_rollout_rank_ends_the_job_naming_it(model_dir, engine):
+    p = _run(3, "dying", engine, model_dir, timeout=240)  # a hang would raise TimeoutExpired
+    out = p.stdout + p.stderr
+    assert "PASS a dead rollout rank is named" in p.stdout, out[-6000:]
+    assert p.returncode != 0

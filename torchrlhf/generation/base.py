@@ -1,0 +1,144 @@
+"""The one engine interface every rollout engine implements, and the output contract they share.
+
+A `RolloutEngine` turns a Batch of left-padded prompts into a Batch of responses. The rollout role
+(`torchrlhf.workers.RolloutWorker`) drives any engine the same way, so the native engine and vLLM are
+interchangeable behind ``rollout.engine._component_``:
+
+    engine = EngineCls(model_path, tokenizer=tok, device=dev, dtype=dtype, tp_mesh=tp_mesh, **config)
+    engine.release()                      # colocated with training: give the memory back until needed
+    engine.resume(("weights",))           # weights first (verl's order): room for the incoming tensors
+    engine.update_weights(stream)         # (hf_name, tensor) pairs in the layout of `param_shard_dims`
+    engine.resume(("kv_cache",))          # then the cache, once the weights have their memory
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_tokens=64))
+    engine.release()
+
+Every engine returns `GENERATION_COLUMNS` built by `assemble_generation` (so the columns, padding and
+masks cannot drift apart between engines), plus the non-tensor ``finish_reason`` ("stop" or "length").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from torchrlhf.data.batch import Batch
+from torchrlhf.generation.sampling import SamplingParams
+
+GENERATION_COLUMNS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+)
+RESUME_TAGS = ("weights", "kv_cache")  # in the order `resume` must restore them
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout role needs from an engine (see the module docstring for the call order).
+
+    ``tp_size``/``tp_mesh``: the engine's tensor-parallel group (1 / None without TP). Every rank of a TP
+    group calls `generate` with the same prompts and gets the same answer.
+    """
+
+    tp_size: int
+    tp_mesh: object | None
+
+    def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
+        """``sampling.n`` responses per prompt, samples of one prompt adjacent (see `assemble_generation`)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(hf_name, tensor)`` pairs, copying each before taking the next (the producer may free it)."""
+
+    def param_shard_dims(self) -> dict[str, int | None]:
+        """HF name -> the dim this rank's TP shard splits (None: the full tensor is expected)."""
+
+    def release(self) -> None:
+        """Free the KV cache and, where the engine can, its weights (no-op where the device cannot)."""
+
+    def resume(self, tags: Sequence[str] = RESUME_TAGS) -> None:
+        """Re-allocate what `release` freed: ``"weights"`` (then refilled by `update_weights`), ``"kv_cache"``."""
+
+
+def check_resume_tags(tags: Sequence[str]) -> tuple[str, ...]:
+    tags = (tags,) if isinstance(tags, str) else tuple(tags)
+    bad = [t for t in tags if t not in RESUME_TAGS]
+    if bad:
+        raise ValueError(f"resume: unknown tags {bad}; valid: {list(RESUME_TAGS)}")
+    return tags
+
+
+def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -> list[int]:
+    """Prompt lengths; ValueError naming the prompt when one is empty or leaves no room for ``max_tokens``."""
+    input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    if input_ids.dim() != 2 or input_ids.shape != mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [B, P]; got {tuple(input_ids.shape)} and {tuple(mask.shape)}"
+        )
+    lengths = mask.sum(-1).tolist()
+    limit = max_seq_len - params.max_tokens
+    for i, length in enumerate(lengths):
+        if length == 0:
+            raise ValueError(f"prompt {i} is empty (attention_mask has no 1s)")
+        if length > limit:
+            raise ValueError(
+                f"prompt {i} has {length} tokens; with max_tokens={params.max_tokens} the limit is "
+                f"max_seq_len - max_tokens = {max_seq_len} - {params.max_tokens} = {limit}"
+            )
+    return lengths
+
+
+def prompt_token_lists(prompts: Batch) -> list[torch.Tensor]:
+    """Each prompt's tokens without its left padding."""
+    ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()
+    return [ids[i][mask[i]] for i in range(len(ids))]
+
+
+def assemble_generation(
+    prompts: Batch,
+    params: SamplingParams,
+    tokens: torch.Tensor,
+    logps: torch.Tensor,
+    resp_len: torch.Tensor,
+    reasons: list[str],
+    pad_id: int,
+) -> Batch:
+    """The output Batch of every engine, from per-sample results (sample ``i*n + j``: prompt i, sample j).
+
+    ``tokens``/``logps`` are ``[B*n, max_tokens]`` (anything past ``resp_len`` is ignored). Returns
+    ``prompts`` (left-padded prompt ids), ``responses`` (right-padded with ``pad_id``), ``input_ids``,
+    ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_log_probs`` (float32, 0 on
+    padding; only with ``params.logprobs``), ``finish_reason``; every other column of ``prompts`` is
+    repeated n times; ``meta["temperature"]`` is the temperature the log-probs used (1 when greedy).
+    """
+    n, out_device = params.n, prompts["input_ids"].device
+    r = params.max_tokens
+    response_mask = (torch.arange(r)[None, :] < resp_len[:, None]).long()
+    responses = torch.where(response_mask.bool(), tokens, pad_id)
+    prompt_ids = prompts["input_ids"].cpu().repeat_interleave(n, dim=0)
+    prompt_mask = prompts["attention_mask"].cpu().long().repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    columns = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask,
+        "rollout_log_probs": (logps * response_mask).float(),
+    }
+    if not params.logprobs:
+        del columns["rollout_log_probs"]
+    columns = {k: v.to(out_device) for k, v in columns.items()}
+    reserved = {*GENERATION_COLUMNS, "finish_reason"}
+    rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
+    return Batch(
+        {**(rest.tensors if rest else {}), **columns},
+        {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
+        {**prompts.meta, "temperature": params.temperature if params.temperature > 0 else 1.0},
+    )

@@ -1,0 +1,368 @@
+"""vLLM as a rollout engine, in the worker's own process.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its scheduler and model runner live in the
+caller's process, so `VLLMEngine.update_weights` hands tensors to vLLM's in-place reload without pickling
+or disk. vLLM is imported only when an engine is built, so ``torchrlhf.generation`` works without it.
+
+Side effects of building an engine on the process (vLLM's, not ours; see `VLLMEngine`): vLLM initialises
+``torch.distributed`` (a 1-rank gloo group) when nobody has, on CPU it pins the OpenMP threads and turns
+``torch.set_num_threads`` into a no-op, and its teardown (`VLLMEngine.shutdown`, or garbage collection
+of the engine) destroys the default process group, whoever created it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from torchrlhf.data.batch import Batch
+from torchrlhf.generation.base import (
+    RESUME_TAGS,
+    assemble_generation,
+    check_resume_tags,
+    prompt_token_lists,
+    validate_prompts,
+)
+from torchrlhf.generation.sampling import SamplingParams
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+VLLM_TEMPERATURE_RANGE = (1e-2, 2.0)  # vLLM clamps smaller temperatures up and rejects larger ones
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(True, version) when vLLM imports here, else (False, why)."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        return False, f"{type(e).__name__}: {e}"
+    return True, vllm.__version__
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
+    """HF name -> shape of every tensor of the safetensors checkpoint in ``path`` (headers only)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no *.safetensors checkpoint; VLLMEngine starts from an HF model directory")
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                shapes[name] = torch.Size(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _sample_seed(seed: int, sample: int) -> int:
+    """The vLLM request seed of sample ``sample`` of a prompt seeded ``seed``.
+
+    Mixed rather than ``seed + sample`` (what vLLM's own ``n`` does): prompt seeds are ``base + i``,
+    so sample 1 of prompt i would reuse the noise of sample 0 of prompt i + 1.
+    """
+    return (seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63)
+
+
+def _packed_modules(worker) -> dict[str, list[str]]:
+    """Run on vLLM's worker (`LLM.collective_rpc`): fused module -> the HF modules it holds (qkv_proj: q/k/v)."""
+    return {k: list(v) for k, v in getattr(worker.get_model(), "packed_modules_mapping", {}).items()}
+
+
+class VLLMEngine:
+    """Generation with vLLM (V1 engine, in-process) behind the `RolloutEngine` interface.
+
+    Same output contract, seeds and weight contract as `NativeEngine`; the differences:
+
+    * ``rollout_log_probs`` come from vLLM's ``logprobs_mode="processed_logprobs"``: log_softmax of
+      the logits after temperature *and* after top-k / top-p / min-p masking. Without those filters
+      (``top_k=-1, top_p=1, min_p=0``: the usual RL setting) that is exactly our definition,
+      log_softmax(logits / T) (T = 1 when greedy). With a filter on, vLLM renormalises over the kept
+      tokens, so each log-prob is ours minus log(kept probability mass), i.e. too high; no vLLM mode
+      gives the unfiltered value at T != 1 (``raw_logprobs`` is taken before the temperature).
+    * sampling uses vLLM's own sampler (per-request generators seeded from ``(seed_i, j)``, see
+      `_sample_seed`): reproducible and independent of batch composition, but different draws
+      from `NativeEngine` for the same seed. Temperatures must be 0 or in [0.01, 2] (vLLM's range).
+    * TP: only ``tp_mesh=None`` (or of size 1). vLLM builds its own TP groups over the *whole*
+      ``torch.distributed`` world as blocks of adjacent ranks, collectively (every rank of the world
+      must build an engine with the same TP size at the same time); the hybrid layout's TP groups
+      are strided (`torchrlhf.hybrid.layout`) and split placement leaves the actor's ranks out.
+    * `release`/`resume` free and restore memory only with ``enable_sleep_mode`` on CUDA (vLLM's
+      sleep level 2, then ``wake_up`` weights before KV cache). vLLM has no sleep mode on CPU: there
+      both are no-ops and vLLM keeps its weights and KV cache while training runs.
+
+    Args:
+        model_path: HF model directory (config, safetensors and, for stop strings, a tokenizer).
+        tokenizer: the tokenizer for `self.tokenizer`; vLLM loads the tokenizer files of
+            ``model_path``, or of this tokenizer saved to a temporary directory when the model has
+            none. Without either, vLLM runs without a tokenizer and stop strings are refused.
+        max_batch_size: sequences vLLM decodes together (``max_num_seqs``).
+        max_seq_len: longest prompt + response (``max_model_len``).
+        device: ``"cpu"`` or a CUDA device (vLLM's platform decides; in-process it uses GPU 0 of
+            the visible ones).
+        dtype: weights and KV cache; default float32 on CPU, the checkpoint's dtype elsewhere.
+        tp_mesh: must be None or of size 1 (see above).
+        kv_cache_gib: KV-cache size in GiB on CPU (on CUDA ``gpu_memory_utilization`` sizes it).
+        gpu_memory_utilization: fraction of GPU memory vLLM may use for weights, activations and
+            KV cache (CUDA only).
+        enforce_eager: run the model eagerly (no torch.compile, no CUDA graphs): faster start.
+        enable_prefix_caching: reuse the KV of shared prompt prefixes (the n samples of a prompt).
+        enable_sleep_mode: let `release` free the weights and KV cache (CUDA only).
+        seed: vLLM's engine seed (every request carries its own seed; this covers the rest).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer=None,
+        *,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        tp_mesh=None,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            raise ValueError(
+                f"VLLMEngine supports tp_mesh=None only (got TP size {tp_mesh.size()}): in-process vLLM forms "
+                "its TP groups itself, as blocks of adjacent ranks of the whole torch.distributed world, and "
+                "every world rank must build an engine at the same time; torchrlhf's generation TP groups are "
+                "strided (hybrid.layout) or leave ranks out (split placement). Use NativeEngine for TP."
+            )
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ValueError("VLLMEngine runs vLLM in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (or leave it unset)")
+        from transformers import AutoConfig, GenerationConfig
+        from vllm import LLM
+
+        path = Path(model_path)
+        self.device = torch.device(device)
+        self.tp_mesh, self.tp_size = None, 1
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self._shapes = _checkpoint_shapes(path)
+        config = AutoConfig.from_pretrained(str(path))
+        try:
+            gen_config = GenerationConfig.from_pretrained(str(path))
+        except OSError:
+            gen_config = GenerationConfig.from_model_config(config)
+        self._tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in self._shapes
+
+        tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else None
+        self._tokenizer_tmp = None
+        if tokenizer_dir is None and hasattr(tokenizer, "save_pretrained"):
+            self._tokenizer_tmp = tempfile.TemporaryDirectory(prefix="torchrlhf-vllm-tokenizer-")
+            tokenizer.save_pretrained(self._tokenizer_tmp.name)
+            tokenizer_dir = self._tokenizer_tmp.name
+        on_cpu = self.device.type == "cpu"
+        self._sleep = enable_sleep_mode and self.device.type == "cuda"
+        self.llm = LLM(
+            str(path),
+            tokenizer=tokenizer_dir,
+            skip_tokenizer_init=tokenizer_dir is None,
+            dtype=dtype or (torch.float32 if on_cpu else "auto"),
+            seed=seed,
+            max_model_len=max_seq_len,
+            max_num_seqs=max_batch_size,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=self._sleep,
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if on_cpu else None,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # sampling and EOS come from our SamplingParams only
+        )
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        if tokenizer is None and tokenizer_dir is not None:
+            tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = tokenizer
+        self._has_vllm_tokenizer = tokenizer_dir is not None
+
+        eos = [gen_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
+        self._eos_ids = sorted({i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e]) if i is not None})
+        pads = [getattr(s, "pad_token_id", None) for s in (tokenizer, gen_config, config)]
+        self._pad_id = next((int(p) for p in pads if p is not None), self._eos_ids[0] if self._eos_ids else 0)
+        self._modules = self._module_members(self.llm.collective_rpc(_packed_modules)[0])
+        self._asleep: set[str] = set()
+        self._missing: set[str] = set()
+
+    # ------------------------------------------------------------------ weights
+    def param_names(self) -> list[str]:
+        """HF names `update_weights` accepts (those of the checkpoint; a tied lm_head is the embedding)."""
+        return list(self._shapes)
+
+    def param_shard_dims(self) -> dict[str, int | None]:
+        """Name -> TP dim: all None (TP=1 takes full tensors)."""
+        return dict.fromkeys(self._shapes)
+
+    def param_local_shapes(self) -> dict[str, torch.Size]:
+        """Name -> the shape `update_weights` expects (the full tensor's)."""
+        return dict(self._shapes)
+
+    def _module_members(self, packed: dict[str, list[str]]) -> dict[str, set[str]]:
+        """vLLM module -> the HF names it loads (q/k/v_proj.* -> qkv_proj): loaded together or not at all."""
+        fused = {part: name for name, parts in packed.items() for part in parts}
+        members: dict[str, set[str]] = {}
+        for name in self._shapes:
+            module = name.rpartition(".")[0]
+            parent, _, leaf = module.rpartition(".")
+            members.setdefault(f"{parent}.{fused[leaf]}" if leaf in fused else module, set()).add(name)
+        return members
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(hf_name, full_tensor)`` pairs into vLLM's weights in place, streaming.
+
+        The pairs go through one call of vLLM's in-place ``reload_weights``, which processes each
+        vLLM module as soon as all its tensors have arrived (a fused ``qkv_proj`` waits for q, k
+        and v), so memory holds at most the modules still incomplete, never the whole model. Each
+        tensor is copied (in the engine's dtype) before the next is taken. A partial set is fine
+        at module granularity: modules not sent keep their weights. A module sent in part would be
+        left half undefined, so that raises, as do unknown names and shape mismatches (the pairs
+        before the bad one are loaded and the engine stays usable). The prefix cache is cleared.
+        """
+        loaded: set[str] = set()
+        failure: list[Exception] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            try:
+                for name, tensor in named_tensors:
+                    if name == "lm_head.weight" and self._tied:
+                        name = "model.embed_tokens.weight"
+                    shape = self._shapes.get(name)
+                    if shape is None:
+                        raise ValueError(f"update_weights: unknown parameter {name!r} (see VLLMEngine.param_names())")
+                    if tuple(tensor.shape) != tuple(shape):
+                        raise ValueError(
+                            f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+                        )
+                    loaded.add(name)
+                    yield name, tensor.to(self.device, self.dtype, copy=True)
+            except Exception as e:  # noqa: BLE001 - end the stream so vLLM finishes its reload, then re-raise
+                failure.append(e)
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self.llm.reset_prefix_cache()
+        self._missing -= loaded
+        if failure:
+            raise failure[0]
+        partial = {m: sorted(names - loaded) for m, names in self._modules.items() if names & loaded and names - loaded}
+        if partial:
+            module, absent = next(iter(partial.items()))
+            raise ValueError(
+                f"update_weights: vLLM loads {module!r} as one module, but {absent} did not come with the rest "
+                f"of it, so that module's weights are now undefined; send all of its parameters in one call"
+            )
+
+    # ------------------------------------------------------------------ memory
+    def release(self) -> None:
+        """Free the weights and KV cache (vLLM sleep level 2) with sleep mode on CUDA; else a no-op.
+
+        After `resume`, the weights must be refilled with `update_weights` before `generate`.
+        """
+        if not self._sleep or self._asleep:
+            return
+        self.llm.sleep(level=2)
+        self._asleep = set(RESUME_TAGS)
+        self._missing = set(self._shapes)
+
+    def resume(self, tags: Sequence[str] = RESUME_TAGS) -> None:
+        """Re-allocate what `release` freed: ``"weights"`` (undefined until `update_weights`), ``"kv_cache"``."""
+        tags = check_resume_tags(tags)
+        for tag in RESUME_TAGS:  # weights first, whatever order the tags came in
+            if tag in tags and tag in self._asleep:
+                self.llm.wake_up(tags=[tag])
+                self._asleep.discard(tag)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine now (also what garbage collection of the engine does).
+
+        vLLM's teardown destroys torch.distributed's default process group, even one it did not create.
+        """
+        self.llm.llm_engine.engine_core.shutdown()
+        if self._tokenizer_tmp is not None:
+            self._tokenizer_tmp.cleanup()
+
+    # ------------------------------------------------------------------ generate
+    def _prompt_seeds(self, prompts: Batch, params: SamplingParams) -> list[int]:
+        if "seed" in prompts:
+            seeds = prompts["seed"]
+            return [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        return [base + i for i in range(len(prompts))]
+
+    def _request_params(self, params: SamplingParams) -> dict:
+        """vLLM SamplingParams fields for one sample of ``params`` (n=1: each sample has its own seed)."""
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        return dict(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),  # ours: -1 or 0 is off; vLLM's: 0
+            min_p=params.min_p,
+            max_tokens=params.max_tokens,
+            stop_token_ids=sorted(stop_ids),
+            stop=list(params.stop),
+            ignore_eos=params.ignore_eos,
+            logprobs=0 if params.logprobs else None,  # the sampled token's only
+            flat_logprobs=True,
+            detokenize=bool(params.stop),  # text is needed only to find stop strings
+            skip_special_tokens=False,  # as NativeEngine decodes for stop strings
+        )
+
+    def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
+        """Sample ``sampling.n`` responses per left-padded prompt: the columns of `assemble_generation`.
+
+        The stop token (EOS or ``stop_token_ids``) ends the response and is kept in it; on a stop
+        string the response ends with the token that completed it. Both report ``"stop"``.
+        """
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        params = sampling or SamplingParams()
+        if self._asleep or self._missing:
+            raise RuntimeError("VLLMEngine.generate after release(): call resume() and update_weights() first")
+        if params.stop and not self._has_vllm_tokenizer:
+            raise ValueError("SamplingParams.stop needs a tokenizer; give the model directory one or pass tokenizer=")
+        low, high = VLLM_TEMPERATURE_RANGE
+        if params.temperature and not low <= params.temperature <= high:
+            raise ValueError(f"VLLMEngine: temperature must be 0 or in [{low}, {high}] (vLLM's range), got {params.temperature}")
+        validate_prompts(prompts, params, self.max_seq_len)
+        seeds = self._prompt_seeds(prompts, params)
+        fields = self._request_params(params)
+        requests, request_params = [], []
+        for i, tokens in enumerate(prompt_token_lists(prompts)):
+            ids = tokens.tolist()
+            for j in range(params.n):
+                requests.append({"prompt_token_ids": ids})
+                seed = None if params.greedy else _sample_seed(seeds[i], j)
+                request_params.append(VLLMSamplingParams(**fields, seed=seed))
+        outputs = self.llm.generate(requests, request_params, use_tqdm=False) if requests else []
+
+        total, width = len(requests), params.max_tokens
+        tokens = torch.zeros(total, width, dtype=torch.long)
+        logps = torch.zeros(total, width, dtype=torch.float32)
+        resp_len = torch.zeros(total, dtype=torch.long)
+        reasons = []
+        for k, out in enumerate(outputs):
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            tokens[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if params.logprobs:
+                logps[k, : len(ids)] = torch.tensor(sample.logprobs.logprobs, dtype=torch.float32)
+            resp_len[k] = len(ids)
+            reasons.append("stop" if sample.finish_reason == "stop" else "length")
+        return assemble_generation(prompts, params, tokens, logps, resp_len, reasons, self._pad_id)

@@ -1,0 +1,139 @@
+"""The rollout role: a `RolloutEngine` serving generation, colocated with the actor or on its own ranks.
+
+Colocated (``actor_group`` names the actor's group on the same ranks): the hybrid engine. The engine is
+built on the first rollout and released between rollouts; each `generate` streams the actor's current
+training shards into it (`hybrid.generate_with_current_weights`), so rollouts always use the newest
+weights and nothing is synchronised between rollouts. Generation TP groups follow the HybridFlow
+layout of the actor's mesh (`hybrid.generation_mesh`).
+
+Split (``actor_group`` None): the engine keeps its weights and KV cache; after each actor update the
+controller runs `ActorWorker.send_weights` and `RolloutWorker.receive_weights` together, which move the
+new weights by bucketed broadcast from the actor's first rank (`hybrid.broadcast`). TP groups are
+adjacent rollout ranks.
+
+Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
+produced it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchrlhf import hybrid
+from torchrlhf.config import get_component
+from torchrlhf.data import Batch
+from torchrlhf.generation import SamplingParams
+from torchrlhf.hybrid.broadcast import Manifest, receive_weights
+from torchrlhf.models import load_tokenizer
+from torchrlhf.runtime.group import local_worker, process_group
+from torchrlhf.runtime.worker import Dispatch, Worker, register
+from torchrlhf.workers.base import resolve_dtype
+
+ENGINE_ARGS_SET_BY_ROLE = ("model_or_path", "model_path", "tokenizer", "device", "dtype", "tp_mesh")
+
+
+class RolloutWorker(Worker):
+    """Generation behind one engine interface. Arguments mirror the ``rollout`` config section.
+
+    Args:
+        model_path: HF model directory the engine starts from (the actor's).
+        engine: the ``rollout.engine`` section: ``_component_`` (a `RolloutEngine` class, default
+            `torchrlhf.generation.NativeEngine`) and that class's own keyword arguments.
+        tp_size: tensor-parallel size of each engine (ranks of one TP group generate together).
+        dtype: the engine's weights and KV cache (the actor's ``dtype``).
+        actor_group: name of the colocated actor's group (hybrid engine); None when on its own ranks.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engine: dict[str, Any] | None = None,
+        tp_size: int = 1,
+        dtype: str = "float32",
+        actor_group: str | None = None,
+    ) -> None:
+        super().__init__()
+        if tp_size < 1 or self.group_size % tp_size:
+            raise ValueError(f"rollout.tp_size={tp_size} must be positive and divide the rollout group's "
+                             f"{self.group_size} ranks")
+        spec = dict(engine or {})
+        self.engine_cls = get_component(spec.pop("_component_", "torchrlhf.generation.NativeEngine"))
+        self.engine_kwargs = spec
+        self.model_path = model_path
+        self.tp_size = tp_size
+        self.dtype = resolve_dtype(dtype)
+        self.actor_group = actor_group
+        self.engine = None
+        self.weight_version = 0
+        if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
+            self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
+            self._is_dp_leader = self.group_rank % tp_size == 0
+            self.tp_mesh = self.device_mesh((self.dp_size, tp_size), ("dp", "tp"))["tp"]
+        else:  # colocated: one prompt shard per rank; TP ranks pool theirs (see generate_with_current_weights)
+            self.tp_mesh = None
+        if actor_group is None:
+            self.engine = self._build_engine()
+
+    @property
+    def actor(self):
+        return local_worker(self.actor_group)
+
+    def _build_engine(self):
+        tp_mesh = self.tp_mesh
+        if self.actor_group is not None and self.tp_size > 1:
+            train_mesh = hybrid.training_mesh(self.actor.model)
+            if train_mesh is None:
+                raise ValueError(f"rollout.tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
+            tp_mesh = hybrid.generation_mesh(train_mesh, self.tp_size)["tp"]
+        has_tokenizer = (Path(self.model_path) / "tokenizer_config.json").is_file()
+        tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None  # stop strings need one
+        engine = self.engine_cls(self.model_path, tokenizer=tokenizer, device=self.device,
+                                 dtype=self.dtype, tp_mesh=tp_mesh, **self.engine_kwargs)
+        if self.actor_group is not None:
+            engine.release()  # colocated: the weights arrive from training at each rollout
+        return engine
+
+    # ------------------------------------------------------------------ generation
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def generate(self, prompts: Batch) -> Batch:
+        """Responses with sampling from ``prompts.meta["sampling"]`` (`SamplingParams` fields).
+
+        Returns the engine's columns (``responses``, ``input_ids``, ``response_mask``,
+        ``rollout_log_probs``, ...) plus ``weight_version``, ``n`` rows per prompt, the other prompt
+        columns repeated. Colocated, ``meta["weight_version"]`` says which version the actor holds.
+        """
+        sampling = SamplingParams(**prompts.meta.get("sampling", {}))
+        if self.actor_group is not None:
+            if self.engine is None:
+                self.engine = self._build_engine()
+            actor = self.actor
+            out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
+                                                       optimizer=actor.optimizer)
+            version = int(prompts.meta.get("weight_version", 0))
+        else:  # split: the ranks of a TP group got the same shard (its first rank answers)
+            out = self.engine.generate(prompts, sampling)
+            version = self.weight_version
+        out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
+        return out
+
+    # ------------------------------------------------------------------ split placement
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def receive_weights(self, sync_key: str, src: int, manifest: Manifest, bucket_bytes: int,
+                        version: int) -> dict[str, float]:
+        """Load the weights the actor's `send_weights` broadcasts (collective with it); record ``version``."""
+        if self.actor_group is not None:
+            raise RuntimeError("a colocated rollout gets its weights from the actor at each generate")
+        stats = receive_weights(self.engine, process_group(sync_key), src, manifest, self.dtype, bucket_bytes,
+                                device=self.device)
+        self.weight_version = version
+        return stats.as_dict()
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def engine_info(self) -> dict[str, Any]:
+        """Which engine serves, its TP size and dtype (for logs and benchmarks)."""
+        return {"engine": f"{self.engine_cls.__module__}.{self.engine_cls.__qualname__}", "tp_size": self.tp_size,
+                "dtype": str(self.dtype), "colocated": self.actor_group is not None}
