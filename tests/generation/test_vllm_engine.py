@@ -53,6 +53,32 @@ def forward_logits(model, out: Batch) -> torch.Tensor:
     return logits[:, out["prompts"].shape[1] - 1 : -1].float()
 
 
+def test_without_a_tokenizer_eos_comes_from_the_generation_config(tmp_path):
+    """No tokenizer files: vLLM runs without one; EOS still ends samples, stop strings are refused.
+
+    First in the file: it builds (and shuts down) its own engine before the module's engine exists.
+    """
+    model = tiny_model("llama", seed=2, **WIDE)
+    batch = prompt_batch()
+    free = hf_greedy(model, batch, 12)
+    eos = free[0, 3].item()
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(tmp_path)
+    engine = VLLMEngine(tmp_path, max_batch_size=4, max_seq_len=64)
+    try:
+        assert engine.tokenizer is None
+        out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12))
+        with pytest.raises(ValueError, match="needs a tokenizer"):
+            engine.generate(batch, SamplingParams(max_tokens=4, stop=["x"]))
+    finally:
+        engine.shutdown()
+    for i in range(len(batch)):
+        row = free[i].tolist()
+        n = row.index(eos) + 1 if eos in row else 12
+        assert out["response_mask"][i].sum() == n and out["responses"][i, :n].tolist() == row[:n]
+        assert out["finish_reason"][i] == ("stop" if eos in row else "length")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(model A, its directory with a tokenizer, model B): B is the same architecture, other weights."""
@@ -172,6 +198,8 @@ def test_invalid_requests_raise(engine):
         engine.generate(prompt_batch([3]), SamplingParams(temperature=2.5, max_tokens=4))
     with pytest.raises(ValueError, match="tp_mesh"):
         VLLMEngine("unused", tp_mesh=type("Mesh", (), {"size": lambda self: 2})())
+    with pytest.raises(ValueError, match="device index 0 only"):
+        VLLMEngine("unused", device="cuda:1")
 
 
 def test_logprobs_off_drops_the_column(engine):

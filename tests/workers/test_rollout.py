@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory) -> str:
 def _run(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
-    env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    env.update(OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     cmd = [sys.executable]
     if nproc > 1:

@@ -4,7 +4,7 @@ Same process, same prompts, fixed number of new tokens (EOS ignored so both
 sides generate exactly ``--max-new-tokens`` per sample), greedy or, with
 ``--temperature`` > 0, sampled from the whole softmax (``top_k=0`` for HF, whose
 default is 50; ``--top-p`` for both). Prints one row per batch size with the
-ratio native / HF. On CPU the native engine also runs without its
+ratio native / HF (and, with ``--vllm``, native / `VLLMEngine`). On CPU the native engine also runs without its
 oneDNN-prepacked projections (``cpu_prepack=False``), and both are compared with
 the ``F.linear`` floor (the tokens/s of a decode step that did nothing but its
 ``nn.Linear`` GEMMs, which bounds HF ``generate``); on CUDA the native engine
@@ -16,6 +16,7 @@ measured in-process).
 
     python tools/bench/bench_generate.py --batch-sizes 1 16 64 --max-new-tokens 128 --threads 2
     python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
+    python tools/bench/bench_generate.py --vllm --batch-sizes 16 64 --max-new-tokens 64 [--dtype bfloat16]
 
 ``--random-weights`` builds SmolLM2-135M's architecture with random weights (the
 timing of a run with EOS ignored does not depend on the weights), for
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tempfile
 import time
 
@@ -122,7 +124,7 @@ def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
     the native engine's prepacked oneDNN projections are not bound by it.
     """
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(batch_size, m.in_features) for m in linears}
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features, dtype=m.weight.dtype) for m in linears}
 
     def step() -> None:
         for m in linears:
@@ -197,6 +199,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes with random weights")
+    parser.add_argument("--vllm", action="store_true", help="also time VLLMEngine (needs the vllm extra)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
@@ -212,6 +215,11 @@ def main() -> None:
         # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
         baseline = "eager" if cuda else "unpacked"
         engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
+        if args.vllm:  # vLLM in this process, on the same weights and threads
+            from torchrlhf.generation import VLLMEngine
+
+            engines["vllm"] = VLLMEngine(path, tokenizer, **sizes, in_process=True)
+            torch.set_num_threads(args.threads)  # vLLM's start lowers it for "serving"
     pad_id = 2 if tokenizer is None else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     # Warm up every path once (allocator, kernels) on a short run.
@@ -222,6 +230,9 @@ def main() -> None:
         bench_hf(model, warm, 4, pad_id, sampling)
     where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
     weights = "random weights" if args.random_weights else "real weights"
+    if not cuda:
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        where += f", CPU {'with' if 'avx512_bf16' in flags else 'without'} AVX512-BF16, torch threads {torch.get_num_threads()}"
     print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, "
           + ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature}, top_p {sampling.top_p}"))
     bytes_per_s = copy_bandwidth(device)
@@ -232,6 +243,8 @@ def main() -> None:
     extra = f"{baseline + ' tok/s':>14} {('graphs/' if cuda else 'packed/') + baseline:>15}"
     if not cuda:
         extra += f" {'F.linear floor tok/s':>21} {'native/floor':>12}"
+    if args.vllm:
+        extra += f" {'vllm tok/s':>11} {'native/vllm':>11}"
     print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra} {'bw bound tok/s':>15} "
           f"{'native/bw':>9}")
     for bs in args.batch_sizes:
@@ -249,6 +262,8 @@ def main() -> None:
         if not cuda:
             floor = linear_floor(model, bs)
             tail += f" {floor:>21.1f} {native / floor:>12.2f}"
+        if args.vllm:
+            tail += f" {max(runs['vllm']):>11.1f} {native / max(runs['vllm']):>11.2f}"
         bound = bandwidth_bound(model, engines["native"], bs, prompts["input_ids"].shape[1], args.max_new_tokens,
                                 bytes_per_s)
         print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail} {bound:>15.0f} {native / bound:>9.3f}",

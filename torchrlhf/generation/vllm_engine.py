@@ -1,10 +1,13 @@
-"""vLLM as a rollout engine, in the worker's own process.
+"""vLLM as a rollout engine, driven from the rollout worker's process.
 
-vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its scheduler and model runner live in the
-caller's process, so `VLLMEngine.update_weights` hands tensors to vLLM's in-place reload without pickling
-or disk. vLLM is imported only when an engine is built, so ``torchrlhf.generation`` works without it.
+With one rank (or ``in_process=True``) vLLM's engine core runs in the caller's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): `VLLMEngine.update_weights` hands tensors to vLLM's in-place
+reload as one stream, without pickling or disk. Under ``torch.distributed`` with several ranks the engine
+core runs in a child process with a world of its own (in-process vLLM would form its groups over our
+whole world), and weights go to it in buckets of whole modules. vLLM is imported only when an engine is
+built, so ``torchrlhf.generation`` works without it.
 
-Side effects of building an engine on the process (vLLM's, not ours; see `VLLMEngine`): vLLM initialises
+Side effects of an in-process engine on the process (vLLM's, not ours; see `VLLMEngine`): vLLM initialises
 ``torch.distributed`` (a 1-rank gloo group) when nobody has, on CPU it pins the OpenMP threads and turns
 ``torch.set_num_threads`` into a no-op, and its teardown (`VLLMEngine.shutdown`, or garbage collection
 of the engine) destroys the default process group, whoever created it.
@@ -14,11 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import random
+import signal
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
@@ -71,6 +80,79 @@ def _sample_seed(seed: int, sample: int) -> int:
     return (seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63)
 
 
+@contextmanager
+def _keep_caller_state(cuda: bool) -> Iterator[None]:
+    """Restore what vLLM's start changes for its own process: the global RNGs, torch.set_num_threads (which
+    it replaces with a no-op) and the thread count (which it lowers "for serving": training would slow down)."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[0] if cuda else []):
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def _exit_with(worker, pid: int) -> None:
+    """Run on vLLM's worker process: end its engine core and itself once process ``pid`` is gone.
+
+    vLLM's child processes outlive a parent that dies abruptly (SIGKILL, os._exit, torchrun's SIGTERM);
+    this keeps a dead rollout rank from leaving its engine running.
+    """
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getppid(), signal.SIGKILL)  # the engine core
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="torchrlhf-exit-with-parent").start()
+
+
+@contextmanager
+def _multiprocessing(enabled: bool) -> Iterator[None]:
+    """vLLM's engine core in a child process (enabled) or in this one, whatever the environment says.
+
+    A child process gets our reload / repack functions over vLLM's local IPC sockets, which needs vLLM's
+    pickle fallback (``VLLM_ALLOW_INSECURE_SERIALIZATION``): the peers are this process and its own child.
+    """
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if enabled else "0"
+    if enabled:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """Run on vLLM's worker: rebuild the tied lm_head's CPU GEMM from the (reloaded) embedding.
+
+    On CPU vLLM multiplies by a packed copy of the lm_head weight, made after loading; reload_weights
+    repacks the modules it loads, but a tied lm_head is never loaded (it shares the embedding), so
+    without this its logits keep coming from the old embedding.
+    """
+    head = worker.get_model().lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _reload_bucket(worker, packed: bytes) -> None:
+    """Run on vLLM's worker process: reload one bucket of whole modules (safetensors bytes) in place."""
+    from safetensors.torch import load
+
+    worker.reload_weights(weights_iterator=iter(load(packed).items()))
+
+
 def _packed_modules(worker) -> dict[str, list[str]]:
     """Run on vLLM's worker (`LLM.collective_rpc`): fused module -> the HF modules it holds (qkv_proj: q/k/v)."""
     return {k: list(v) for k, v in getattr(worker.get_model(), "packed_modules_mapping", {}).items()}
@@ -85,28 +167,33 @@ class VLLMEngine:
       the logits after temperature *and* after top-k / top-p / min-p masking. Without those filters
       (``top_k=-1, top_p=1, min_p=0``: the usual RL setting) that is exactly our definition,
       log_softmax(logits / T) (T = 1 when greedy). With a filter on, vLLM renormalises over the kept
-      tokens, so each log-prob is ours minus log(kept probability mass), i.e. too high; no vLLM mode
-      gives the unfiltered value at T != 1 (``raw_logprobs`` is taken before the temperature).
+      tokens: each log-prob is ours minus log(kept probability mass), i.e. too high. No vLLM mode
+      gives ours then (``raw_logprobs``, taken before the temperature, would be exact only at T = 1).
     * sampling uses vLLM's own sampler (per-request generators seeded from ``(seed_i, j)``, see
       `_sample_seed`): reproducible and independent of batch composition, but different draws
       from `NativeEngine` for the same seed. Temperatures must be 0 or in [0.01, 2] (vLLM's range).
     * TP: only ``tp_mesh=None`` (or of size 1). vLLM builds its own TP groups over the *whole*
-      ``torch.distributed`` world as blocks of adjacent ranks, collectively (every rank of the world
-      must build an engine with the same TP size at the same time); the hybrid layout's TP groups
-      are strided (`torchrlhf.hybrid.layout`) and split placement leaves the actor's ranks out.
+      ``torch.distributed`` world as blocks of adjacent ranks, collectively; the hybrid layout's TP
+      groups are strided (`torchrlhf.hybrid.layout`) and split placement leaves the actor's ranks out.
+    * in-process under ``torch.distributed`` with more than one rank, vLLM creates its groups over
+      the whole world even at TP=1, so every rank would have to build its engine at the same time (an
+      engine on a subset of the ranks, as in split placement, hangs in its constructor). So with more
+      than one rank the engine runs vLLM's engine core in a process of its own (``in_process=None``,
+      the default), which has its own one-rank world; weights then travel to it in buckets of whole
+      vLLM modules (``bucket_mb``), serialised by vLLM, instead of as one in-process stream.
     * `release`/`resume` free and restore memory only with ``enable_sleep_mode`` on CUDA (vLLM's
       sleep level 2, then ``wake_up`` weights before KV cache). vLLM has no sleep mode on CPU: there
       both are no-ops and vLLM keeps its weights and KV cache while training runs.
 
     Args:
         model_path: HF model directory (config, safetensors and, for stop strings, a tokenizer).
-        tokenizer: the tokenizer for `self.tokenizer`; vLLM loads the tokenizer files of
-            ``model_path``, or of this tokenizer saved to a temporary directory when the model has
-            none. Without either, vLLM runs without a tokenizer and stop strings are refused.
+        tokenizer: kept as `self.tokenizer` (its EOS id ends samples; default: the one vLLM loads).
+            vLLM loads the tokenizer files of ``model_path``; without any it runs tokenizer-less:
+            EOS still comes from the generation config, stop strings are refused.
         max_batch_size: sequences vLLM decodes together (``max_num_seqs``).
         max_seq_len: longest prompt + response (``max_model_len``).
-        device: ``"cpu"`` or a CUDA device (vLLM's platform decides; in-process it uses GPU 0 of
-            the visible ones).
+        device: where vLLM runs: its build's platform decides (checked), and in-process on CUDA
+            it always takes ``cuda:0`` (so give each process its GPU with ``CUDA_VISIBLE_DEVICES``).
         dtype: weights and KV cache; default float32 on CPU, the checkpoint's dtype elsewhere.
         tp_mesh: must be None or of size 1 (see above).
         kv_cache_gib: KV-cache size in GiB on CPU (on CUDA ``gpu_memory_utilization`` sizes it).
@@ -116,6 +203,9 @@ class VLLMEngine:
         enable_prefix_caching: reuse the KV of shared prompt prefixes (the n samples of a prompt).
         enable_sleep_mode: let `release` free the weights and KV cache (CUDA only).
         seed: vLLM's engine seed (every request carries its own seed; this covers the rest).
+        in_process: run vLLM's engine core in this process (True) or in a child process (False);
+            None: in-process unless ``torch.distributed`` has more than one rank (see above).
+        bucket_mb: with the engine core in a child process, the most MiB of weights per transfer.
     """
 
     def __init__(
@@ -134,6 +224,8 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         enable_sleep_mode: bool = False,
         seed: int = 0,
+        in_process: bool | None = None,
+        bucket_mb: int = 64,
     ) -> None:
         if tp_mesh is not None and tp_mesh.size() > 1:
             raise ValueError(
@@ -144,15 +236,21 @@ class VLLMEngine:
             )
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise ValueError("VLLMEngine runs vLLM in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (or leave it unset)")
+        if in_process is None:
+            in_process = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        self.in_process, self.bucket_bytes = in_process, bucket_mb << 20
         from transformers import AutoConfig, GenerationConfig
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         path = Path(model_path)
         self.device = torch.device(device)
-        self.tp_mesh, self.tp_size = None, 1
+        if self.device.type != current_platform.device_type or (self.device.index or 0) != 0:
+            raise ValueError(
+                f"VLLMEngine: device={self.device}, but this vLLM build runs on {current_platform.device_type!r}, "
+                "and in-process on device index 0 only (set CUDA_VISIBLE_DEVICES to give a process its GPU)"
+            )
+        self.model_path, self.tp_mesh, self.tp_size = path, None, 1
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self._shapes = _checkpoint_shapes(path)
         config = AutoConfig.from_pretrained(str(path))
@@ -160,37 +258,36 @@ class VLLMEngine:
             gen_config = GenerationConfig.from_pretrained(str(path))
         except OSError:
             gen_config = GenerationConfig.from_model_config(config)
-        self._tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in self._shapes
+        self._tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self._tied:  # one tensor, named as the embedding (vLLM skips a tied lm_head.weight)
+            self._shapes.pop("lm_head.weight", None)
 
-        tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else None
-        self._tokenizer_tmp = None
-        if tokenizer_dir is None and hasattr(tokenizer, "save_pretrained"):
-            self._tokenizer_tmp = tempfile.TemporaryDirectory(prefix="torchrlhf-vllm-tokenizer-")
-            tokenizer.save_pretrained(self._tokenizer_tmp.name)
-            tokenizer_dir = self._tokenizer_tmp.name
+        has_tokenizer = any((path / f).is_file() for f in TOKENIZER_FILES)
         on_cpu = self.device.type == "cpu"
         self._sleep = enable_sleep_mode and self.device.type == "cuda"
-        self.llm = LLM(
-            str(path),
-            tokenizer=tokenizer_dir,
-            skip_tokenizer_init=tokenizer_dir is None,
-            dtype=dtype or (torch.float32 if on_cpu else "auto"),
-            seed=seed,
-            max_model_len=max_seq_len,
-            max_num_seqs=max_batch_size,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_sleep_mode=self._sleep,
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if on_cpu else None,
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # sampling and EOS come from our SamplingParams only
-        )
+        with _keep_caller_state(cuda=not on_cpu), _multiprocessing(not in_process):
+            self.llm = LLM(
+                str(path),
+                skip_tokenizer_init=not has_tokenizer,
+                dtype=dtype or (torch.float32 if on_cpu else "auto"),
+                seed=seed,
+                max_model_len=max_seq_len,
+                max_num_seqs=max_batch_size,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=enable_prefix_caching,
+                enable_sleep_mode=self._sleep,
+                kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if on_cpu else None,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # sampling and EOS come from our SamplingParams only
+            )
+        if not in_process:
+            self.llm.collective_rpc(_exit_with, args=(os.getpid(),))
         self.dtype = self.llm.llm_engine.model_config.dtype
-        if tokenizer is None and tokenizer_dir is not None:
+        if tokenizer is None and has_tokenizer:
             tokenizer = self.llm.get_tokenizer()
         self.tokenizer = tokenizer
-        self._has_vllm_tokenizer = tokenizer_dir is not None
+        self._has_vllm_tokenizer = has_tokenizer
 
         eos = [gen_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
         self._eos_ids = sorted({i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e]) if i is not None})
@@ -255,7 +352,15 @@ class VLLMEngine:
             except Exception as e:  # noqa: BLE001 - end the stream so vLLM finishes its reload, then re-raise
                 failure.append(e)
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        if self.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        else:
+            from safetensors.torch import save
+
+            for names, tensors in self._module_buckets(stream()):
+                self.llm.collective_rpc(_reload_bucket, args=(save(dict(zip(names, tensors))),))
+        if self._tied and self.device.type == "cpu" and "model.embed_tokens.weight" in loaded:
+            self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()
         self._missing -= loaded
         if failure:
@@ -267,6 +372,32 @@ class VLLMEngine:
                 f"update_weights: vLLM loads {module!r} as one module, but {absent} did not come with the rest "
                 f"of it, so that module's weights are now undefined; send all of its parameters in one call"
             )
+
+    def _module_buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[list, list]]:
+        """(names, tensors) buckets of at most ``bucket_bytes`` that end only where no vLLM module is half sent.
+
+        vLLM loads a fused module (qkv_proj) from q, k and v together; a bucket that split them would
+        leave it half defined between two reloads.
+        """
+        owner = {name: module for module, names in self._modules.items() for name in names}
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        open_modules: dict[str, set[str]] = {}
+        size = 0
+        for name, tensor in pairs:
+            names.append(name)
+            tensors.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+            module = owner[name]
+            pending = open_modules.setdefault(module, set(self._modules[module]))
+            pending.discard(name)
+            if not pending:
+                del open_modules[module]
+            if size >= self.bucket_bytes and not open_modules:
+                yield names, tensors
+                names, tensors, size = [], [], 0
+        if names:
+            yield names, tensors
 
     # ------------------------------------------------------------------ memory
     def release(self) -> None:
@@ -294,8 +425,6 @@ class VLLMEngine:
         vLLM's teardown destroys torch.distributed's default process group, even one it did not create.
         """
         self.llm.llm_engine.engine_core.shutdown()
-        if self._tokenizer_tmp is not None:
-            self._tokenizer_tmp.cleanup()
 
     # ------------------------------------------------------------------ generate
     def _prompt_seeds(self, prompts: Batch, params: SamplingParams) -> list[int]:
@@ -336,10 +465,10 @@ class VLLMEngine:
         if self._asleep or self._missing:
             raise RuntimeError("VLLMEngine.generate after release(): call resume() and update_weights() first")
         if params.stop and not self._has_vllm_tokenizer:
-            raise ValueError("SamplingParams.stop needs a tokenizer; give the model directory one or pass tokenizer=")
+            raise ValueError(f"SamplingParams.stop needs a tokenizer: vLLM found none in {self.model_path}")
         low, high = VLLM_TEMPERATURE_RANGE
         if params.temperature and not low <= params.temperature <= high:
-            raise ValueError(f"VLLMEngine: temperature must be 0 or in [{low}, {high}] (vLLM's range), got {params.temperature}")
+            raise ValueError(f"VLLMEngine: temperature must be 0 or in [{low}, {high}], got {params.temperature}")
         validate_prompts(prompts, params, self.max_seq_len)
         seeds = self._prompt_seeds(prompts, params)
         fields = self._request_params(params)

@@ -138,6 +138,9 @@ _create_lock = threading.Lock()
 
 
 def _reset() -> None:
+    """At runtime shutdown, before the process group goes: close every worker of this process, then forget them."""
+    for worker in reversed(list(_workers.values())):  # the reverse of construction: users before what they use
+        worker.close()
     _workers.clear()
     _busy_s.clear()
     _process_groups.clear()

@@ -138,6 +138,9 @@ class Worker:
         """True on the rank whose answer DP_COMPUTE collects for this data-parallel group."""
         return getattr(self, "_is_dp_leader", True)
 
+    def close(self) -> None:
+        """Release what outlives the Python object (child processes, ...): called once at runtime shutdown."""
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def busy_seconds(self) -> dict[str, float]:
         """Seconds spent inside each method on this rank (for the controller/RPC overhead in benchmarks)."""

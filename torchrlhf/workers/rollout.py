@@ -132,6 +132,13 @@ class RolloutWorker(Worker):
         self.weight_version = version
         return stats.as_dict()
 
+    def close(self) -> None:
+        """Stop an engine that runs processes of its own (vLLM) while the process group still exists."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.engine = None
+
     @register(dispatch=Dispatch.RANK_ZERO)
     def engine_info(self) -> dict[str, Any]:
         """Which engine serves, its TP size and dtype (for logs and benchmarks)."""
