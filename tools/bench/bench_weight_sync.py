@@ -32,8 +32,7 @@ from torchrlhf.models.parallelize import parallelize
 BUCKET = 64 << 20
 
 
-def fsdp(model: torch.nn.Module, ranks: list[int]) -> torch.nn.Module:
-    group = dist.new_group(ranks, use_local_synchronization=True)
+def fsdp(model: torch.nn.Module, group: dist.ProcessGroup) -> torch.nn.Module:
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
     return parallelize(model, dp_mesh=mesh, tp_mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)
 
@@ -62,22 +61,23 @@ def collective_bandwidth(kind: str, group, ranks: list[int], nbytes: int = 64 <<
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 4:
         raise SystemExit("run with torchrun --nproc_per_node=4")
     torch.set_num_threads(1)
-    path = str(smollm2_model_dir())
+    path = args.model or str(smollm2_model_dir())
     model = load_causal_lm(path, dtype=torch.float32)
     manifest = weight_manifest(model)
     total = sum(p.numel() * 4 for p in model.parameters())
 
     # colocated: every rank trains (FSDP over 4) and generates (TP 1)
-    actor = fsdp(load_causal_lm(path, dtype=torch.float32), [0, 1, 2, 3])
+    everyone = dist.new_group([0, 1, 2, 3])
+    actor = fsdp(load_causal_lm(path, dtype=torch.float32), everyone)
     engine = NativeEngine(path, max_batch_size=1, max_seq_len=64)
     engine.release()
-    everyone = dist.new_group([0, 1, 2, 3])
     colocated = []
     for _ in range(args.repeats):
         dist.barrier()
@@ -91,7 +91,8 @@ def main() -> None:
     # split: actor on 0-1, engines on 2-3, sync group {0, 2, 3}
     actor_ranks, rollout_ranks, sync_ranks = [0, 1], [2, 3], [0, 2, 3]
     sync_group = dist.new_group(sync_ranks)
-    actor = fsdp(model, actor_ranks) if rank in actor_ranks else None
+    actor_group = dist.new_group(actor_ranks)  # every rank takes part in creating a group (gloo naming)
+    actor = fsdp(model, actor_group) if rank in actor_ranks else None
     engine = NativeEngine(path, max_batch_size=1, max_seq_len=64) if rank in rollout_ranks else None
     split = []
     for _ in range(args.repeats):

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchrlhf.hybrid.layout import generation_mesh, training_mesh
-from torchrlhf.hybrid.reshard import iter_generation_weights
+from torch.distributed.tensor import DTensor
 
 Manifest = list[tuple[str, tuple[int, ...]]]
 
@@ -64,12 +63,13 @@ def plan_buckets(manifest: Manifest, dtype: torch.dtype, bucket_bytes: int) -> l
 
 
 def _full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's full tensor on every rank of the model's group (collective when it is sharded)."""
-    mesh = training_mesh(model)
-    if mesh is None:
-        yield from ((n, p.detach()) for n, p in model.named_parameters())
-        return
-    yield from iter_generation_weights(model, generation_mesh(mesh, 1), lambda name: None)
+    """Every parameter's full tensor on every rank of the model's group, one at a time (collective if sharded).
+
+    Gathers on the training mesh's own groups: creating groups here could deadlock, since the ranks of a
+    split-placement actor belong to different numbers of groups (only the first is in the sync group).
+    """
+    for name, p in model.named_parameters():
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
 
 def send_weights(
