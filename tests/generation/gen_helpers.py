@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from torchrlhf.data.batch import Batch
+
 VOCAB = 96
+LENGTHS = [5, 9, 3, 7, 6]
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides):
@@ -76,3 +79,23 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(chr(ord("a") + int(i) % 26) for i in ids)
+
+
+def prompt_batch(lengths=LENGTHS, seed=0) -> Batch:
+    """Left-padded random prompts with non-tensor columns and meta that engines must carry through."""
+    ids, mask = left_padded(lengths, seed)
+    n = len(lengths)
+    return Batch(
+        {"input_ids": ids, "attention_mask": mask},
+        {"uid": [f"u{i}" for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
+        {"step": 3},
+    )
+
+
+def forward_logits(model, out: Batch) -> torch.Tensor:
+    """Training-style forward on the generated sequences: logits predicting each response token."""
+    with torch.no_grad():
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
+    return logits[:, out["prompts"].shape[1] - 1 : -1].float()

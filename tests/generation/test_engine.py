@@ -8,29 +8,8 @@ import torch
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
 
-from gen_helpers import CharTokenizer, hf_greedy, left_padded, tiny_model
+from gen_helpers import LENGTHS, CharTokenizer, forward_logits, hf_greedy, left_padded, prompt_batch, tiny_model
 
-LENGTHS = [5, 9, 3, 7, 6]
-
-
-def prompt_batch(lengths=LENGTHS, seed=0) -> Batch:
-    ids, mask = left_padded(lengths, seed)
-    n = len(lengths)
-    return Batch(
-        {"input_ids": ids, "attention_mask": mask},
-        {"uid": [f"u{i}" for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
-        {"step": 3},
-    )
-
-
-def forward_logits(model, out: Batch) -> torch.Tensor:
-    """Training-style forward on the generated sequences: logits predicting each response token."""
-    with torch.no_grad():
-        logits = model(
-            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
-        ).logits
-    p = out["prompts"].shape[1]
-    return logits[:, p - 1 : -1].float()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

@@ -12,13 +12,12 @@ import torch
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import SamplingParams, VLLMEngine, vllm_available
 
-from gen_helpers import VOCAB, hf_greedy, left_padded, tiny_model
+from gen_helpers import LENGTHS, VOCAB, forward_logits, hf_greedy, left_padded, prompt_batch, tiny_model
 
 available, why = vllm_available()
 if not available:
     pytest.skip(f"vLLM is not importable here ({why})", allow_module_level=True)
 
-LENGTHS = [5, 9, 3, 7, 6]
 WIDE = dict(hidden_size=128, intermediate_size=192)  # 4 heads of 32
 
 
@@ -32,25 +31,6 @@ def save_tokenizer(path) -> None:
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<0>", bos_token="<1>", eos_token="<2>")
     tok.save_pretrained(path)
-
-
-def prompt_batch(lengths=LENGTHS, seed=0) -> Batch:
-    ids, mask = left_padded(lengths, seed)
-    n = len(lengths)
-    return Batch(
-        {"input_ids": ids, "attention_mask": mask},
-        {"uid": [f"u{i}" for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
-        {"step": 3},
-    )
-
-
-def forward_logits(model, out: Batch) -> torch.Tensor:
-    """Training-style forward on the generated sequences: logits predicting each response token."""
-    with torch.no_grad():
-        logits = model(
-            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
-        ).logits
-    return logits[:, out["prompts"].shape[1] - 1 : -1].float()
 
 
 def test_without_a_tokenizer_eos_comes_from_the_generation_config(tmp_path):

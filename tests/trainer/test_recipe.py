@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_ok, metrics_of, run_recipe, write_config
 
+from torchrlhf.generation import vllm_available
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -152,6 +154,27 @@ def test_split_placement_syncs_weights_and_resumes(tiny_model_dir, tmp_path):
     assert got[2]["training/rollout_probs_diff_max"] < 1e-3, got[2]
     for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"]:
         assert got[2][key] == pytest.approx(want[2][key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.skipif(not vllm_available()[0], reason=f"vLLM is not importable here: {vllm_available()[1]}")
+def test_vllm_rollouts_train_with_the_current_weights(tmp_path):
+    """The recipe with `VLLMEngine` rollouts (one process: vLLM in-process): two mini-batches make the actor
+    recompute log-probs, so every step compares vLLM's sampling probabilities with the training forward's;
+    weights that did not reach vLLM after an update would show as a gap."""
+    from torchrlhf.models import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny32", initializer_range=1.0, hidden_size=128, head_dim=32))
+    out = tmp_path / "out"  # head_dim 32: vLLM's CPU attention needs >= 32
+    cfg = write_config(tmp_path / "c.yaml", model_dir,
+                       actor={"lr": 3e-2, "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4},
+                       rollout={"engine": {"_component_": "torchrlhf.generation.VLLMEngine", "max_batch_size": 16,
+                                           "max_seq_len": 80, "kv_cache_gib": 0.25}},
+                       trainer={"total_steps": 3, "test_freq": 0, "output_dir": str(out), "loggers": ["jsonl"]})
+    assert_ok(run_recipe(cfg))
+    metrics = metrics_of(out)
+    assert [m["training/global_step"] for m in metrics] == [1, 2, 3]
+    assert [m["training/rollout_probs_diff_max"] < 1e-3 for m in metrics] == [True] * 3, metrics
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
 
 
 def test_default_config_one_step_on_smollm2(tmp_path):

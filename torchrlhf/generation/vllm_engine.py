@@ -239,6 +239,7 @@ class VLLMEngine:
         if in_process is None:
             in_process = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         self.in_process, self.bucket_bytes = in_process, bucket_mb << 20
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the run's own log
         from transformers import AutoConfig, GenerationConfig
         from vllm import LLM
         from vllm.platforms import current_platform
