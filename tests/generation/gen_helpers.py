@@ -99,3 +99,15 @@ def forward_logits(model, out: Batch) -> torch.Tensor:
             input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
         ).logits
     return logits[:, out["prompts"].shape[1] - 1 : -1].float()
+
+
+def save_tokenizer(path) -> None:
+    """A character tokenizer over the tiny vocab (ids 0-2 are pad/bos/eos): enough for stop strings."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<{i}>" if i < 3 else chr(0x3B1 + i): i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<0>", bos_token="<1>", eos_token="<2>")
+    tok.save_pretrained(path)
