@@ -111,3 +111,14 @@ def save_tokenizer(path) -> None:
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<0>", bos_token="<1>", eos_token="<2>")
     tok.save_pretrained(path)
+
+
+WIDE = dict(hidden_size=128, intermediate_size=192)  # 4 heads of 32: vLLM's CPU attention needs head_dim >= 32
+
+
+def saved_model_pair(path):
+    """(model A saved to ``path`` with a tokenizer, ``path``, model B): same architecture, other weights."""
+    model_a = tiny_model("llama", seed=0, **WIDE)
+    model_a.save_pretrained(path)
+    save_tokenizer(path)
+    return model_a, path, tiny_model("llama", seed=1, **WIDE)

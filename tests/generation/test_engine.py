@@ -91,44 +91,6 @@ def test_n_samples_share_the_prefill_and_greedy_agrees():
     assert torch.equal(out["responses"], ref)
 
 
-def test_stop_token_ids_end_with_stop():
-    model = tiny_model()
-    batch = prompt_batch()
-    free = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(
-        batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    )
-    stop_id = free["responses"][0, 3].item()
-    out = NativeEngine(model, max_batch_size=8, max_seq_len=64).generate(
-        batch, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
-    )
-    for i in range(len(batch)):
-        row = free["responses"][i].tolist()
-        n = row.index(stop_id) + 1 if stop_id in row else 12
-        assert out["response_mask"][i].sum() == n
-        assert out["responses"][i, :n].tolist() == row[:n]
-        assert out["finish_reason"][i] == ("stop" if stop_id in row else "length")
-
-
-def test_stop_strings_end_with_stop():
-    model = tiny_model()
-    tok = CharTokenizer()
-    batch = prompt_batch()
-    free = NativeEngine(model, tok, max_batch_size=8, max_seq_len=64).generate(
-        batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    )
-    text0 = tok.decode(free["responses"][0])
-    stop = text0[4:6]
-    out = NativeEngine(model, tok, max_batch_size=8, max_seq_len=64).generate(
-        batch, SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True)
-    )
-    for i in range(len(batch)):
-        text = tok.decode(free["responses"][i])
-        n = text.find(stop) + len(stop) if stop in text else 12
-        assert out["response_mask"][i].sum() == n
-        assert out["finish_reason"][i] == ("stop" if stop in text else "length")
-    assert out["finish_reason"][0] == "stop"
-
-
 def test_prompt_too_long_names_the_sample():
     engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=16)
     with pytest.raises(ValueError, match=r"prompt 1 has 9 tokens.*16 - 8 = 8"):

@@ -14,20 +14,14 @@ import torch
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine, vllm_available
 
-from gen_helpers import LENGTHS, forward_logits, hf_greedy, left_padded, prompt_batch, save_tokenizer, tiny_model
+from gen_helpers import LENGTHS, forward_logits, hf_greedy, left_padded, prompt_batch, saved_model_pair
 
-WIDE = dict(hidden_size=128, intermediate_size=192)  # 4 heads of 32
 VLLM_OK, VLLM_WHY = vllm_available()
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(model A, its directory with a tokenizer, model B): B is the same architecture, other weights."""
-    path = tmp_path_factory.mktemp("engine_model_a")
-    model_a = tiny_model("llama", seed=0, **WIDE)
-    model_a.save_pretrained(path)
-    save_tokenizer(path)
-    return model_a, path, tiny_model("llama", seed=1, **WIDE)
+    return saved_model_pair(tmp_path_factory.mktemp("engine_model_a"))
 
 
 @pytest.fixture(scope="module", params=[

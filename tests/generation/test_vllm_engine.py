@@ -11,13 +11,12 @@ import torch
 
 from torchrlhf.generation import SamplingParams, VLLMEngine, vllm_available
 
-from gen_helpers import forward_logits, hf_greedy, prompt_batch, save_tokenizer, tiny_model
+from gen_helpers import WIDE, forward_logits, hf_greedy, prompt_batch, saved_model_pair, tiny_model
 
 available, why = vllm_available()
 if not available:
     pytest.skip(f"vLLM is not importable here ({why})", allow_module_level=True)
 
-WIDE = dict(hidden_size=128, intermediate_size=192)  # 4 heads of 32
 
 
 def test_without_a_tokenizer_eos_comes_from_the_generation_config(tmp_path):
@@ -48,12 +47,7 @@ def test_without_a_tokenizer_eos_comes_from_the_generation_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(model A, its directory with a tokenizer, model B): B is the same architecture, other weights."""
-    path = tmp_path_factory.mktemp("vllm_model_a")
-    model_a = tiny_model("llama", seed=0, **WIDE)
-    model_a.save_pretrained(path)
-    save_tokenizer(path)
-    return model_a, path, tiny_model("llama", seed=1, **WIDE)
+    return saved_model_pair(tmp_path_factory.mktemp("vllm_model_a"))
 
 
 @pytest.fixture(scope="module")
