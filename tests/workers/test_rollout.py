@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory) -> str:
                                hidden_size=128, head_dim=32))
 
 
-def _run(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(nproc: int, *args: str, timeout: float = 300, monitor_interval: float | None = None
+         ) -> subprocess.CompletedProcess:
     torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
     env.update(OMP_NUM_THREADS="1",
@@ -42,6 +43,8 @@ def _run(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedPr
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if monitor_interval is not None:
+            cmd.append(f"--monitor-interval={monitor_interval}")
     return subprocess.run([*cmd, str(SCENARIOS), *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -58,7 +61,9 @@ def test_next_rollout_uses_the_updated_weights(model_dir, engine, mode, nproc):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_dying_rollout_rank_ends_the_job_naming_it(model_dir, engine):
-    p = _run(3, "dying", engine, model_dir, timeout=240)  # a hang would raise TimeoutExpired
+    # torchrun would tear the job down as soon as it sees the dead rank, racing the controller's report:
+    # a slow monitor lets the controller (the runtime, not torchrun) be the one that notices and ends it.
+    p = _run(3, "dying", engine, model_dir, timeout=240, monitor_interval=20)  # a hang: TimeoutExpired
     out = p.stdout + p.stderr
     assert "PASS a dead rollout rank is named" in p.stdout, out[-6000:]
     assert p.returncode != 0

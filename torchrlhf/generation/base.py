@@ -93,6 +93,24 @@ def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -
     return lengths
 
 
+def prompt_seeds(prompts: Batch, params: SamplingParams, tp_mesh=None) -> list[int]:
+    """One seed per prompt: the Batch's ``seed`` column, else ``params.seed + i``, else a base drawn from
+    torch's global RNG (broadcast over ``tp_mesh``, when given, so every TP rank samples identically)."""
+    if "seed" in prompts:
+        seeds = prompts["seed"]
+        return [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
+    base = params.seed
+    if base is None:
+        drawn = torch.randint(0, 2**62, (1,))
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            import torch.distributed as dist
+
+            group = tp_mesh.get_group()
+            dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
+        base = int(drawn.item())
+    return [base + i for i in range(len(prompts))]
+
+
 def prompt_token_lists(prompts: Batch) -> list[torch.Tensor]:
     """Each prompt's tokens without its left padding."""
     ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()

@@ -23,6 +23,7 @@ from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
     check_resume_tags,
+    prompt_seeds,
     prompt_token_lists,
     validate_prompts,
 )
@@ -281,21 +282,6 @@ class NativeEngine:
         stops = self._stop_ids(SamplingParams())
         return stops[0] if stops else 0
 
-    def _prompt_seeds(self, prompts: Batch, params: SamplingParams) -> list[int]:
-        if "seed" in prompts:
-            seeds = prompts["seed"]
-            return [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
-        base = params.seed
-        if base is None:
-            drawn = torch.randint(0, 2**62, (1,))
-            if self.tp_size > 1:  # every TP rank must sample identically
-                import torch.distributed as dist
-
-                group = self.tp_mesh.get_group()
-                dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
-            base = int(drawn.item())
-        return [base + i for i in range(len(prompts))]
-
     @torch.inference_mode()
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
         """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
@@ -320,7 +306,7 @@ class NativeEngine:
         prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
-        run = _Run(self, params, prompt_tokens, self._prompt_seeds(prompts, params))
+        run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh))
         tokens, logps, resp_len, reasons = run.run()
         return self._assemble(prompts, params, tokens, logps, resp_len, reasons)
 

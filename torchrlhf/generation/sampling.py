@@ -72,11 +72,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of a prompt seeded ``seed``, for every engine's sampler.
+
+    Mixed rather than ``seed + sample``: prompt seeds are ``base + i``, so sample 1 of prompt i would
+    otherwise reuse the draws of sample 0 of prompt i + 1.
+    """
+    return (seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63)
+
+
 def request_uniforms(seed: int, sample: int, steps: int) -> torch.Tensor:
     """The ``steps`` uniforms in [0, 1) that sample ``sample`` of a prompt seeded ``seed`` uses."""
     gen = torch.Generator(device="cpu")
-    # Mix the two numbers so (seed, sample) pairs of nearby prompts do not collide.
-    gen.manual_seed((seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63))
+    gen.manual_seed(sample_seed(seed, sample))
     return torch.rand(steps, generator=gen, dtype=torch.float64)
 
 

@@ -34,10 +34,11 @@ from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
     check_resume_tags,
+    prompt_seeds,
     prompt_token_lists,
     validate_prompts,
 )
-from torchrlhf.generation.sampling import SamplingParams
+from torchrlhf.generation.sampling import SamplingParams, sample_seed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 VLLM_TEMPERATURE_RANGE = (1e-2, 2.0)  # vLLM clamps smaller temperatures up and rejects larger ones
@@ -69,15 +70,6 @@ def _checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
             for name in f.keys():
                 shapes[name] = torch.Size(f.get_slice(name).get_shape())
     return shapes
-
-
-def _sample_seed(seed: int, sample: int) -> int:
-    """The vLLM request seed of sample ``sample`` of a prompt seeded ``seed``.
-
-    Mixed rather than ``seed + sample`` (what vLLM's own ``n`` does): prompt seeds are ``base + i``,
-    so sample 1 of prompt i would reuse the noise of sample 0 of prompt i + 1.
-    """
-    return (seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63)
 
 
 @contextmanager
@@ -170,7 +162,7 @@ class VLLMEngine:
       tokens: each log-prob is ours minus log(kept probability mass), i.e. too high. No vLLM mode
       gives ours then (``raw_logprobs``, taken before the temperature, would be exact only at T = 1).
     * sampling uses vLLM's own sampler (per-request generators seeded from ``(seed_i, j)``, see
-      `_sample_seed`): reproducible and independent of batch composition, but different draws
+      `sample_seed`): reproducible and independent of batch composition, but different draws
       from `NativeEngine` for the same seed. Temperatures must be 0 or in [0.01, 2] (vLLM's range).
     * TP: only ``tp_mesh=None`` (or of size 1). vLLM builds its own TP groups over the *whole*
       ``torch.distributed`` world as blocks of adjacent ranks, collectively; the hybrid layout's TP
@@ -428,13 +420,6 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------ generate
-    def _prompt_seeds(self, prompts: Batch, params: SamplingParams) -> list[int]:
-        if "seed" in prompts:
-            seeds = prompts["seed"]
-            return [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else seeds)]
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        return [base + i for i in range(len(prompts))]
-
     def _request_params(self, params: SamplingParams) -> dict:
         """vLLM SamplingParams fields for one sample of ``params`` (n=1: each sample has its own seed)."""
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
@@ -471,14 +456,14 @@ class VLLMEngine:
         if params.temperature and not low <= params.temperature <= high:
             raise ValueError(f"VLLMEngine: temperature must be 0 or in [{low}, {high}], got {params.temperature}")
         validate_prompts(prompts, params, self.max_seq_len)
-        seeds = self._prompt_seeds(prompts, params)
+        seeds = prompt_seeds(prompts, params)
         fields = self._request_params(params)
         requests, request_params = [], []
         for i, tokens in enumerate(prompt_token_lists(prompts)):
             ids = tokens.tolist()
             for j in range(params.n):
                 requests.append({"prompt_token_ids": ids})
-                seed = None if params.greedy else _sample_seed(seeds[i], j)
+                seed = None if params.greedy else sample_seed(seeds[i], j)
                 request_params.append(VLLMSamplingParams(**fields, seed=seed))
         outputs = self.llm.generate(requests, request_params, use_tqdm=False) if requests else []
 
