@@ -1,6 +1,9 @@
-"""Draw reward, KL and response-length curves from a ``metrics.jsonl`` log into a PNG.
+"""Draw reward, validation accuracy, response length, entropy and KL curves from ``metrics.jsonl`` logs.
 
     python tools/plot_metrics.py outputs/run/metrics.jsonl --out outputs/run/curves.png
+    python tools/plot_metrics.py seed0/metrics.jsonl seed1/metrics.jsonl --labels seed0 seed1 --out cmp.png
+
+Several logs (e.g. seeds) are drawn into the same panels, one colour per log.
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -18,9 +21,11 @@ from torchrlhf.utils.logging import read_metrics  # noqa: E402
 
 # Panel -> metric-name patterns (verl names); every metric that matches and was logged is drawn.
 PANELS = {
-    "reward": [r"critic/score/mean", r"critic/rewards/mean", r"val/.+/(acc|score|reward)"],
-    "kl": [r"actor/ppo_kl", r"actor/kl_loss", r"actor/reward_kl_penalty", r"actor/reward_kl_penalty_coeff"],
-    "length": [r"response_length/mean", r"response_length/clip_ratio"],
+    "training reward": [r"critic/score/mean"],
+    "validation accuracy": [r"val/.+/(acc|score|reward)"],
+    "response length": [r"response_length/mean"],
+    "entropy": [r"actor/entropy"],
+    "kl to the reference": [r"actor/kl_loss", r"actor/reward_kl_penalty"],
 }
 
 
@@ -37,9 +42,14 @@ def collect_series(rows: list[dict]) -> dict[str, dict[str, tuple[list[int], lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("log", help="metrics.jsonl written by the jsonl logger")
-    parser.add_argument("--out", default=None, help="PNG path (default: curves.png next to the log)")
+    parser.add_argument("logs", nargs="+", help="metrics.jsonl files written by the jsonl logger")
+    parser.add_argument("--labels", nargs="*", default=None, help="one legend label per log (default: its folder)")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--out", default=None, help="PNG path (default: curves.png next to the first log)")
     args = parser.parse_args()
+    labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in args.logs]
+    if len(labels) != len(args.logs):
+        raise SystemExit(f"--labels: {len(labels)} labels for {len(args.logs)} logs")
     try:
         import matplotlib
 
@@ -47,20 +57,30 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plot_metrics needs matplotlib: pip install matplotlib") from None
-    series = collect_series(read_metrics(args.log))
-    if not series:
-        raise SystemExit(f"{args.log}: no reward, KL or length metrics to plot")
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
-    for ax, (panel, metrics) in zip(axes[0], series.items()):
-        for name, (steps, values) in metrics.items():
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
-        ax.set_title(panel)
+    runs = [(label, collect_series(read_metrics(path))) for label, path in zip(labels, args.logs)]
+    panels = [p for p in PANELS if any(p in series for _, series in runs)]
+    if not panels:
+        raise SystemExit(f"{', '.join(args.logs)}: no reward, accuracy, length, entropy or KL metrics to plot")
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
+        for i, (label, series) in enumerate(runs):
+            for j, (name, (steps, values)) in enumerate(series.get(panel, {}).items()):
+                ax.plot(steps, values, color=f"C{i}", linestyle=["-", "--", ":"][j % 3],
+                        marker="." if len(steps) < 20 else None, label=label if len(runs) > 1 else name)
+        names = sorted({n for _, series in runs for n in series.get(panel, {})})
+        ax.set_title(panel if len(runs) == 1 else f"{panel}\n{', '.join(names)}", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    if args.title:
+        fig.suptitle(args.title, fontsize=10)
     fig.tight_layout()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.log)), "curves.png")
-    fig.savefig(out, dpi=120)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
+    fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 

@@ -174,3 +174,17 @@ def test_prepare_gsm8k(tmp_path):
     message = rows[0]["prompt"][0]
     assert message["role"] == "user" and message["content"].startswith("Tom has 3 apples")
     assert "####" in message["content"]
+
+
+# ------------------------------------------------------------------ tools/prepare_arithmetic.py
+def test_prepare_arithmetic_holds_out_test_problems(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "prepare_arithmetic.py"), "--out", str(tmp_path),
+                           "--max-operand", "3", "--test", "10"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    train, test = read_rows(tmp_path / "arithmetic_train.jsonl"), read_rows(tmp_path / "arithmetic_test.jsonl")
+    questions = lambda rows: [r["prompt"][0]["content"] for r in rows]  # noqa: E731
+    # 4 x 2 x 4 = 32 problems: 10 held out, 22 to train on, none in both.
+    assert len(test) == 10 and len(train) == 22 and not set(questions(train)) & set(questions(test))
+    for row in train + test:
+        a, op, b = row["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split()
+        assert int(row["ground_truth"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))

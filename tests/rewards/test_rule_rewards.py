@@ -101,10 +101,20 @@ def test_countdown_exact_division():
 @pytest.mark.parametrize(
     "text, gt, expected",
     [("7", "7", 1.0), (" 7.", "7", 1.0), ("-3", "-3", 1.0), ("8", "7", 0.0), ("seven", "7", 0.0), ("", "7", 0.0),
-     ("17", "7", 0.0)],
+     ("17", "7", 0.0), ("7 apples", "7", 1.0),
+     # SmolLM2 restates the question: the final number is graded, not the first operand.
+     ("13 - 6 = 7", "7", 1.0), ("13 - 6 = 8", "7", 0.0), ("13 - 6 = 7. The answer is 7.", "7", 1.0),
+     ("The answer is 7, since 13 - 6 leaves 7", "7", 1.0), ("#### 7", "7", 1.0), ("\\boxed{-4}", "-4", 1.0),
+     # After "=" wins over a later restated operand; a spaced minus is not a sign.
+     ("5 + 3 = 8 is 5 plus 3", "8", 1.0), ("20 - 6", "-6", 0.0), ("20 - 6", "6", 1.0), ("x = -3.", "-3", 1.0)],
 )
 def test_arithmetic(text, gt, expected):
     assert arithmetic.compute_score(text, gt) == expected
+
+
+def test_arithmetic_rejects_non_integer_ground_truth():
+    with pytest.raises(ValueError, match="not an integer"):
+        arithmetic.compute_score("7", "7.5")
 
 
 def test_registry():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.trainer.metrics import rollout_mismatch_metrics
+from torchrlhf.trainer.metrics import rollout_mismatch_metrics, validation_summary
 
 
 def test_rollout_probs_diff_counts_response_tokens_only():
@@ -24,3 +24,13 @@ def test_rollout_probs_diff_needs_both_columns():
     lp = torch.zeros(2, 3)
     assert rollout_mismatch_metrics(Batch({"old_log_probs": lp, "response_mask": torch.ones(2, 3)})) == {}
     assert rollout_mismatch_metrics(Batch({"rollout_log_probs": lp, "response_mask": torch.ones(2, 3)})) == {}
+
+
+def test_validation_summary_compares_each_validation_metric():
+    before = {"val/arithmetic/acc": 0.34, "val/gsm8k/acc": 0.5, "critic/score/mean": 0.1}
+    after = {"val/arithmetic/acc": 0.6625, "val/gsm8k/acc": 0.5, "actor/entropy": 1.0}
+    assert validation_summary(before, after) == (
+        "validation before -> after training: val/arithmetic/acc 0.340 -> 0.662 (+32.2 pts), "
+        "val/gsm8k/acc 0.500 -> 0.500 (+0.0 pts)"
+    )
+    assert validation_summary({}, after) == "" and validation_summary(before, {"critic/score/mean": 1.0}) == ""

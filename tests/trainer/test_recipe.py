@@ -184,6 +184,11 @@ def test_default_config_one_step_on_smollm2(tmp_path):
                       "trainer.test_freq=1", "trainer.save_freq=1", f"trainer.output_dir={out}",
                       "data.val_max_samples=8", nproc=2)
     assert_ok(proc)
-    (m,) = metrics_of(out)
+    before, m = metrics_of(out)
+    assert before["step"] == 0 and 0.0 <= before["val/arithmetic/acc"] <= 1.0
     assert 0.0 <= m["val/arithmetic/acc"] <= 1.0 and m["response_length/mean"] > 0
+    # The reward grades the final number, so the untrained model already scores on some samples.
+    assert m["critic/score/mean"] > 0
+    acc = f"val/arithmetic/acc {before['val/arithmetic/acc']:.3f} -> {m['val/arithmetic/acc']:.3f}"
+    assert f"validation before -> after training: {acc}" in proc.stdout
     assert (out / "global_step_1" / "COMPLETE").is_file()

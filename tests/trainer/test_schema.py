@@ -52,6 +52,8 @@ def _check(tmp_path, tiny="/models/tiny", world: int = 1, **sections):
     ({"rollout": {"n": 1}}, "rollout.n must be >= 2"),
     ({"actor": {"ppo_mini_batch_size": 3}}, "actor"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode: unknown 'mean'"),
+    ({"actor": {"rollout_is": "tokens"}}, "actor.rollout_is must be one of ('token', 'sequence') or null"),
+    ({"actor": {"rollout_is_threshold": -1.0}}, "actor.rollout_is_threshold must be positive"),
     ({"rollout": {"engine": {"max_seq_len": 32}}}, "exceeds rollout.engine.max_seq_len (32)"),
     ({"rollout": {"engine": {"max_batch_sise": 8}}}, "rollout.engine.max_batch_sise: unknown key (did you mean "
                                                      "'max_batch_size'?)"),

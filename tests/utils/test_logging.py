@@ -48,8 +48,17 @@ def test_console_logger_line_and_samples():
     logger.log_samples([{"prompt": "a\nb", "response": "c"}], step=4)
     logger.close()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "step 4: score/mean=0.5  pg_loss=-0.25  val/gsm8k/acc=0.1"
+    assert lines[0] == "step 4: score=0.5  pg_loss=-0.25  val/gsm8k/acc=0.1"
     assert lines[1] == "step 4 sample 0: prompt: a\\nb | response: c"
+
+
+def test_message_reaches_the_console_only(tmp_path):
+    out = io.StringIO()
+    logger = MultiLogger([ConsoleLogger(total_steps=None, file=out), JsonlLogger(tmp_path)])
+    logger.message("validation before -> after training: x")
+    logger.close()
+    assert out.getvalue() == "validation before -> after training: x\n"
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_console_logger_with_progress_bar():
@@ -57,7 +66,7 @@ def test_console_logger_with_progress_bar():
     logger = ConsoleLogger(total_steps=3, file=out)
     logger.log({"critic/score/mean": 1.0}, step=1)
     logger.close()
-    assert "step 1: score/mean=1" in out.getvalue()
+    assert "step 1: score=1" in out.getvalue()
 
 
 def test_multi_logger_and_build(tmp_path):
@@ -104,22 +113,23 @@ def test_timer():
 def test_plot_metrics_tool(tmp_path):
     with JsonlLogger(tmp_path) as logger:
         for step in range(1, 5):
-            logger.log({"critic/score/mean": 0.1 * step, "actor/ppo_kl": 0.01, "response_length/mean": 20 + step,
-                        "val/arithmetic/acc": 0.2}, step=step)
+            logger.log({"critic/score/mean": 0.1 * step, "actor/kl_loss": 0.01, "response_length/mean": 20 + step,
+                        "val/arithmetic/acc": 0.2, "actor/entropy": 1.0}, step=step)
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import plot_metrics
     finally:
         sys.path.pop(0)
     series = plot_metrics.collect_series(read_metrics(tmp_path / "metrics.jsonl"))
-    assert series["reward"]["critic/score/mean"] == ([1, 2, 3, 4], pytest.approx([0.1, 0.2, 0.3, 0.4]))
-    assert series["kl"]["actor/ppo_kl"][0] == [1, 2, 3, 4]
-    assert "val/arithmetic/acc" in series["reward"] and "response_length/mean" in series["length"]
+    assert series["training reward"]["critic/score/mean"] == ([1, 2, 3, 4], pytest.approx([0.1, 0.2, 0.3, 0.4]))
+    assert series["kl to the reference"]["actor/kl_loss"][0] == [1, 2, 3, 4]
+    assert list(series["validation accuracy"]) == ["val/arithmetic/acc"]
+    assert "response_length/mean" in series["response length"] and "actor/entropy" in series["entropy"]
     if importlib.util.find_spec("matplotlib") is None:
         return
     out = tmp_path / "curves.png"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(tmp_path / "metrics.jsonl"),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120,
+                           str(tmp_path / "metrics.jsonl"), "--labels", "a", "b", "--out", str(out)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

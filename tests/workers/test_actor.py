@@ -109,6 +109,35 @@ def test_on_policy_update_without_old_log_probs_is_the_policy_gradient(model_dir
         ActorWorker(model_dir, ppo_mini_batch_size=3, rollout_n=1).update(batch)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_the_policy_gradient_by_bounded_ratios(model_dir, level):
+    """Gradient of -mean(A * min(pi_old / pi_rollout, C) * log pi) by hand, token or sequence ratios."""
+    batch = rollout_batch(6, temperature=0.8, seed=5)
+    batch.pop("old_log_probs")
+    model, lp, _ = hf_log_probs(model_dir, batch, 0.8)
+    mask = batch["response_mask"].float()
+    # A rollout engine off by up to x2.7 either way per token: some ratios pass the threshold, some do not.
+    log_gap = 2.0 * torch.rand(lp.shape, generator=torch.Generator().manual_seed(2)) - 1.0
+    batch["rollout_log_probs"] = (lp.detach() - log_gap) * mask
+    log_rho = log_gap * mask if level == "token" else (log_gap * mask).sum(-1, keepdim=True).expand_as(mask)
+    w = torch.exp(log_rho).clamp(max=1.5) * mask
+    (-(batch["advantages"] * w * lp * mask).sum() / mask.sum()).backward()
+
+    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3,
+                        rollout_is=level, rollout_is_threshold=1.5)
+    stats = actor._train_mini_batch(batch, temperature=0.8)
+    ref_grads = dict(model.named_parameters())
+    for name, p in actor.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert stats["actor/rollout_is_mean"] == pytest.approx(float(w.sum() / mask.sum()), rel=1e-4)
+    raw = torch.exp(log_rho) * mask
+    assert stats["actor/rollout_is_clipped_frac"] == pytest.approx(float(((raw > 1.5) * mask).sum() / mask.sum()))
+    assert stats["actor/rollout_is_max"] == pytest.approx(float(raw.max()), rel=1e-4)
+    assert 0 < stats["actor/rollout_is_clipped_frac"] < 1
+    with pytest.raises(ValueError, match="actor.rollout_is must be one of"):
+        ActorWorker(model_dir, rollout_is="tok")
+
+
 def _train(actor: ActorWorker, batch, steps: int = 2) -> list[dict[str, float]]:
     shard = batch.chunk(actor.dp_size)[actor.dp_rank]
     return [actor.update(shard) for _ in range(steps)]

@@ -14,6 +14,7 @@ from torchrlhf.algorithms.logprob import entropy_from_logits, log_probs_from_log
 from torchrlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss
 from torchrlhf.algorithms.registry import Registry
+from torchrlhf.algorithms.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES, rollout_is_weights
 from torchrlhf.algorithms.safe_rlhf import LagrangeMultiplier, combine_safe_advantages
 from torchrlhf.algorithms.value_loss import compute_value_loss
 
@@ -22,6 +23,8 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_IS_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "LagrangeMultiplier",
@@ -42,4 +45,5 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "overlong_penalty",
+    "rollout_is_weights",
 ]

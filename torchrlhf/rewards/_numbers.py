@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-# An optional sign, digits with optional thousands commas, an optional decimal part; or a bare ".5".
-NUMBER_RE = re.compile(r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# An optional sign (touching the digits: "13 - 6" holds no -6) or dollar sign, digits with optional
+# thousands commas, an optional decimal part; or a bare ".5".
+NUMBER_RE = re.compile(r"(?:-?\$\s?|-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
 
 def parse_number(text: str | None) -> Fraction | None:
@@ -29,6 +30,35 @@ def parse_number(text: str | None) -> Fraction | None:
         return Fraction(s)
     except (ValueError, ZeroDivisionError):
         return None
+
+
+_MARKED = [re.compile(r"####\s*(" + NUMBER_RE.pattern + ")"),
+           re.compile(r"[Tt]he (?:final )?answer is[:\s]*\**\s*(" + NUMBER_RE.pattern + ")"),
+           re.compile(r"\\boxed\{\s*(" + NUMBER_RE.pattern + r")\s*\}")]
+_AFTER_EQUALS = re.compile(r"=\s*(" + NUMBER_RE.pattern + ")")
+
+
+def marked_answer(text: str) -> str | None:
+    """The last explicitly marked answer: ``#### 42``, "the answer is 42" or ``\\boxed{42}``."""
+    marked = [m for pattern in _MARKED for m in pattern.finditer(text)]
+    return max(marked, key=lambda m: m.start()).group(1) if marked else None
+
+
+def extract_final_number(text: str, *, after_equals: bool = True) -> str | None:
+    """The final answer of a free-form response, or None when it has no number.
+
+    In order: the last marked answer, else (with ``after_equals``) the number after the last ``=``
+    ("5 + 3 = 8 is 5 plus 3" -> 8), else the last number (GSM8K's "flexible" grading).
+    """
+    answer = marked_answer(text)
+    if answer is not None:
+        return answer
+    if after_equals:
+        found = list(_AFTER_EQUALS.finditer(text))
+        if found:
+            return found[-1].group(1)
+    numbers = NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:

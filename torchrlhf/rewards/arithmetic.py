@@ -1,22 +1,20 @@
-"""The toy arithmetic task ("What is 3 + 4?" -> "7") used to check that a tiny model learns.
+"""The arithmetic task ("What is 13 - 6?" -> "7"): the response's final answer must equal the reference.
 
-The first integer in the response must equal the reference exactly; "7", " 7.", "7 apples"
-score 1, "8" or no number scores 0. Kept lenient about surrounding text so a model trained
-from scratch gets a learning signal before it masters the output format.
+The final answer is found the way GSM8K's "flexible" grading finds it, because small instruct
+models rarely answer with the bare number: they restate the question ("13 - 6 = 7") or explain
+("The answer is 7."). Grading the *first* number instead scores the restated operand and gives
+GRPO almost no signal (SmolLM2-135M: 4/64 correct that way on answers it mostly got right).
 """
 
 from __future__ import annotations
 
-import re
-
-_INT = re.compile(r"-?\d+")
+from torchrlhf.rewards._numbers import extract_final_number, parse_number
 
 
 def compute_score(solution_str: str, ground_truth: str | int) -> float:
-    m = _INT.search(solution_str)
-    if m is None:
-        return 0.0
-    try:
-        return 1.0 if int(m.group()) == int(str(ground_truth).strip()) else 0.0
-    except ValueError:
-        raise ValueError(f"arithmetic: ground truth {ground_truth!r} is not an integer") from None
+    """1.0 when the final number of ``solution_str`` equals the integer ``ground_truth``, else 0.0."""
+    reference = parse_number(str(ground_truth))
+    if reference is None or reference.denominator != 1:
+        raise ValueError(f"arithmetic: ground truth {ground_truth!r} is not an integer")
+    answer = parse_number(extract_final_number(solution_str))
+    return 1.0 if answer is not None and answer == reference else 0.0

@@ -2,7 +2,7 @@
 
 Two extraction styles:
 
-- ``strict``: the answer must be marked, either GSM8K's ``#### 42`` or "The answer is 42"
+- ``strict``: the answer must be marked, GSM8K's ``#### 42``, "The answer is 42" or ``\\boxed{42}``
   (the last marked answer counts);
 - ``flexible``: like strict, and otherwise the last number in the response.
 
@@ -11,30 +11,18 @@ Numbers compare exactly after removing thousands commas and ``$`` (``"$1,000.00"
 
 from __future__ import annotations
 
-import re
-
-from torchrlhf.rewards._numbers import NUMBER_RE, numbers_equal
-
-_NUM = r"(-?\$?\s?[\d,]*\.?\d+)"
-_MARKED = [re.compile(r"####\s*" + _NUM), re.compile(r"[Tt]he (?:final )?answer is[:\s]*\**\s*" + _NUM)]
+from torchrlhf.rewards._numbers import extract_final_number, marked_answer, numbers_equal
 
 
 def extract_answer(solution_str: str, method: str = "strict") -> str | None:
     """The answer string in ``solution_str`` or None."""
-    if method not in ("strict", "flexible"):
+    if method == "strict":
+        answer = marked_answer(solution_str)
+    elif method == "flexible":
+        answer = extract_final_number(solution_str, after_equals=False)
+    else:
         raise ValueError(f"gsm8k: method must be 'strict' or 'flexible', got {method!r}")
-    best: tuple[int, str] | None = None
-    for pattern in _MARKED:
-        for m in pattern.finditer(solution_str):
-            if best is None or m.start() > best[0]:
-                best = (m.start(), m.group(1))
-    if best is not None:
-        return best[1].strip()
-    if method == "flexible":
-        numbers = NUMBER_RE.findall(solution_str)
-        if numbers:
-            return numbers[-1].strip()
-    return None
+    return None if answer is None else answer.strip()
 
 
 def compute_score(

@@ -77,3 +77,10 @@ def max_memory_gb() -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def validation_summary(before: dict[str, float], after: dict[str, float]) -> str:
+    """"validation before -> after training: val/x/acc 0.340 -> 0.660 (+32.0 pts)", or "" without both."""
+    names = sorted(k for k in before if k.startswith("val/") and k in after)
+    parts = [f"{k} {before[k]:.3f} -> {after[k]:.3f} ({100 * (after[k] - before[k]):+.1f} pts)" for k in names]
+    return "validation before -> after training: " + ", ".join(parts) if parts else ""

@@ -19,7 +19,12 @@ from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from torchrlhf.trainer.metrics import compute_data_metrics, compute_throughput_metrics, rollout_mismatch_metrics
+from torchrlhf.trainer.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    rollout_mismatch_metrics,
+    validation_summary,
+)
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.utils.timer import timer
 
@@ -96,8 +101,10 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
         self._maybe_resume()
+        before: dict[str, float] = {}
         if self.val_prompts is not None and self.cfg.val_before_train and self.global_step == 0:
-            self.logger.log(self.validate(), step=0)
+            before = self.validate()
+            self.logger.log(before, step=0)
         metrics: dict[str, float] = {}
         while self.global_step < self.cfg.total_steps:
             self.global_step += 1
@@ -111,6 +118,9 @@ class RLTrainer:
                 with timer("save_checkpoint", metrics):
                     self.save_checkpoint()
             self.logger.log(metrics, step=self.global_step)
+        summary = validation_summary(before, metrics)
+        if summary:
+            self.logger.message(summary)
         return metrics
 
     def train_step(self) -> dict[str, float]:

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from torchrlhf import algorithms
+from torchrlhf.algorithms.rollout_is import check_rollout_is
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
 from torchrlhf.trainer.config import (
@@ -195,6 +196,10 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
             errors.append(f"{role}.loss_agg_mode: unknown {section.loss_agg_mode!r}; valid: {list(algorithms.AGG_MODES)}")
+    try:
+        check_rollout_is(actor.rollout_is, actor.rollout_is_mode, actor.rollout_is_threshold)
+    except ValueError as e:
+        errors.append(f"actor.{e}")
     if cfg.trainer.test_freq > 0 and not data.val_files:
         errors.append("trainer.test_freq > 0 needs data.val_files")
     for role, ranks in role_ranks(cfg, world_size).items():

@@ -44,6 +44,9 @@ class MetricLogger:
     def log_samples(self, rows: Rows, step: int) -> None:
         pass
 
+    def message(self, text: str) -> None:
+        """A line for the person watching (e.g. the end-of-run summary); metric files ignore it."""
+
     def close(self) -> None:
         pass
 
@@ -54,11 +57,14 @@ class MetricLogger:
         self.close()
 
 
-# Shown on the console line, in this order, when present (the full set goes to the other loggers).
-CONSOLE_KEYS = (
-    "critic/score/mean", "critic/rewards/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-    "critic/vf_loss", "response_length/mean", "reward/errors", "reward/timeouts", "timing_s/step", "perf/throughput",
-)
+# Shown on the console line, in this order, when present, under a short label (the other loggers keep
+# every metric under its full name).
+CONSOLE_KEYS = {
+    "critic/score/mean": "score", "critic/rewards/mean": "reward", "actor/pg_loss": "pg_loss",
+    "actor/ppo_kl": "ppo_kl", "actor/kl_loss": "kl_loss", "actor/entropy": "entropy", "actor/grad_norm": "grad_norm",
+    "critic/vf_loss": "vf_loss", "response_length/mean": "resp_len", "reward/errors": "reward_errors",
+    "reward/timeouts": "reward_timeouts", "timing_s/step": "step_s", "perf/throughput": "tok/s",
+}
 
 
 class ConsoleLogger(MetricLogger):
@@ -68,9 +74,9 @@ class ConsoleLogger(MetricLogger):
     are printed through it so they do not break the bar.
     """
 
-    def __init__(self, total_steps: int | None = None, *, keys: Sequence[str] = CONSOLE_KEYS,
+    def __init__(self, total_steps: int | None = None, *, keys: Mapping[str, str] = CONSOLE_KEYS,
                  progress: bool = True, file: Any = None) -> None:
-        self.keys = tuple(keys)
+        self.keys = dict(keys)
         self.file = file or sys.stdout
         self._bar = None
         if progress and total_steps:
@@ -84,8 +90,7 @@ class ConsoleLogger(MetricLogger):
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         values = _scalars(metrics)
         shown = [k for k in self.keys if k in values] + sorted(k for k in values if k.startswith("val/"))
-        line = f"step {step}: " + "  ".join(f"{k.split('/', 1)[-1] if k in self.keys else k}={_fmt(values[k])}"
-                                            for k in shown)
+        line = f"step {step}: " + "  ".join(f"{self.keys.get(k, k)}={_fmt(values[k])}" for k in shown)
         self._write(line)
         if self._bar is not None and step > self._bar.n:
             self._bar.update(step - self._bar.n)
@@ -94,6 +99,9 @@ class ConsoleLogger(MetricLogger):
         for i, row in enumerate(rows):
             text = " | ".join(f"{k}: {_short(v)}" for k, v in row.items())
             self._write(f"step {step} sample {i}: {text}")
+
+    def message(self, text: str) -> None:
+        self._write(text)
 
     def _write(self, line: str) -> None:
         if self._bar is not None:
@@ -228,6 +236,10 @@ class MultiLogger(MetricLogger):
     def log_samples(self, rows: Rows, step: int) -> None:
         for logger in self.loggers:
             logger.log_samples(rows, step)
+
+    def message(self, text: str) -> None:
+        for logger in self.loggers:
+            logger.message(text)
 
     def close(self) -> None:
         for logger in self.loggers:

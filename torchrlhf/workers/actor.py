@@ -22,6 +22,7 @@ from torchrlhf.algorithms import (
     kl_penalty,
     log_probs_from_logits,
 )
+from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models import load_causal_lm
@@ -42,6 +43,9 @@ class ActorWorker(FSDPWorker):
     ranks; micro-batches (``ppo_micro_batch_size_per_device`` samples, or token
     budgets with ``use_dynamic_bsz``) only change speed, never the result.
     ``total_steps``/``warmup_steps`` count `update` calls (training iterations).
+    ``rollout_is`` ("token" / "sequence", off by default) weights each token's loss by the bounded
+    ratio of the old policy to the rollout engine's log-probs (`algorithms.rollout_is`), which
+    corrects for a rollout engine in another dtype or with older weights.
     """
 
     def __init__(
@@ -71,6 +75,9 @@ class ActorWorker(FSDPWorker):
         use_kl_loss: bool = False,
         kl_loss_coef: float = 0.001,
         kl_loss_type: str = "k3",
+        rollout_is: str | None = None,
+        rollout_is_mode: str = "truncate",
+        rollout_is_threshold: float = 2.0,
         use_dynamic_bsz: bool = False,
         max_tokens_per_micro_batch: int | None = None,
         tp_size: int = 1,
@@ -88,6 +95,10 @@ class ActorWorker(FSDPWorker):
             )
         if ppo_epochs <= 0:
             raise ValueError(f"actor.ppo_epochs must be positive, got {ppo_epochs}")
+        try:
+            check_rollout_is(rollout_is, rollout_is_mode, rollout_is_threshold)
+        except ValueError as e:
+            raise ValueError(f"actor.{e}") from None
         self.freeze = freeze
         self.grad_clip = grad_clip
         self.ppo_mini_batch_size = ppo_mini_batch_size
@@ -102,6 +113,7 @@ class ActorWorker(FSDPWorker):
         self.use_kl_loss = use_kl_loss
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
+        self.rollout_is = {"level": rollout_is, "mode": rollout_is_mode, "threshold": rollout_is_threshold}
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
 
         dtype_ = resolve_dtype(dtype)
@@ -198,6 +210,7 @@ class ActorWorker(FSDPWorker):
                                           rollout_n=self.rollout_n, role="actor")
         needed = ["responses", "input_ids", "attention_mask", "response_mask", "advantages"]
         needed += ["ref_log_prob"] if self.use_kl_loss else []
+        needed += ["rollout_log_probs"] if self.rollout_is["level"] else []
         if "old_log_probs" not in batch and (num_mini > 1 or self.ppo_epochs > 1):
             raise KeyError(
                 f"actor.update: batch lacks 'old_log_probs', which {num_mini} mini-batches x {self.ppo_epochs} "
@@ -233,15 +246,24 @@ class ActorWorker(FSDPWorker):
         tokens, seqs = self.dp_sum([float(mini_mask.sum()), float((mini_mask.sum(-1) > 0).sum())])
         normalizer = tokens if self.loss_agg_mode == "token-mean" else seqs
         local: dict[str, float] = defaultdict(float)
+        is_max = 0.0
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens):
             log_prob, entropy = self._forward(mb, temperature, with_entropy=True)
             mask = mb["response_mask"].to(log_prob.dtype)
             # One optimizer step per rollout: the sampling policy is the one being updated, so the
             # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
             old_log_prob = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
+            is_weights = None
+            if self.rollout_is["level"]:
+                is_weights, ratios = rollout_is_weights(old_log_prob, mb["rollout_log_probs"], mask, **self.rollout_is)
+                if index is not None:
+                    bounded = (ratios > self.rollout_is["threshold"]).float()
+                    local["actor/rollout_is_mean"] += float((is_weights * mask).sum()) / max(tokens, 1.0)
+                    local["actor/rollout_is_clipped_frac"] += float((bounded * mask).sum()) / max(tokens, 1.0)
+                    is_max = max(is_max, float(ratios.max()))
             pg_loss, pg_metrics = compute_policy_loss(
                 self.policy_loss, old_log_prob, log_prob, mb["advantages"], mask,
-                loss_agg_mode=self.loss_agg_mode, normalizer=normalizer, **self.clip,
+                loss_agg_mode=self.loss_agg_mode, normalizer=normalizer, tis_weights=is_weights, **self.clip,
             )
             ent_loss = agg_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
             loss = pg_loss - self.entropy_coeff * ent_loss
@@ -262,4 +284,8 @@ class ActorWorker(FSDPWorker):
                 local["actor/kl_loss"] += float(kl_loss.detach())
         keys = ["actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"]
         keys += ["actor/kl_loss"] if self.use_kl_loss else []
-        return dict(zip(keys, self.dp_sum([local[k] for k in keys])))
+        keys += ["actor/rollout_is_mean", "actor/rollout_is_clipped_frac"] if self.rollout_is["level"] else []
+        stats = dict(zip(keys, self.dp_sum([local[k] for k in keys])))
+        if self.rollout_is["level"]:
+            (stats["actor/rollout_is_max"],) = self.dp_max([is_max])
+        return stats

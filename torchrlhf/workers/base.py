@@ -150,6 +150,14 @@ class FSDPWorker(Worker):
         dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
+    def dp_max(self, values: list[float]) -> list[float]:
+        """Elementwise max of floats over the data-parallel group (identity on one rank)."""
+        if self.dp_group is None or self.dp_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return t.tolist()
+
     # ------------------------------------------------------------------ batching
     def check_local_batch(self, batch: Batch, *, ppo_mini_batch_size: int, rollout_n: int, role: str) -> int:
         """Number of mini-batches in this rank's shard; ValueError (quoting sizes) if it does not split."""
