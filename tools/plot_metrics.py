@@ -80,6 +80,7 @@ def main() -> None:
         fig.suptitle(args.title, fontsize=10)
     fig.tight_layout()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
