@@ -144,18 +144,17 @@ class FSDPWorker(Worker):
     # ------------------------------------------------------------------ collectives
     def dp_sum(self, values: list[float]) -> list[float]:
         """Sum floats over the data-parallel group (identity on one rank)."""
-        if self.dp_group is None or self.dp_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.dp_group)
-        return t.tolist()
+        return self._dp_reduce(values, dist.ReduceOp.SUM)
 
     def dp_max(self, values: list[float]) -> list[float]:
         """Elementwise max of floats over the data-parallel group (identity on one rank)."""
+        return self._dp_reduce(values, dist.ReduceOp.MAX)
+
+    def _dp_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
         if self.dp_group is None or self.dp_size == 1:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        dist.all_reduce(t, op=op, group=self.dp_group)
         return t.tolist()
 
     # ------------------------------------------------------------------ batching
