@@ -43,12 +43,16 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> N
 
 
 def rollout_batch(num: int, prompt_len: int = 6, response_len: int = 5, vocab: int = 128, seed: int = 0,
-                  temperature: float = 1.0) -> Batch:
-    """Left-padded prompts + right-padded responses of varied lengths, with PPO columns filled in."""
+                  temperature: float = 1.0, group_size: int = 1, min_response_len: int = 1) -> Batch:
+    """Left-padded prompts + right-padded responses of varied lengths, with PPO columns filled in.
+
+    Consecutive runs of ``group_size`` samples share one prompt (a GRPO group).
+    """
     g = torch.Generator().manual_seed(seed)
-    p_lens = torch.randint(1, prompt_len + 1, (num,), generator=g)
-    r_lens = torch.randint(1, response_len + 1, (num,), generator=g)
-    prompts = torch.randint(3, vocab, (num, prompt_len), generator=g)
+    group = torch.arange(num) // group_size
+    p_lens = torch.randint(1, prompt_len + 1, (num,), generator=g)[group]
+    r_lens = torch.randint(min_response_len, response_len + 1, (num,), generator=g)
+    prompts = torch.randint(3, vocab, (num, prompt_len), generator=g)[group]
     responses = torch.randint(3, vocab, (num, response_len), generator=g)
     p_mask = (torch.arange(prompt_len) >= prompt_len - p_lens[:, None]).long()
     r_mask = (torch.arange(response_len) < r_lens[:, None]).long()

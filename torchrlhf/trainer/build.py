@@ -66,6 +66,7 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
             "max_tokens_per_micro_batch": actor["max_tokens_per_micro_batch"],
             "tp_size": actor["tp_size"],
             "cpu_offload": ref.cpu_offload,
+            "shared_prefix": actor.get("shared_prefix", True),
             "freeze": True,
         })
     if cfg.critic is not None:

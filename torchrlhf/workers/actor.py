@@ -26,10 +26,12 @@ from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models import load_causal_lm
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PrefixKV
 from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, scatter_responses
 
 # batch.meta key asking compute_log_prob to also return per-token entropy ("entropys").
 CALCULATE_ENTROPY = "calculate_entropy"
@@ -46,6 +48,9 @@ class ActorWorker(FSDPWorker):
     ``rollout_is`` ("token" / "sequence", off by default) weights each token's loss by the bounded
     ratio of the old policy to the rollout engine's log-probs (`algorithms.rollout_is`), which
     corrects for a rollout engine in another dtype or with older weights.
+    ``shared_prefix`` (on by default) computes each distinct prompt once per mini-batch, packs the
+    responses without padding and projects to the vocabulary only at response positions
+    (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class ActorWorker(FSDPWorker):
         tp_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        shared_prefix: bool = True,
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
@@ -115,9 +121,10 @@ class ActorWorker(FSDPWorker):
         self.kl_loss_type = kl_loss_type
         self.rollout_is = {"level": rollout_is, "mode": rollout_is_mode, "threshold": rollout_is_threshold}
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
+        self.shared_prefix = shared_prefix
 
         dtype_ = resolve_dtype(dtype)
-        model = load_causal_lm(model_path, dtype=torch.float32)
+        model = load_causal_lm(model_path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
         model.config.use_cache = False
         if freeze:
             model.requires_grad_(False)
@@ -144,8 +151,20 @@ class ActorWorker(FSDPWorker):
         return stats.as_dict()
 
     # ------------------------------------------------------------------ forward
+    def _response_outputs(self, logits, labels: torch.Tensor, temperature: float, with_entropy: bool):
+        """Log-probs of ``labels`` (and entropy) from the logits that predict them, in fp32 at ``temperature``."""
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        logits = logits.float() / temperature
+        log_probs = log_probs_from_logits(logits, labels)
+        entropy = None
+        if with_entropy:  # the entropy needs a graph only when the loss has an entropy bonus
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coeff != 0):
+                entropy = entropy_from_logits(logits)
+        return log_probs, entropy
+
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool):
-        """Log-probs ``[b, R]`` (and entropy) of the response tokens at ``temperature``.
+        """Dense: log-probs ``[b, R]`` (and entropy) of the response tokens, one padded row per sample.
 
         The model runs on the micro-batch trimmed of all-padding columns; outputs are
         zero-padded back to the full response width so losses see the usual shapes.
@@ -159,27 +178,50 @@ class ActorWorker(FSDPWorker):
             use_cache=False,
             logits_to_keep=inp.response_len + 1,
         )
-        logits = out.logits
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        logits = logits[:, :-1].float() / temperature
-        log_probs = log_probs_from_logits(logits, mb["responses"][:, : inp.response_len])
-        entropy = None
-        if with_entropy:  # the entropy needs a graph only when the loss has an entropy bonus
-            with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coeff != 0):
-                entropy = pad_response_columns(entropy_from_logits(logits), width)
+        labels = mb["responses"][:, : inp.response_len]
+        log_probs, entropy = self._response_outputs(out.logits[:, :-1], labels, temperature, with_entropy)
+        entropy = None if entropy is None else pad_response_columns(entropy, width)
         return pad_response_columns(log_probs, width), entropy
+
+    def _prefix_forward(self, plan: SharedPrefixPlan) -> PrefixKV:
+        """Run every distinct prompt once and keep its keys/values (with a graph when grad is enabled)."""
+        input_ids, position_ids, attention = plan.prefix_inputs(self.device)
+        no_logits = torch.zeros(0, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=no_logits,
+                         packed=attention)
+        return PrefixKV(attention, out.logits, requires_grad=torch.is_grad_enabled())
+
+    def _forward_packed(self, plan: SharedPrefixPlan, prefix: PrefixKV, rows: list[int], width: int,
+                        temperature: float, with_entropy: bool):
+        """Shared-prefix: samples ``rows`` of the plan as one packed row reading ``prefix``; ``[b, R]`` outputs."""
+        row = plan.suffix_row(rows, prefix, self.device)
+        out = self.model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
+                         logits_to_keep=row.keep, packed=row.attention)
+        log_probs, entropy = self._response_outputs(out.logits[0], row.labels, temperature, with_entropy)
+        log_probs = scatter_responses(log_probs, row, len(rows), width)
+        entropy = None if entropy is None else scatter_responses(entropy, row, len(rows), width)
+        return log_probs, entropy
 
     def _log_probs(self, batch: Batch, key: str, with_entropy: bool) -> Batch:
         temperature = float(batch.meta.get("temperature", 1.0))
+        width = batch["responses"].shape[1]
+        self.model.eval()
+        lengths = None
+        if self.shared_prefix:
+            plan = SharedPrefixPlan(batch)
+            lengths = [1 + n for n in plan.response_len]
+            with torch.no_grad():
+                prefix = self._prefix_forward(plan)
 
-        def fn(mb: Batch) -> dict[str, torch.Tensor]:
-            lp, ent = self._forward(mb, temperature, with_entropy)
+        def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
+            if self.shared_prefix:
+                lp, ent = self._forward_packed(plan, prefix, rows, width, temperature, with_entropy)
+            else:
+                lp, ent = self._forward(mb, temperature, with_entropy)
             return {key: lp} if ent is None else {key: lp, "entropys": ent}
 
-        self.model.eval()
         outs = self.map_micro_batches(batch, fn, micro_batch_size=self.log_prob_micro_batch_size,
-                                      max_tokens=self.max_tokens)
+                                      max_tokens=self.max_tokens, lengths=lengths)
         return Batch(outs, meta=batch.meta)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -247,8 +289,19 @@ class ActorWorker(FSDPWorker):
         normalizer = tokens if self.loss_agg_mode == "token-mean" else seqs
         local: dict[str, float] = defaultdict(float)
         is_max = 0.0
-        for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens):
-            log_prob, entropy = self._forward(mb, temperature, with_entropy=True)
+        width = mini["responses"].shape[1]
+        plan = prefix = lengths = None
+        if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
+            plan = SharedPrefixPlan(mini)
+            lengths = [1 + n for n in plan.response_len]
+            prefix = self._prefix_forward(plan)
+        for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
+                                            lengths=lengths):
+            if plan is not None:
+                rows = [0] if index is None else index.tolist()
+                log_prob, entropy = self._forward_packed(plan, prefix, rows, width, temperature, with_entropy=True)
+            else:
+                log_prob, entropy = self._forward(mb, temperature, with_entropy=True)
             mask = mb["response_mask"].to(log_prob.dtype)
             # One optimizer step per rollout: the sampling policy is the one being updated, so the
             # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
@@ -282,6 +335,8 @@ class ActorWorker(FSDPWorker):
                 local[f"actor/{name}"] += float(pg_metrics[name]) * share
             if self.use_kl_loss:
                 local["actor/kl_loss"] += float(kl_loss.detach())
+        if prefix is not None:
+            prefix.backward()
         keys = ["actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"]
         keys += ["actor/kl_loss"] if self.use_kl_loss else []
         keys += ["actor/rollout_is_mean", "actor/rollout_is_clipped_frac"] if self.rollout_is["level"] else []

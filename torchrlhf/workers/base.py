@@ -170,16 +170,19 @@ class FSDPWorker(Worker):
         return len(batch) // per_rank
 
     def micro_batches(
-        self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
+        self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None,
+        lengths: list[int] | None = None,
     ) -> Iterator[tuple[Batch, torch.Tensor | None]]:
         """(micro-batch on this worker's device, its row indices in ``batch``) pairs.
 
         Every data-parallel rank gets the same count: a rank with fewer samples than its
         peers gets filler micro-batches (the first sample, index None) that it must run
         and discard, so collectives match. Batches travel between roles on the CPU; only
-        the micro-batch being computed is on the accelerator.
+        the micro-batch being computed is on the accelerator. ``lengths`` (tokens each sample
+        costs, for ``max_tokens``) default to the attended tokens.
         """
-        lengths = batch["attention_mask"].sum(-1).tolist()
+        if lengths is None:
+            lengths = batch["attention_mask"].sum(-1).tolist()
         groups = micro_batch_groups(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
                                     group=self.dp_group)
         for idx in groups:
@@ -190,15 +193,17 @@ class FSDPWorker(Worker):
                 yield batch[0:1].to(self.device), None
 
     def map_micro_batches(
-        self, batch: Batch, fn: Callable[[Batch], dict[str, torch.Tensor]], *, micro_batch_size: int | None,
-        max_tokens: int | None,
+        self, batch: Batch, fn: Callable[[Batch, list[int]], dict[str, torch.Tensor]], *,
+        micro_batch_size: int | None, max_tokens: int | None, lengths: list[int] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Apply ``fn`` per micro-batch (no grad) and reassemble its outputs, on the CPU, in the batch's order."""
+        """Apply ``fn(micro_batch, its row indices in batch)`` per micro-batch (no grad) and reassemble
+        its outputs, on the CPU, in the batch's order."""
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         order: list[torch.Tensor] = []
         with torch.no_grad():
-            for mb, index in self.micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
-                out = fn(mb)
+            for mb, index in self.micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                                                lengths=lengths):
+                out = fn(mb, [0] if index is None else index.tolist())
                 if index is None:
                     continue
                 order.append(index)

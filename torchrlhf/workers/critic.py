@@ -88,7 +88,7 @@ class CriticWorker(FSDPWorker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
         """``values [B,R]`` (0 on response padding columns beyond the micro-batch's longest response)."""
-        def fn(mb: Batch) -> dict[str, torch.Tensor]:
+        def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
             values = response_values(self.model, mb)
             return {"values": values * mb["response_mask"].to(values.dtype)}
 

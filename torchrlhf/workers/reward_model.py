@@ -56,7 +56,7 @@ class RewardModelWorker(FSDPWorker):
     def compute_scores(self, batch: Batch) -> Batch:
         """``{output_key} [B]``: the score at each sequence's last valid token."""
         outs = self.map_micro_batches(
-            batch, lambda mb: {self.output_key: last_token_scores(self.model, mb)},
+            batch, lambda mb, rows: {self.output_key: last_token_scores(self.model, mb)},
             micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
         )
         return Batch(outs, meta=batch.meta)

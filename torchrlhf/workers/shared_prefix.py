@@ -1,0 +1,147 @@
+"""Shared-prefix, padding-free, response-only training forwards.
+
+The n samples of a GRPO/RLOO group share one prompt. A dense forward computes that
+prompt n times and the vocabulary projection at every position. Here, for a batch
+(or PPO mini-batch) on one rank:
+
+1. **Prefix pass, once.** Every distinct prompt except its last token is packed into
+   one row (no padding, block-causal mask) and run once; each layer's keys and
+   values are kept (`PrefixKV`).
+2. **Suffix passes, per micro-batch.** Each sample becomes ``[last prompt token] +
+   its response`` and several samples are packed into one row; each token attends
+   to its own prompt's cached K/V and causally to its own suffix. Logits are taken
+   only where the next token is a response token.
+3. **Prefix backward, once.** The suffix backward passes accumulate gradients into the
+   cached K/V; one backward through the prefix pass then adds the prompts' share.
+
+Gradients equal the dense computation up to float rounding, whichever way the
+group is split over micro-batches or data-parallel ranks (the schedule of "Schedule-
+Level Shared-Prefix Reuse for LLM RL Training"). Samples with equal prompts share
+the prefix whether or not they come from one group: the prefix depends only on
+the tokens. The prompt's last token is recomputed per sample (one token) so that
+the prefix pass needs no logits and a suffix row holds every position it predicts from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchrlhf.data import Batch
+from torchrlhf.models.packed_attention import PackedAttention, PrefixKV
+
+
+@dataclass
+class PackedRow:
+    """Model inputs of one packed suffix row and where its response log-probs go."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    attention: PackedAttention
+    keep: torch.Tensor  # [N] row positions whose next token is a response token
+    labels: torch.Tensor  # [N] those response tokens
+    sample: torch.Tensor  # [N] micro-batch row of each kept position
+    column: torch.Tensor  # [N] response column of each kept position
+
+
+class SharedPrefixPlan:
+    """Which samples of ``batch`` share a prompt, and the packed inputs of the prefix and suffix passes.
+
+    ``batch`` has left-padded prompts and right-padded responses: ``input_ids`` /
+    ``attention_mask`` [B, P + R] (optionally ``position_ids``) and ``responses`` [B, R].
+    """
+
+    def __init__(self, batch: Batch) -> None:
+        ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+        pos = batch["position_ids"].cpu() if "position_ids" in batch else (mask.long().cumsum(-1) - 1).clamp(min=0)
+        width = batch["responses"].shape[1]
+        p = ids.shape[1] - width
+        groups: dict[tuple[int, ...], int] = {}
+        self.group_of: list[int] = []
+        self.response_len: list[int] = mask[:, p:].sum(-1).tolist()
+        self.responses = batch["responses"].cpu()
+        prefix_ids, prefix_pos, last_id, last_pos = [], [], [], []
+        for i in range(len(ids)):
+            valid = mask[i, :p]
+            toks, tpos = ids[i, :p][valid], pos[i, :p][valid]
+            if len(toks) == 0:
+                raise ValueError(f"sample {i} has an empty prompt; shared-prefix training needs at least one token")
+            key = tuple(toks.tolist())
+            if key not in groups:
+                groups[key] = len(groups)
+                prefix_ids.append(toks[:-1])
+                prefix_pos.append(tpos[:-1])
+                last_id.append(int(toks[-1]))
+                last_pos.append(int(tpos[-1]))
+            self.group_of.append(groups[key])
+        self.num_groups = len(groups)
+        self.last_id, self.last_pos = last_id, last_pos
+        lengths = [len(t) for t in prefix_ids]
+        self.prefix_start = torch.tensor([0] + lengths[:-1]).cumsum(0).tolist()
+        self.prefix_len = lengths
+        self.prefix_ids = torch.cat(prefix_ids)
+        self.prefix_pos = torch.cat(prefix_pos)
+        self.prefix_owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    # ------------------------------------------------------------------ tokens computed (for benchmarks)
+    def prefix_tokens(self) -> int:
+        return int(self.prefix_ids.numel())
+
+    def suffix_tokens(self, rows: list[int] | None = None) -> int:
+        rows = range(len(self.group_of)) if rows is None else rows
+        return sum(1 + self.response_len[r] for r in rows)
+
+    # ------------------------------------------------------------------ prefix pass
+    def prefix_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor, PackedAttention]:
+        """The packed prompts (minus their last tokens) and a recording block-causal attention."""
+        ids, pos, owner = self.prefix_ids, self.prefix_pos, self.prefix_owner
+        if len(ids) == 0:  # every prompt is one token: run one unattended token so every rank still runs a forward
+            ids, pos, owner = torch.tensor([self.last_id[0]]), torch.tensor([0]), torch.tensor([-1])
+        idx = torch.arange(len(ids))
+        mask = (owner[:, None] == owner[None, :]) & (idx[None, :] <= idx[:, None])
+        attn = PackedAttention(mask.to(device), record=True)
+        return ids[None].to(device), pos[None].to(device), attn
+
+    # ------------------------------------------------------------------ suffix passes
+    def suffix_row(self, rows: list[int], prefix: PrefixKV, device) -> PackedRow:
+        """Samples ``rows`` (indices into the planned batch) packed into one row reading ``prefix``."""
+        groups = list(dict.fromkeys(self.group_of[r] for r in rows))
+        prefix_index = torch.cat([
+            torch.arange(self.prefix_start[g], self.prefix_start[g] + self.prefix_len[g]) for g in groups
+        ])
+        key_owner = self.prefix_owner[prefix_index]
+        ids, pos, seg, owner, keep, labels, sample, column = [], [], [], [], [], [], [], []
+        offset = 0
+        for j, r in enumerate(rows):
+            g, n = self.group_of[r], self.response_len[r]
+            resp = self.responses[r, :n]
+            ids.append(torch.cat([torch.tensor([self.last_id[g]]), resp]))
+            pos.append(self.last_pos[g] + torch.arange(n + 1))
+            seg.append(torch.full((n + 1,), j))
+            owner.append(torch.full((n + 1,), g))
+            keep.append(offset + torch.arange(n))
+            labels.append(resp)
+            sample.append(torch.full((n,), j))
+            column.append(torch.arange(n))
+            offset += n + 1
+        seg_t, owner_t = torch.cat(seg), torch.cat(owner)
+        idx = torch.arange(offset)
+        own = (seg_t[:, None] == seg_t[None, :]) & (idx[None, :] <= idx[:, None])
+        mask = torch.cat([owner_t[:, None] == key_owner[None, :], own], dim=1)
+        attn = PackedAttention(mask.to(device), prefix=prefix, prefix_index=prefix_index.to(device))
+        return PackedRow(
+            input_ids=torch.cat(ids)[None].to(device),
+            position_ids=torch.cat(pos)[None].to(device),
+            attention=attn,
+            keep=torch.cat(keep).to(device),
+            labels=torch.cat(labels).to(device),
+            sample=torch.cat(sample).to(device),
+            column=torch.cat(column).to(device),
+        )
+
+
+def scatter_responses(values: torch.Tensor, row: PackedRow, num_samples: int, width: int) -> torch.Tensor:
+    """Per-kept-position ``values`` [N] -> zero-padded ``[num_samples, width]`` (differentiable)."""
+    out = values.new_zeros(num_samples, width)
+    return out.index_put((row.sample, row.column), values)
