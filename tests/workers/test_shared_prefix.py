@@ -17,6 +17,7 @@ from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
 
 from torchrlhf.models import save_tiny_model  # noqa: E402
 from torchrlhf.workers.actor import ActorWorker  # noqa: E402
+from torchrlhf.workers.critic import CriticWorker  # noqa: E402
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan  # noqa: E402
 
 # 3 groups of 4 samples; mini-batch 3 prompts; micro-batches of 1 or 3 split the groups. A small lr:
@@ -121,3 +122,23 @@ def test_shared_prefix_fsdp_and_tp_equal_dense_single_process(model_dir, tmp_pat
     for run in ("fsdp", "tp"):
         for name, want in dense.items():
             torch.testing.assert_close(results[run][name], want, atol=2e-5, rtol=1e-4, msg=f"{run}: {name}")
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_critic_shared_prefix_equals_dense(model_dir, micro):
+    """Values and the critic's parameters after 2 updates match the dense critic (groups split over micro-batches)."""
+    batch = group_batch(min_response_len=0)
+    runs = {}
+    for shared in (True, False):
+        critic = CriticWorker(model_dir, lr=1e-4, grad_clip=None, ppo_mini_batch_size=3, rollout_n=4, ppo_epochs=2,
+                              ppo_micro_batch_size_per_device=micro, shared_prefix=shared)
+        values = critic.compute_values(batch)["values"]
+        metrics = [critic.update(batch) for _ in range(2)]
+        runs[shared] = values, metrics, {k: v.detach().clone() for k, v in critic.model.state_dict().items()}
+    (v_s, m_s, p_s), (v_d, m_d, p_d) = runs[True], runs[False]
+    torch.testing.assert_close(v_s, v_d, atol=1e-5, rtol=1e-5)
+    for got, want in zip(m_s, m_d):
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for name, want in p_d.items():
+        torch.testing.assert_close(p_s[name], want, atol=2e-5, rtol=1e-4, msg=name)

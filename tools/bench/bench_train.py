@@ -1,58 +1,78 @@
-"""Tokens/s of `ActorWorker.update` on SmolLM2-135M vs a plain HF forward/backward/AdamW loop, same data, same run.
+"""Actor update time and peak memory: a plain HF loop vs `ActorWorker.update` dense vs shared-prefix.
 
-Both sides train on identical synthetic rollouts (left-padded prompts, right-padded
-responses of varied length) with the same micro-batch size and a token-mean PPO
-loss, one optimizer step per mini-batch. Throughput counts valid (attended) tokens.
+Synthetic GRPO rollouts on SmolLM2-135M (fp32, CPU): ``--prompts`` groups of n
+samples sharing one ``--prompt-len``-token prompt, responses of ``--response-len/2``
+to ``--response-len`` tokens, for each group size in ``--n``. Three sides train on
+the same batch, one optimizer step per update, micro-batches of ``--micro`` samples:
 
-    python tools/bench/bench_train.py [--samples 16 --prompt-len 64 --response-len 64 --micro 4 --steps 5]
+- ``plain HF``: the textbook loop (padded rows, logits at every position, full log-softmax);
+- ``dense``: ``ActorWorker(shared_prefix=False)`` (padding columns trimmed, logits from the
+  last prompt token on, chunked log-probs);
+- ``shared``: ``ActorWorker(shared_prefix=True)`` (each prompt once, packed suffixes,
+  logits only at response positions).
+
+Each (side, n) runs in its own subprocess, so its peak RSS above the loaded model is
+its own. Tokens computed per step are printed beside the ideal shared/dense ratio
+n(P+R) / (P+nR) (P, R: mean prompt and response tokens).
+
+    python tools/bench/bench_train.py [--n 4 8 16 --prompts 2 --prompt-len 150 --response-len 48 --steps 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.models import load_causal_lm, smollm2_model_dir
-from torchrlhf.workers.actor import ActorWorker
+
+SIDES = ("plain HF", "dense", "shared")
 
 
-def synthetic_rollouts(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> Batch:
+def group_rollouts(prompts: int, n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> Batch:
+    """``prompts`` groups of ``n`` samples; a group shares its prompt (exactly ``prompt_len`` tokens)."""
     g = torch.Generator().manual_seed(seed)
-    p_lens = torch.randint(prompt_len // 2, prompt_len + 1, (n,), generator=g)
-    r_lens = torch.randint(response_len // 4, response_len + 1, (n,), generator=g)
-    p_mask = (torch.arange(prompt_len) >= prompt_len - p_lens[:, None]).long()
+    b = prompts * n
+    prompt = torch.randint(10, vocab, (prompts, prompt_len), generator=g).repeat_interleave(n, 0)
+    r_lens = torch.randint(response_len // 2, response_len + 1, (b,), generator=g)
     r_mask = (torch.arange(response_len) < r_lens[:, None]).long()
-    prompts = torch.randint(10, vocab, (n, prompt_len), generator=g) * p_mask
-    responses = torch.randint(10, vocab, (n, response_len), generator=g) * r_mask
-    mask = torch.cat([p_mask, r_mask], 1)
+    responses = torch.randint(10, vocab, (b, response_len), generator=g) * r_mask
+    mask = torch.cat([torch.ones(b, prompt_len, dtype=torch.long), r_mask], 1)
     return Batch(
         {
-            "prompts": prompts,
+            "prompts": prompt,
             "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
+            "input_ids": torch.cat([prompt, responses], 1),
             "attention_mask": mask,
             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
             "response_mask": r_mask,
-            "old_log_probs": torch.full((n, response_len), -5.0) * r_mask,
-            "advantages": torch.randn(n, response_len, generator=g) * r_mask,
+            "old_log_probs": torch.full((b, response_len), -5.0) * r_mask,
+            "advantages": torch.randn(b, response_len, generator=g) * r_mask,
         },
         meta={"temperature": 1.0},
     )
 
 
-def worker_step(path: str, batch: Batch, micro: int) -> Callable[[], None]:
+def worker_step(path: str, batch: Batch, micro: int, shared: bool) -> Callable[[], None]:
+    from torchrlhf.workers.actor import ActorWorker
+
     actor = ActorWorker(path, lr=1e-6, ppo_mini_batch_size=len(batch), rollout_n=1,
-                        ppo_micro_batch_size_per_device=micro)
+                        ppo_micro_batch_size_per_device=micro, shared_prefix=shared)
     return lambda: actor.update(batch)
 
 
 def plain_hf_step(path: str, batch: Batch, micro: int) -> Callable[[], None]:
     """The textbook loop: full padded micro-batches, logits for every position, PPO token-mean loss."""
+    from torchrlhf.models import load_causal_lm
+
     model = load_causal_lm(path, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
@@ -74,48 +94,90 @@ def plain_hf_step(path: str, batch: Batch, micro: int) -> Callable[[], None]:
     return step
 
 
-def timed(step: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(side: str, n: int, args: argparse.Namespace) -> dict:
+    """One side, one group size, in this process: seconds per update and peak RSS above the loaded state."""
+    from torchrlhf.models import smollm2_model_dir
+
+    torch.set_num_threads(args.threads)
+    path = str(smollm2_model_dir())
+    batch = group_rollouts(args.prompts, n, args.prompt_len, args.response_len, 49152)
+    if side == "plain HF":
+        step = plain_hf_step(path, batch, args.micro)
+    else:
+        step = worker_step(path, batch, args.micro, shared=side == "shared")
+    step()  # warm-up (also allocates the optimizer state)
+    base = _rss_mb()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"s": statistics.median(times), "peak_over_mb": max(peak - base, 0.0), "all": times}
+
+
+def token_counts(n: int, args: argparse.Namespace) -> dict[str, float]:
+    from torchrlhf.workers.shared_prefix import SharedPrefixPlan
+
+    batch = group_rollouts(args.prompts, n, args.prompt_len, args.response_len, 49152)
+    plan = SharedPrefixPlan(batch)
+    p = float(args.prompt_len)
+    r = batch["response_mask"].sum().item() / len(batch)
+    return {
+        "padded": batch["input_ids"].numel(),
+        "dense": int(batch["attention_mask"].sum()),
+        "shared": plan.prefix_tokens() + plan.suffix_tokens(),
+        "ideal": n * (p + r) / (p + n * r),
+        "R": r,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[4, 8, 16], help="group sizes")
+    ap.add_argument("--prompts", type=int, default=2, help="groups (prompts) per update")
+    ap.add_argument("--prompt-len", type=int, default=150)
+    ap.add_argument("--response-len", type=int, default=48)
+    ap.add_argument("--micro", type=int, default=4, help="samples per micro-batch (all sides)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    ap.add_argument("--one", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = str(smollm2_model_dir())
-    vocab = 49152
-    batch = synthetic_rollouts(args.samples, args.prompt_len, args.response_len, vocab)
-    per_step_tokens = int(batch["attention_mask"].sum())
-    print(f"SmolLM2-135M, {args.samples} samples x ({args.prompt_len}+{args.response_len}) cols, "
-          f"{per_step_tokens} valid tokens/step ({batch['input_ids'].numel()} padded), micro={args.micro}, "
-          f"steps={args.steps}, threads={args.threads}, device=cpu")
-    sides = {
-        "ActorWorker.update": worker_step(path, batch, args.micro),
-        "plain HF loop": plain_hf_step(path, batch, args.micro),
-    }
-    for step in sides.values():
-        step()  # warm-up
-    # Alternate the two sides step by step so load from other processes hits both alike; report medians.
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.steps):
-        for name, step in sides.items():
-            times[name].append(timed(step))
-    # Median and best step: on a shared CPU the best step is the least disturbed estimate.
-    med = {name: per_step_tokens / statistics.median(t) for name, t in times.items()}
-    best = {name: per_step_tokens / min(t) for name, t in times.items()}
-    for name, t in times.items():
-        print(f"{name:<19}: median {med[name]:8.1f} / best {best[name]:8.1f} valid tokens/s "
-              f"(step s: {', '.join(f'{x:.2f}' for x in t)})")
-    worker, plain = "ActorWorker.update", "plain HF loop"
-    print(f"ratio worker/plain : median {med[worker] / med[plain]:.2f}x / best {best[worker] / best[plain]:.2f}x")
+    if args.one:
+        print("RESULT", json.dumps(measure(args.one[0], int(args.one[1]), args)))
+        return
+
+    print(f"SmolLM2-135M fp32 actor update, {args.prompts} prompts x n, prompt {args.prompt_len} tokens, response "
+          f"{args.response_len // 2}-{args.response_len}, micro-batch {args.micro} samples, median of {args.steps} "
+          f"steps, {args.threads} threads, {os.cpu_count()} CPUs")
+    print(f"{'n':>3} {'side':<9} {'tokens':>7} {'s/update':>9} {'vs dense':>9} {'vs HF':>7} {'peak MB':>8}")
+    base_cmd = [sys.executable, __file__, "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
+                "--response-len", str(args.response_len), "--micro", str(args.micro), "--steps", str(args.steps),
+                "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    for n in args.n:
+        counts = token_counts(n, args)
+        res = {}
+        for side in args.sides:
+            proc = subprocess.run([*base_cmd, "--one", side, str(n)], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise SystemExit(f"{side} n={n} failed:\n{proc.stderr[-3000:]}")
+            line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+            res[side] = json.loads(line.split(" ", 1)[1])
+        for side, r in res.items():
+            tokens = counts["padded"] if side == "plain HF" else counts[side]
+            vs_dense = res["dense"]["s"] / r["s"] if "dense" in res else float("nan")
+            vs_hf = res["plain HF"]["s"] / r["s"] if "plain HF" in res else float("nan")
+            print(f"{n:>3} {side:<9} {tokens:>7} {r['s']:>9.2f} {vs_dense:>8.2f}x {vs_hf:>6.2f}x "
+                  f"{r['peak_over_mb']:>8.0f}")
+        print(f"    tokens dense/shared {counts['dense'] / counts['shared']:.2f}x; ideal n(P+R)/(P+nR) = "
+              f"{counts['ideal']:.2f}x (P={args.prompt_len}, R={counts['R']:.1f})")
 
 
 if __name__ == "__main__":

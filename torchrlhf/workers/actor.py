@@ -26,12 +26,17 @@ from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models import load_causal_lm
-from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PrefixKV
+from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
-from torchrlhf.workers.shared_prefix import SharedPrefixPlan, scatter_responses
+from torchrlhf.workers.shared_prefix import (
+    SharedPrefixPlan,
+    prefix_forward,
+    scatter_responses,
+    suffix_forward,
+)
 
 # batch.meta key asking compute_log_prob to also return per-token entropy ("entropys").
 CALCULATE_ENTROPY = "calculate_entropy"
@@ -124,7 +129,7 @@ class ActorWorker(FSDPWorker):
         self.shared_prefix = shared_prefix
 
         dtype_ = resolve_dtype(dtype)
-        model = load_causal_lm(model_path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+        model = load_causal_lm(model_path, dtype=torch.float32)
         model.config.use_cache = False
         if freeze:
             model.requires_grad_(False)
@@ -183,21 +188,12 @@ class ActorWorker(FSDPWorker):
         entropy = None if entropy is None else pad_response_columns(entropy, width)
         return pad_response_columns(log_probs, width), entropy
 
-    def _prefix_forward(self, plan: SharedPrefixPlan) -> PrefixKV:
-        """Run every distinct prompt once and keep its keys/values (with a graph when grad is enabled)."""
-        input_ids, position_ids, attention = plan.prefix_inputs(self.device)
-        no_logits = torch.zeros(0, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=no_logits,
-                         packed=attention)
-        return PrefixKV(attention, out.logits, requires_grad=torch.is_grad_enabled())
-
     def _forward_packed(self, plan: SharedPrefixPlan, prefix: PrefixKV, rows: list[int], width: int,
                         temperature: float, with_entropy: bool):
         """Shared-prefix: samples ``rows`` of the plan as one packed row reading ``prefix``; ``[b, R]`` outputs."""
         row = plan.suffix_row(rows, prefix, self.device)
-        out = self.model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
-                         logits_to_keep=row.keep, packed=row.attention)
-        log_probs, entropy = self._response_outputs(out.logits[0], row.labels, temperature, with_entropy)
+        logits = suffix_forward(self.model, row)
+        log_probs, entropy = self._response_outputs(logits, row.labels, temperature, with_entropy)
         log_probs = scatter_responses(log_probs, row, len(rows), width)
         entropy = None if entropy is None else scatter_responses(entropy, row, len(rows), width)
         return log_probs, entropy
@@ -211,7 +207,7 @@ class ActorWorker(FSDPWorker):
             plan = SharedPrefixPlan(batch)
             lengths = [1 + n for n in plan.response_len]
             with torch.no_grad():
-                prefix = self._prefix_forward(plan)
+                prefix = prefix_forward(self.model, plan, self.device)
 
         def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
             if self.shared_prefix:
@@ -294,7 +290,7 @@ class ActorWorker(FSDPWorker):
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
             plan = SharedPrefixPlan(mini)
             lengths = [1 + n for n in plan.response_len]
-            prefix = self._prefix_forward(plan)
+            prefix = prefix_forward(self.model, plan, self.device)
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
                                             lengths=lengths):
             if plan is not None:

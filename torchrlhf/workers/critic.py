@@ -10,9 +10,11 @@ from torch.distributed.tensor import DTensor
 from torchrlhf.algorithms import compute_value_loss
 from torchrlhf.data import Batch
 from torchrlhf.models import load_value_model
+from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
 
 def response_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
@@ -32,7 +34,8 @@ def response_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
 class CriticWorker(FSDPWorker):
     """FSDP2 (× TP) value model. Arguments mirror the ``critic`` config section (flat keys).
 
-    Batch-size semantics match `ActorWorker` (global, in prompts).
+    Batch-size semantics match `ActorWorker` (global, in prompts), and so does ``shared_prefix``:
+    each distinct prompt runs once per mini-batch, responses are packed without padding.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class CriticWorker(FSDPWorker):
         tp_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        shared_prefix: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
@@ -78,6 +82,7 @@ class CriticWorker(FSDPWorker):
         self.cliprange_value = cliprange_value
         self.loss_agg_mode = loss_agg_mode
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
+        self.shared_prefix = shared_prefix
 
         # seeded: a fresh value head must be identical on every rank before FSDP shards it
         model = load_value_model(model_path, dtype=torch.float32, init_head_std=init_head_std, seed=seed)
@@ -88,13 +93,31 @@ class CriticWorker(FSDPWorker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
         """``values [B,R]`` (0 on response padding columns beyond the micro-batch's longest response)."""
+        self.model.eval()
+        plan = prefix = lengths = None
+        if self.shared_prefix:
+            plan = SharedPrefixPlan(batch)
+            lengths = [1 + n for n in plan.response_len]
+            with torch.no_grad():
+                prefix = prefix_forward(self.model, plan, self.device)
+
         def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
-            values = response_values(self.model, mb)
+            values = self._values(mb, rows, plan, prefix)
             return {"values": values * mb["response_mask"].to(values.dtype)}
 
-        self.model.eval()
-        outs = self.map_micro_batches(batch, fn, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens)
+        outs = self.map_micro_batches(batch, fn, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
+                                      lengths=lengths)
         return Batch(outs, meta=batch.meta)
+
+    def _values(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None):
+        """Values ``[b, R]`` of micro-batch ``mb`` (rows ``rows`` of the planned batch when sharing prefixes)."""
+        if plan is None:
+            return response_values(self.model, mb)
+        row = plan.suffix_row(rows, prefix, self.device)
+        values = suffix_forward(self.model, row)
+        if isinstance(values, DTensor):
+            values = values.full_tensor()
+        return scatter_responses(values.float(), row, len(rows), mb["responses"].shape[1])
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update(self, batch: Batch) -> dict[str, float]:
@@ -130,8 +153,14 @@ class CriticWorker(FSDPWorker):
         tokens, seqs = self.dp_sum([float(mini_mask.sum()), float((mini_mask.sum(-1) > 0).sum())])
         normalizer = tokens if self.loss_agg_mode == "token-mean" else seqs
         local: dict[str, float] = defaultdict(float)
-        for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens):
-            vpreds = response_values(self.model, mb)
+        plan = prefix = lengths = None
+        if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
+            plan = SharedPrefixPlan(mini)
+            lengths = [1 + n for n in plan.response_len]
+            prefix = prefix_forward(self.model, plan, self.device)
+        for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
+                                            lengths=lengths):
+            vpreds = self._values(mb, [0] if index is None else index.tolist(), plan, prefix)
             mask = mb["response_mask"].to(vpreds.dtype)
             loss, clipfrac = compute_value_loss(
                 vpreds, mb["values"], mb["returns"], mask, cliprange_value=self.cliprange_value,
@@ -145,5 +174,7 @@ class CriticWorker(FSDPWorker):
             local["critic/vf_loss"] += float(loss.detach())
             local["critic/vf_clipfrac"] += float(clipfrac) * share
             local["critic/vpred_mean"] += float((vpreds.detach() * mask).sum()) / max(tokens, 1.0)
+        if prefix is not None:
+            prefix.backward()
         keys = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"]
         return dict(zip(keys, self.dp_sum([local[k] for k in keys])))

@@ -141,6 +141,25 @@ class SharedPrefixPlan:
         )
 
 
+def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device) -> PrefixKV:
+    """Run every distinct prompt of ``plan`` once through ``model`` and keep its keys/values.
+
+    ``model`` is a causal LM or a `ValueModel`: anything whose forward takes ``position_ids``,
+    ``logits_to_keep`` (positions to project) and ``packed``. The K/V carry a graph when grad is enabled.
+    """
+    input_ids, position_ids, attention = plan.prefix_inputs(device)
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, packed=attention)
+    return PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
+
+
+def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    """``model``'s output at the row's kept positions, ``[N, ...]`` (logits for an LM, scalars for a value model)."""
+    out = model(input_ids=row.input_ids, position_ids=row.position_ids, logits_to_keep=row.keep,
+                packed=row.attention)
+    return getattr(out, "logits", out)[0]
+
+
 def scatter_responses(values: torch.Tensor, row: PackedRow, num_samples: int, width: int) -> torch.Tensor:
     """Per-kept-position ``values`` [N] -> zero-padded ``[num_samples, width]`` (differentiable)."""
     out = values.new_zeros(num_samples, width)
