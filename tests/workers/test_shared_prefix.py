@@ -142,3 +142,11 @@ def test_critic_shared_prefix_equals_dense(model_dir, micro):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     for name, want in p_d.items():
         torch.testing.assert_close(p_s[name], want, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_plan_refuses_sequences_longer_than_a_sliding_window():
+    batch = group_batch()
+    longest = int(batch["attention_mask"].sum(-1).max())
+    SharedPrefixPlan(batch, window=longest)
+    with pytest.raises(ValueError, match="sliding attention window .* set shared_prefix: false"):
+        SharedPrefixPlan(batch, window=longest - 1)

@@ -22,12 +22,16 @@ ATTN_IMPLEMENTATION = "torchrlhf_sdpa"
 
 
 class PackedAttention:
-    """One forward's attention plan: a boolean mask and, optionally, a recorded or read prompt K/V.
+    """One forward's attention plan over a packed row: its segments, and a recorded or read prompt K/V.
 
-    - Prefix pass (``record=True``): each layer's post-RoPE keys/values are kept so the
-      suffix passes can attend to them; the mask is block-causal over the packed prompts.
-    - Suffix pass (``prefix`` given): each layer attends to ``prefix`` keys/values at
-      ``prefix_index`` followed by its own; the mask has ``len(prefix_index) + T`` columns.
+    ``segments`` lists ``(start, end, prefix_start, prefix_end)``: row tokens ``start:end`` form one
+    sequence that attends to ``prefix`` tokens ``prefix_start:prefix_end`` and causally to itself.
+    Each segment is its own SDPA call, so the cost grows with the sum of the segments' squares, not
+    with the square of the packed row.
+
+    - Prefix pass (``record=True``, empty prefix ranges): each layer's post-RoPE keys/values are kept
+      so the suffix passes can attend to them.
+    - Suffix pass (``prefix`` given): a segment is one sample, reading its prompt's cached K/V.
 
     A plain class on purpose: FSDP2's mixed-precision input cast walks dataclasses and
     containers in ``forward`` kwargs and would copy the tensors held here.
@@ -35,28 +39,42 @@ class PackedAttention:
 
     def __init__(
         self,
-        mask: torch.Tensor,
+        segments: list[tuple[int, int, int, int]],
         *,
         record: bool = False,
         prefix: PrefixKV | None = None,
-        prefix_index: torch.Tensor | None = None,
     ) -> None:
-        self.mask = mask  # [Tq, Tk] bool, True = attend
+        self.segments = segments
         self.record = record
         self.prefix = prefix
-        self.prefix_index = prefix_index
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _mask(self, length: int, prefix_len: int, device) -> torch.Tensor:
+        """[length, prefix_len + length]: every prefix column, then causal (bottom-right aligned)."""
+        key = (length, prefix_len)
+        if key not in self._masks:
+            full = torch.ones(length, prefix_len + length, dtype=torch.bool, device=device)
+            self._masks[key] = full.tril(diagonal=prefix_len)
+        return self._masks[key]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
         if self.record and layer not in self.keys:  # activation checkpointing re-runs the forward: keep the first
             self.keys[layer], self.values[layer] = k, v
-        if self.prefix is not None:
-            pk, pv = self.prefix.get(layer)
-            k = torch.cat([pk.index_select(2, self.prefix_index), k], dim=2)
-            v = torch.cat([pv.index_select(2, self.prefix_index), v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=True)
+        pk, pv = self.prefix.get(layer) if self.prefix is not None else (None, None)
+        outs = []
+        for start, end, p_start, p_end in self.segments:
+            qs, ks, vs = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+            if p_end > p_start:
+                ks = torch.cat([pk[:, :, p_start:p_end], ks], dim=2)
+                vs = torch.cat([pv[:, :, p_start:p_end], vs], dim=2)
+                mask = self._mask(end - start, p_end - p_start, q.device)
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
+            else:
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous()
 
 
@@ -92,6 +110,16 @@ class PrefixKV:
                 grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
         torch.autograd.backward(outputs, grads)
         self._sources, self._output = [], None
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a HF config when it is in use (Mistral; Qwen2/3 with use_sliding_window), else None.
+
+    The packed masks are plain causal: a sequence longer than the window would attend past it.
+    """
+    window = getattr(config, "sliding_window", None)
+    uses = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    return window if uses and window else None
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -26,7 +26,7 @@ from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models import load_causal_lm
-from torchrlhf.models.packed_attention import PrefixKV
+from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
@@ -130,6 +130,7 @@ class ActorWorker(FSDPWorker):
 
         dtype_ = resolve_dtype(dtype)
         model = load_causal_lm(model_path, dtype=torch.float32)
+        self.window = sliding_window(model.config)
         model.config.use_cache = False
         if freeze:
             model.requires_grad_(False)
@@ -204,7 +205,7 @@ class ActorWorker(FSDPWorker):
         self.model.eval()
         lengths = None
         if self.shared_prefix:
-            plan = SharedPrefixPlan(batch)
+            plan = SharedPrefixPlan(batch, self.window)
             lengths = [1 + n for n in plan.response_len]
             with torch.no_grad():
                 prefix = prefix_forward(self.model, plan, self.device)
@@ -288,7 +289,7 @@ class ActorWorker(FSDPWorker):
         width = mini["responses"].shape[1]
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
-            plan = SharedPrefixPlan(mini)
+            plan = SharedPrefixPlan(mini, self.window)
             lengths = [1 + n for n in plan.response_len]
             prefix = prefix_forward(self.model, plan, self.device)
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torchrlhf.algorithms import compute_value_loss
 from torchrlhf.data import Batch
 from torchrlhf.models import load_value_model
-from torchrlhf.models.packed_attention import PrefixKV
+from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
@@ -86,6 +86,7 @@ class CriticWorker(FSDPWorker):
 
         # seeded: a fresh value head must be identical on every rank before FSDP shards it
         model = load_value_model(model_path, dtype=torch.float32, init_head_std=init_head_std, seed=seed)
+        self.window = sliding_window(model.config)
         self.model = self._shard(model, resolve_dtype(dtype), activation_checkpointing, cpu_offload)
         self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                              total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
@@ -96,7 +97,7 @@ class CriticWorker(FSDPWorker):
         self.model.eval()
         plan = prefix = lengths = None
         if self.shared_prefix:
-            plan = SharedPrefixPlan(batch)
+            plan = SharedPrefixPlan(batch, self.window)
             lengths = [1 + n for n in plan.response_len]
             with torch.no_grad():
                 prefix = prefix_forward(self.model, plan, self.device)
@@ -155,7 +156,7 @@ class CriticWorker(FSDPWorker):
         local: dict[str, float] = defaultdict(float)
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
-            plan = SharedPrefixPlan(mini)
+            plan = SharedPrefixPlan(mini, self.window)
             lengths = [1 + n for n in plan.response_len]
             prefix = prefix_forward(self.model, plan, self.device)
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,

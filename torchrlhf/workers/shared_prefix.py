@@ -5,8 +5,8 @@ prompt n times and the vocabulary projection at every position. Here, for a batc
 (or PPO mini-batch) on one rank:
 
 1. **Prefix pass, once.** Every distinct prompt except its last token is packed into
-   one row (no padding, block-causal mask) and run once; each layer's keys and
-   values are kept (`PrefixKV`).
+   one row (no padding; each prompt attends causally to itself) and run once; each
+   layer's keys and values are kept (`PrefixKV`).
 2. **Suffix passes, per micro-batch.** Each sample becomes ``[last prompt token] +
    its response`` and several samples are packed into one row; each token attends
    to its own prompt's cached K/V and causally to its own suffix. Logits are taken
@@ -52,9 +52,15 @@ class SharedPrefixPlan:
     ``attention_mask`` [B, P + R] (optionally ``position_ids``) and ``responses`` [B, R].
     """
 
-    def __init__(self, batch: Batch) -> None:
+    def __init__(self, batch: Batch, window: int | None = None) -> None:
         ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
         pos = batch["position_ids"].cpu() if "position_ids" in batch else (mask.long().cumsum(-1) - 1).clamp(min=0)
+        longest = int(mask.sum(-1).max()) if len(mask) else 0
+        if window is not None and longest > window:
+            raise ValueError(
+                f"a sample has {longest} tokens, more than the model's sliding attention window ({window}); "
+                "shared-prefix training implements full causal attention only: set shared_prefix: false"
+            )
         width = batch["responses"].shape[1]
         p = ids.shape[1] - width
         groups: dict[tuple[int, ...], int] = {}
@@ -82,7 +88,6 @@ class SharedPrefixPlan:
         self.prefix_len = lengths
         self.prefix_ids = torch.cat(prefix_ids)
         self.prefix_pos = torch.cat(prefix_pos)
-        self.prefix_owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
     # ------------------------------------------------------------------ tokens computed (for benchmarks)
     def prefix_tokens(self) -> int:
@@ -94,46 +99,33 @@ class SharedPrefixPlan:
 
     # ------------------------------------------------------------------ prefix pass
     def prefix_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor, PackedAttention]:
-        """The packed prompts (minus their last tokens) and a recording block-causal attention."""
-        ids, pos, owner = self.prefix_ids, self.prefix_pos, self.prefix_owner
-        if len(ids) == 0:  # every prompt is one token: run one unattended token so every rank still runs a forward
-            ids, pos, owner = torch.tensor([self.last_id[0]]), torch.tensor([0]), torch.tensor([-1])
-        idx = torch.arange(len(ids))
-        mask = (owner[:, None] == owner[None, :]) & (idx[None, :] <= idx[:, None])
-        attn = PackedAttention(mask.to(device), record=True)
-        return ids[None].to(device), pos[None].to(device), attn
+        """The packed prompts (minus their last tokens), one causal segment each, and a recording attention."""
+        ids, pos = self.prefix_ids, self.prefix_pos
+        segments = [(s, s + n, 0, 0) for s, n in zip(self.prefix_start, self.prefix_len) if n > 0]
+        if not segments:  # every prompt is one token: run one unattended token so every rank still runs a forward
+            ids, pos, segments = torch.tensor([self.last_id[0]]), torch.tensor([0]), [(0, 1, 0, 0)]
+        return ids[None].to(device), pos[None].to(device), PackedAttention(segments, record=True)
 
     # ------------------------------------------------------------------ suffix passes
     def suffix_row(self, rows: list[int], prefix: PrefixKV, device) -> PackedRow:
-        """Samples ``rows`` (indices into the planned batch) packed into one row reading ``prefix``."""
-        groups = list(dict.fromkeys(self.group_of[r] for r in rows))
-        prefix_index = torch.cat([
-            torch.arange(self.prefix_start[g], self.prefix_start[g] + self.prefix_len[g]) for g in groups
-        ])
-        key_owner = self.prefix_owner[prefix_index]
-        ids, pos, seg, owner, keep, labels, sample, column = [], [], [], [], [], [], [], []
+        """Samples ``rows`` (indices into the planned batch) packed into one row, each reading its prompt's K/V."""
+        ids, pos, segments, keep, labels, sample, column = [], [], [], [], [], [], []
         offset = 0
         for j, r in enumerate(rows):
             g, n = self.group_of[r], self.response_len[r]
             resp = self.responses[r, :n]
             ids.append(torch.cat([torch.tensor([self.last_id[g]]), resp]))
             pos.append(self.last_pos[g] + torch.arange(n + 1))
-            seg.append(torch.full((n + 1,), j))
-            owner.append(torch.full((n + 1,), g))
+            segments.append((offset, offset + n + 1, self.prefix_start[g], self.prefix_start[g] + self.prefix_len[g]))
             keep.append(offset + torch.arange(n))
             labels.append(resp)
             sample.append(torch.full((n,), j))
             column.append(torch.arange(n))
             offset += n + 1
-        seg_t, owner_t = torch.cat(seg), torch.cat(owner)
-        idx = torch.arange(offset)
-        own = (seg_t[:, None] == seg_t[None, :]) & (idx[None, :] <= idx[:, None])
-        mask = torch.cat([owner_t[:, None] == key_owner[None, :], own], dim=1)
-        attn = PackedAttention(mask.to(device), prefix=prefix, prefix_index=prefix_index.to(device))
         return PackedRow(
             input_ids=torch.cat(ids)[None].to(device),
             position_ids=torch.cat(pos)[None].to(device),
-            attention=attn,
+            attention=PackedAttention(segments, prefix=prefix),
             keep=torch.cat(keep).to(device),
             labels=torch.cat(labels).to(device),
             sample=torch.cat(sample).to(device),
