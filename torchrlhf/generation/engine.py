@@ -46,16 +46,11 @@ def _load_model(path: str | Path, device, dtype) -> nn.Module:
 
 
 def _tp_plan(model: nn.Module) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    """The training block plan (`models.parallelize.BLOCK_TP_PLAN`) on every layer; embeddings stay replicated."""
+    from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 
-    plan = {}
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + name] = ColwiseParallel()
-        plan[p + "self_attn.o_proj"] = RowwiseParallel()
-        plan[p + "mlp.down_proj"] = RowwiseParallel()
-    return plan
+    return {f"model.layers.{i}.{name}": style() for i in range(len(model.model.layers))
+            for name, style in BLOCK_TP_PLAN.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,23 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchrlhf.generation.prepacked import PrepackedLinears
+from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The decoder families with the Llama block layout: what the TP plan and this forward both implement.
+SUPPORTED_MODEL_TYPES = TP_SUPPORTED_MODEL_TYPES
 
 # Which dim of each parameter is split across TP ranks in the generation layout
-# (suffix of the HF parameter name -> dim; anything else is replicated).
-TP_SHARD_DIMS = {
-    "self_attn.q_proj.weight": 0,
-    "self_attn.q_proj.bias": 0,
-    "self_attn.k_proj.weight": 0,
-    "self_attn.k_proj.bias": 0,
-    "self_attn.v_proj.weight": 0,
-    "self_attn.v_proj.bias": 0,
-    "self_attn.o_proj.weight": 1,
-    "mlp.gate_proj.weight": 0,
-    "mlp.up_proj.weight": 0,
-    "mlp.down_proj.weight": 1,
-}
+# (suffix of the HF parameter name -> dim; anything else is replicated): the training block plan's.
+TP_SHARD_DIMS = block_tp_shard_dims()
 
 
 @dataclass

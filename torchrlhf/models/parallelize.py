@@ -27,7 +27,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 # (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
 TP_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
-_BLOCK_TP_PLAN = {
+# The one tensor-parallel plan of a decoder block, used by training (`apply_tp`) and by the native
+# engine's generation layout: heads and MLP columns split, outputs of o_proj/down_proj summed.
+BLOCK_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
     "self_attn.k_proj": ColwiseParallel,
     "self_attn.v_proj": ColwiseParallel,
@@ -36,6 +38,17 @@ _BLOCK_TP_PLAN = {
     "mlp.up_proj": ColwiseParallel,
     "mlp.down_proj": RowwiseParallel,
 }
+
+
+def block_tp_shard_dims() -> dict[str, int]:
+    """Parameter-name suffix -> the dim `BLOCK_TP_PLAN` splits it on (colwise: out features and bias; rowwise: in)."""
+    dims = {}
+    for module, style in BLOCK_TP_PLAN.items():
+        if style is ColwiseParallel:
+            dims[f"{module}.weight"] = dims[f"{module}.bias"] = 0
+        else:
+            dims[f"{module}.weight"] = 1
+    return dims
 
 
 def init_mesh(dp: int, tp: int = 1, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -119,7 +132,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         else:
             parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     for block in find_transformer_blocks(model):
-        plan = {name: style() for name, style in _BLOCK_TP_PLAN.items()}
+        plan = {name: style() for name, style in BLOCK_TP_PLAN.items()}
         for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over head_dim of [B, T, heads, head_dim]
             if getattr(block.self_attn, norm, None) is not None:
                 # Each rank normalises its own heads; treating the input as sharded on the heads dim
