@@ -31,12 +31,7 @@ from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
-from torchrlhf.workers.shared_prefix import (
-    SharedPrefixPlan,
-    prefix_forward,
-    scatter_responses,
-    suffix_forward,
-)
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, run_prefixes, scatter_responses, suffix_forward
 
 # batch.meta key asking compute_log_prob to also return per-token entropy ("entropys").
 CALCULATE_ENTROPY = "calculate_entropy"
@@ -205,10 +200,8 @@ class ActorWorker(FSDPWorker):
         self.model.eval()
         lengths = None
         if self.shared_prefix:
-            plan = SharedPrefixPlan(batch, self.window)
-            lengths = [1 + n for n in plan.response_len]
             with torch.no_grad():
-                prefix = prefix_forward(self.model, plan, self.device)
+                plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
 
         def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
             if self.shared_prefix:
@@ -289,9 +282,7 @@ class ActorWorker(FSDPWorker):
         width = mini["responses"].shape[1]
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
-            plan = SharedPrefixPlan(mini, self.window)
-            lengths = [1 + n for n in plan.response_len]
-            prefix = prefix_forward(self.model, plan, self.device)
+            plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
                                             lengths=lengths):
             if plan is not None:

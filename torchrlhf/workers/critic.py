@@ -14,7 +14,7 @@ from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
 from torchrlhf.workers.microbatch import pad_response_columns, trimmed_inputs, validate_batch_sizes
-from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, run_prefixes, scatter_responses, suffix_forward
 
 
 def response_values(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
@@ -97,10 +97,8 @@ class CriticWorker(FSDPWorker):
         self.model.eval()
         plan = prefix = lengths = None
         if self.shared_prefix:
-            plan = SharedPrefixPlan(batch, self.window)
-            lengths = [1 + n for n in plan.response_len]
             with torch.no_grad():
-                prefix = prefix_forward(self.model, plan, self.device)
+                plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
 
         def fn(mb: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
             values = self._values(mb, rows, plan, prefix)
@@ -156,9 +154,7 @@ class CriticWorker(FSDPWorker):
         local: dict[str, float] = defaultdict(float)
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
-            plan = SharedPrefixPlan(mini, self.window)
-            lengths = [1 + n for n in plan.response_len]
-            prefix = prefix_forward(self.model, plan, self.device)
+            plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
         for mb, index in self.micro_batches(mini, micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
                                             lengths=lengths):
             vpreds = self._values(mb, [0] if index is None else index.tolist(), plan, prefix)

@@ -145,6 +145,13 @@ def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device) -> Pr
     return PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
 
 
+def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, device
+                 ) -> tuple[SharedPrefixPlan, PrefixKV, list[int]]:
+    """Plan ``batch`` and run its prompts once: (plan, their K/V, each sample's suffix tokens for token budgets)."""
+    plan = SharedPrefixPlan(batch, window)
+    return plan, prefix_forward(model, plan, device), [1 + n for n in plan.response_len]
+
+
 def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     """``model``'s output at the row's kept positions, ``[N, ...]`` (logits for an LM, scalars for a value model)."""
     out = model(input_ids=row.input_ids, position_ids=row.position_ids, logits_to_keep=row.keep,
