@@ -25,7 +25,7 @@ def test_grpo_learns(tiny_model_dir, tmp_path):
     """30 GRPO steps raise the reward (share of 'e' characters) from ~0.10: learning, not just running.
 
     The margin holds for every trainer seed tried (0-3: the last five steps beat the first five by
-    +0.075, +0.038, +0.118, +0.092), not only for the default seed.
+    +0.062, +0.065, +0.142, +0.077), not only for the default seed.
     """
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, actor={"lr": 3e-2},
@@ -37,19 +37,23 @@ def test_grpo_learns(tiny_model_dir, tmp_path):
 
 
 def test_ppo_with_critic_learns(tiny_model_dir, tmp_path):
-    """PPO: GAE over a critic (zero-initialised value head) raises the reward too, and the critic fits it."""
+    """PPO: GAE over a critic (zero-initialised value head) raises the reward too, and the critic fits it.
+
+    40 steps: over trainer seeds 0-3 the last five steps beat the first five by +0.064, +0.220, +0.058,
+    +0.045 (20 steps were not enough for every seed: +0.028, +0.139, +0.004, +0.018).
+    """
     out = tmp_path / "out"
     cfg = write_config(
         tmp_path / "c.yaml", tiny_model_dir, actor={"lr": 3e-2},
         algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 1.0},
         critic={"model_path": "${model_path}", "lr": 1e-3, "ppo_mini_batch_size": 4,
                 "ppo_micro_batch_size_per_device": 16, "init_head_std": 0.0},
-        trainer={"total_steps": 20, "output_dir": str(out), "loggers": ["jsonl"]},
+        trainer={"total_steps": 40, "output_dir": str(out), "loggers": ["jsonl"]},
     )
     assert_ok(run_recipe(cfg))
     metrics = metrics_of(out)
     scores = _scores(out)
-    assert _mean(scores[-4:]) > _mean(scores[:4]) + 0.03, scores
+    assert _mean(scores[-5:]) > _mean(scores[:5]) + 0.03, scores
     assert metrics[0]["critic/values/mean"] == pytest.approx(0.0, abs=1e-6)  # zero head: V = 0 before training
     assert metrics[-1]["critic/values/mean"] > 0.05  # and it moves toward the ~0.1-0.2 returns
 
