@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchrlhf.generation.prepacked import PrepackedLinears
+from torchrlhf.models.packed_attention import sliding_window
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
 
 # The decoder families with the Llama block layout: what the TP plan and this forward both implement.
@@ -45,9 +46,8 @@ def check_supported(config, max_seq_len: int) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"NativeEngine supports hidden_act='silu' (SwiGLU), got {act!r}")
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
-    if uses_window and window and window < max_seq_len:
+    window = sliding_window(config)
+    if window is not None and window < max_seq_len:
         raise ValueError(
             f"sliding-window attention (window {window}) is not implemented; use max_seq_len <= {window}"
         )

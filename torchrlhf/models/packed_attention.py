@@ -91,25 +91,24 @@ class PrefixKV:
 
     def __init__(self, recorded: PackedAttention, output: torch.Tensor, requires_grad: bool) -> None:
         self._output = output
-        self._sources = [(recorded.keys[i], recorded.values[i]) for i in sorted(recorded.keys)]
-        self._leaves = [
-            (k.detach().requires_grad_(requires_grad), v.detach().requires_grad_(requires_grad))
-            for k, v in self._sources
-        ]
-        self._layer_ids = sorted(recorded.keys)
+        self._sources = {layer: (recorded.keys[layer], recorded.values[layer]) for layer in recorded.keys}
+        self._leaves = {
+            layer: (k.detach().requires_grad_(requires_grad), v.detach().requires_grad_(requires_grad))
+            for layer, (k, v) in self._sources.items()
+        }
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._leaves[self._layer_ids.index(layer)]
+        return self._leaves[layer]
 
     def backward(self) -> None:
         """Backpropagate the accumulated K/V gradients through the prompts' forward (call once)."""
         outputs, grads = [self._output], [torch.zeros_like(self._output)]
-        for (k, v), (lk, lv) in zip(self._sources, self._leaves):
-            for src, leaf in ((k, lk), (v, lv)):
+        for layer, pair in self._sources.items():
+            for src, leaf in zip(pair, self._leaves[layer]):
                 outputs.append(src)
                 grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
         torch.autograd.backward(outputs, grads)
-        self._sources, self._output = [], None
+        self._sources, self._output = {}, None
 
 
 def sliding_window(config) -> int | None:

@@ -93,9 +93,12 @@ class SharedPrefixPlan:
     def prefix_tokens(self) -> int:
         return int(self.prefix_ids.numel())
 
-    def suffix_tokens(self, rows: list[int] | None = None) -> int:
-        rows = range(len(self.group_of)) if rows is None else rows
-        return sum(1 + self.response_len[r] for r in rows)
+    def suffix_lengths(self) -> list[int]:
+        """Tokens each sample's suffix row costs (last prompt token + response): what token budgets count."""
+        return [1 + n for n in self.response_len]
+
+    def suffix_tokens(self) -> int:
+        return sum(self.suffix_lengths())
 
     # ------------------------------------------------------------------ prefix pass
     def prefix_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor, PackedAttention]:
@@ -149,7 +152,7 @@ def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, devic
                  ) -> tuple[SharedPrefixPlan, PrefixKV, list[int]]:
     """Plan ``batch`` and run its prompts once: (plan, their K/V, each sample's suffix tokens for token budgets)."""
     plan = SharedPrefixPlan(batch, window)
-    return plan, prefix_forward(model, plan, device), [1 + n for n in plan.response_len]
+    return plan, prefix_forward(model, plan, device), plan.suffix_lengths()
 
 
 def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
