@@ -105,6 +105,26 @@ def test_stop_token_ids_end_with_stop(engine):
         assert out["finish_reason"][i] == ("stop" if stop_id in row else "length")
 
 
+def test_per_prompt_max_tokens_column_truncates_each_prompt(engine):
+    """A ``max_tokens`` column gives each prompt its own budget (capped by the call's): the samples are the
+    unbudgeted samples cut at the budget, finishing with "length" there."""
+    batch = prompt_batch()
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=4, ignore_eos=True)
+    free = engine.generate(batch, params)
+    budgets = [3, 10, 1, 7, 12][: len(batch)]
+    batch["max_tokens"] = torch.tensor(budgets)
+    out = engine.generate(batch, params)
+    for i in range(2 * len(batch)):
+        n = min(budgets[i // 2], 10)
+        assert out["response_mask"][i].sum() == n, (i, out["response_mask"][i])
+        assert torch.equal(out["responses"][i, :n], free["responses"][i, :n])
+        torch.testing.assert_close(out["rollout_log_probs"][i, :n], free["rollout_log_probs"][i, :n])
+        assert out["finish_reason"][i] == "length"
+    batch["max_tokens"] = torch.tensor([0] * len(batch))
+    with pytest.raises(ValueError, match="max_tokens column of 0"):
+        engine.generate(batch, params)
+
+
 def test_stop_strings_end_with_stop(engine):
     batch = prompt_batch()
     decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731

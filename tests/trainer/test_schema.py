@@ -73,6 +73,23 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("sections, message", [
+    ({}, "trainer.mode=async generates while the actor trains: give the rollout ranks of its own"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"max_staleness": -1}},
+     "async_training.max_staleness must be >= 0, got -1"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"prompts_per_call": 5}},
+     "async_training.prompts_per_call must be in [1, data.train_batch_size=4], got 5"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"schedule": "fast"}},
+     "async_training.schedule"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True}},
+     "does not support algorithm.filter_groups"),
+])
+def test_bad_async_config_is_refused(tmp_path, sections, message):
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, world=2, trainer={"mode": "async"}, **sections)
+    assert message in str(e.value), str(e.value)
+
+
 def test_rollout_ranks_either_match_the_actors_or_are_their_own(tmp_path):
     with pytest.raises(ConfigError, match=r"placement.rollout \[1, 2\] overlaps placement.actor \[0, 1\]"):
         _check(tmp_path, world=3, placement={"actor": [0, 1], "rollout": [1, 2]},

@@ -122,13 +122,16 @@ class PromptDataset:
             lengths.append(len(ids))
             if len(ids) > max_prompt_length:
                 continue
-            self.items.append({
+            item = {
                 "input_ids": list(ids),
                 "raw_prompt": text,
                 "ground_truth": _ground_truth(row),
                 "data_source": row.get("data_source") or default_data_source,
                 "index": i,
-            })
+            }
+            if row.get("max_tokens") is not None:  # a per-prompt response budget (below rollout.max_tokens)
+                item["max_tokens"] = int(row["max_tokens"])
+            self.items.append(item)
         self.num_filtered = len(rows) - len(self.items)
         if not self.items:
             raise ValueError(
@@ -166,10 +169,10 @@ class PromptDataset:
 
     def collate(self, indices: Sequence[int]) -> Batch:
         """The prompt `Batch` of these dataset positions (see `collate_prompts`)."""
-        return collate_prompts([self.items[i] for i in indices], pad_token_id=_pad_id(self.tokenizer))
+        return collate_prompts([self.items[i] for i in indices], pad_token_id=pad_token_id(self.tokenizer))
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_token_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token to pad prompts with")
@@ -196,8 +199,11 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int, pad_t
         if len(ids):
             input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if all("max_tokens" in it for it in items):
+        tensors["max_tokens"] = torch.tensor([it["max_tokens"] for it in items], dtype=torch.long)
     return Batch(
-        {"input_ids": input_ids, "attention_mask": attention_mask},
+        tensors,
         {
             "raw_prompt": [it["raw_prompt"] for it in items],
             "ground_truth": [it.get("ground_truth") for it in items],

@@ -93,6 +93,18 @@ def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -
     return lengths
 
 
+def prompt_max_tokens(prompts: Batch, params: SamplingParams) -> list[int]:
+    """Each prompt's response budget: its ``max_tokens`` column (a per-prompt budget, e.g. a length target)
+    capped at ``params.max_tokens``, else ``params.max_tokens``."""
+    if "max_tokens" not in prompts:
+        return [params.max_tokens] * len(prompts)
+    limits = [min(int(m), params.max_tokens) for m in prompts["max_tokens"].tolist()]
+    bad = [i for i, m in enumerate(limits) if m < 1]
+    if bad:
+        raise ValueError(f"prompt {bad[0]} has a max_tokens column of {limits[bad[0]]}; it must be >= 1")
+    return limits
+
+
 def prompt_seeds(prompts: Batch, params: SamplingParams, tp_mesh=None) -> list[int]:
     """One seed per prompt: the Batch's ``seed`` column, else ``params.seed + i``, else a base drawn from
     torch's global RNG (broadcast over ``tp_mesh``, when given, so every TP rank samples identically)."""

@@ -23,6 +23,7 @@ from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
     check_resume_tags,
+    prompt_max_tokens,
     prompt_seeds,
     prompt_token_lists,
     validate_prompts,
@@ -301,7 +302,8 @@ class NativeEngine:
         prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
-        run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh))
+        run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh),
+                   prompt_max_tokens(prompts, params))
         tokens, logps, resp_len, reasons = run.run()
         return self._assemble(prompts, params, tokens, logps, resp_len, reasons)
 
@@ -312,8 +314,9 @@ class NativeEngine:
 class _Run:
     """The scheduling state of one `generate` call."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds) -> None:
+    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits) -> None:
         self.e, self.p = engine, params
+        self.limits = limits  # per prompt: tokens a response may have
         self.decode = engine.decode_fn()
         self.prompt_tokens, self.seeds = prompt_tokens, seeds
         dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
@@ -323,6 +326,7 @@ class _Run:
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
         self.step = torch.zeros(slots, dtype=torch.long, device=dev)
         self.live = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.limit = torch.zeros(slots, dtype=torch.long, device=dev)
         self.out_tok = torch.zeros(slots, steps, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(slots, steps, dtype=torch.float32, device=dev)
         self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
@@ -395,6 +399,7 @@ class _Run:
         self.pos[slot_t] = torch.tensor(lens, device=e.device)
         self.step[slot_t] = 1
         self.live[slot_t] = 1
+        self.limit[slot_t] = torch.tensor([self.limits[sid // n] for sid, _ in taken], device=e.device)
         for (sid, slot), length in zip(taken, lens):
             p = sid // n
             self.slot_sample[slot] = sid
@@ -409,7 +414,7 @@ class _Run:
     def _finish_check(self, slot_t: torch.Tensor, tok: torch.Tensor) -> None:
         """Finish the samples in ``slot_t`` whose newest token ``tok`` ends them."""
         hit_stop = torch.isin(tok, self.stop_ids)
-        done = hit_stop | (self.step[slot_t] >= self.p.max_tokens)
+        done = hit_stop | (self.step[slot_t] >= self.limit[slot_t])
         slots = slot_t.tolist()
         done_l, stop_l = done.tolist(), hit_stop.tolist()
         if self.p.stop:
@@ -457,7 +462,7 @@ class _Run:
         dst, src = torch.tensor(targets, device=e.device), torch.tensor(movers, device=e.device)
         e.k_cache[:, dst, :kv_len] = e.k_cache[:, src, :kv_len]
         e.v_cache[:, dst, :kv_len] = e.v_cache[:, src, :kv_len]
-        for t in (self.cur, self.pos, self.step, self.live, self.out_tok, self.out_lp, self.uni):
+        for t in (self.cur, self.pos, self.step, self.live, self.limit, self.out_tok, self.out_lp, self.uni):
             t[dst] = t[src]
         self.live[src] = 0
         self.pos[src] = 0

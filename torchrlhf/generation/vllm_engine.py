@@ -34,6 +34,7 @@ from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
     check_resume_tags,
+    prompt_max_tokens,
     prompt_seeds,
     prompt_token_lists,
     validate_prompts,
@@ -458,13 +459,14 @@ class VLLMEngine:
         validate_prompts(prompts, params, self.max_seq_len)
         seeds = prompt_seeds(prompts, params)
         fields = self._request_params(params)
+        limits = prompt_max_tokens(prompts, params)
         requests, request_params = [], []
         for i, tokens in enumerate(prompt_token_lists(prompts)):
             ids = tokens.tolist()
             for j in range(params.n):
                 requests.append({"prompt_token_ids": ids})
                 seed = None if params.greedy else sample_seed(seeds[i], j)
-                request_params.append(VLLMSamplingParams(**fields, seed=seed))
+                request_params.append(VLLMSamplingParams(**{**fields, "max_tokens": limits[i]}, seed=seed))
         outputs = self.llm.generate(requests, request_params, use_tqdm=False) if requests else []
 
         total, width = len(requests), params.max_tokens

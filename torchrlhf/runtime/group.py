@@ -426,6 +426,23 @@ class WorkerGroup:
         ]
         return GroupFuture(self.name, m._name, self.ranks, futs, collect)
 
+    def call_dp(self, dp_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Start ``method`` on the ranks of one data-parallel group only (all its TP ranks, same arguments);
+        the future answers what that group's leader returns. Lets the controller keep each rollout replica
+        busy on its own (asynchronous training) instead of splitting one batch over all of them."""
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"{self.name}.call_dp: dp_rank {dp_rank} not in [0, {self.dp_size})")
+        getattr(self, method)  # the usual error for an unknown or unregistered method
+        members = [i for i, d in enumerate(self.dp_ranks) if d == dp_rank]
+        leader = self._leaders[dp_rank]
+        futs = [
+            rpc.rpc_async(self._workers[i], _invoke, args=(self.name, method, args, kwargs, i == leader),
+                          timeout=self.timeout)
+            for i in members
+        ]
+        pos = members.index(leader)
+        return GroupFuture(self.name, method, [self.ranks[i] for i in members], futs, lambda answers: answers[pos])
+
     def _split_dp(self, where: str, m: _GroupMethod, args: tuple, kwargs: dict):
         for i, a in enumerate(args):
             if not isinstance(a, Batch):

@@ -94,7 +94,8 @@ def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     sync = None
     if ranks["rollout"] != ranks["actor"]:
         sync = WeightSync(groups["actor"], groups["rollout"], dtype=cfg.actor.dtype,
-                          bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+                          bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+                          relay_capacity=cfg.async_training.max_staleness + 2)
     return Roles(**groups, weight_sync=sync)
 
 
@@ -126,4 +127,5 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     roles = build_roles(cfg, world_size)
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
                      reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts, logger=logger,
-                     num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg))
+                     num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
+                     async_training=cfg.async_training)

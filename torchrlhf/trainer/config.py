@@ -76,9 +76,14 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    """The loop: length, validation, checkpoints, logging."""
+    """The loop: length, validation, checkpoints, logging.
+
+    ``mode``: ``sync`` (generate, then train, every step) or ``async`` (rollout ranks of their own generate
+    while the actor trains; the ``async_training`` section says how far they may run ahead).
+    """
 
     total_steps: int = 10
+    mode: Literal["sync", "async"] = "sync"
     critic_warmup: int = 0
     test_freq: int = 0
     val_before_train: bool = False
@@ -91,6 +96,24 @@ class TrainerConfig:
     experiment_name: str = "run"
     log_val_generations: int = 4
     seed: int = 0
+
+
+@dataclass
+class AsyncConfig:
+    """How rollouts run ahead of training when ``trainer.mode`` is ``async`` (see `trainer.async_rollout`).
+
+    ``max_staleness``: a sample trains at most this many actor updates after the weights that generated it.
+    ``schedule``: ``stream`` (Laminar-style: each rollout replica takes ``prompts_per_call`` prompts at a
+    time, loading the newest weights between calls; the fastest) or ``deterministic`` (batch t is
+    generated with exactly weight version t - max_staleness: bit-for-bit reproducible, resumable).
+    ``stale_policy``: a stream group found too stale when the trainer takes it is ``requeue``-d (its
+    prompt generated again) or ``drop``-ped.
+    """
+
+    max_staleness: int = 1
+    schedule: Literal["stream", "deterministic"] = "stream"
+    stale_policy: Literal["requeue", "drop"] = "requeue"
+    prompts_per_call: int = 1
 
 
 @dataclass

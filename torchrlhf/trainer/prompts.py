@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.data.dataset import PromptDataset, StatefulSampler
+from torchrlhf.data.dataset import PromptDataset, StatefulSampler, pad_token_id
 
 
 class PromptLoader:
@@ -27,6 +27,11 @@ class PromptLoader:
     def __len__(self) -> int:
         """Batches per epoch."""
         return len(self.sampler)
+
+    @property
+    def pad_id(self) -> int:
+        """The token prompts are left-padded with."""
+        return pad_token_id(self.dataset.tokenizer)
 
     def next_batch(self) -> Batch:
         return self.dataset.collate(self.sampler.next_batch())

@@ -7,9 +7,10 @@ here on CPU tensors through the pure functions of `torchrlhf.algorithms`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,9 @@ import torch
 
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
+from torchrlhf.trainer.async_rollout import AsyncRollouts, DeterministicRollouts, StreamRollouts
 from torchrlhf.trainer.checkpointing import CheckpointManager
-from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from torchrlhf.trainer.config import AlgorithmConfig, AsyncConfig, RolloutConfig, TrainerConfig
 from torchrlhf.trainer.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -54,7 +56,9 @@ class RLTrainer:
         num_devices: ranks in the job, for per-device throughput.
         recompute_old_log_prob: run the actor's extra forward for old log-probs. `build_trainer` turns it
             off when one optimizer step consumes the whole rollout (one PPO epoch, one mini-batch) and no
-            KL-in-reward needs them: the update then uses its own log-probs, detached, which is exact.
+            KL-in-reward needs them: the update then uses its own log-probs, detached, which is exact
+            (and, in asynchronous training, is decoupled PPO's proximal policy).
+        async_training: how rollouts run ahead of training when ``trainer.mode`` is ``async``.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class RLTrainer:
         logger: Any,
         num_devices: int,
         recompute_old_log_prob: bool = True,
+        async_training: AsyncConfig | None = None,
     ) -> None:
         self.algo = algorithm
         self.rollout = rollout
@@ -96,11 +101,26 @@ class RLTrainer:
             else None
         )
         self.checkpoints = CheckpointManager(trainer.output_dir, keep_last=trainer.keep_last_checkpoints)
+        self.async_cfg = async_training or AsyncConfig()
+        self.async_rollouts: AsyncRollouts | None = None  # built by `fit` in async mode
+        self._busy_mark: tuple[float, list[float]] | None = None
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
+        if self.cfg.mode == "async":
+            self.async_rollouts = self._build_async_rollouts()
         self._maybe_resume()
+        if self.async_rollouts is not None:
+            self.async_rollouts.publish(self.weight_version)
+            self.async_rollouts.start()
+        try:
+            return self._fit()
+        finally:
+            if self.async_rollouts is not None:
+                self.async_rollouts.stop()
+
+    def _fit(self) -> dict[str, float]:
         before: dict[str, float] = {}
         if self.val_prompts is not None and self.cfg.val_before_train and self.global_step == 0:
             before = self.validate()
@@ -170,6 +190,7 @@ class RLTrainer:
             self._sync_weights(metrics)
 
         step_seconds = time.perf_counter() - start
+        metrics.update(self._rollout_busy_metrics())
         metrics["timing_s/step"] = step_seconds
         metrics["training/global_step"] = float(self.global_step)
         metrics.update(compute_data_metrics(batch, self.rollout.max_tokens))
@@ -179,10 +200,39 @@ class RLTrainer:
         return metrics
 
     def _sync_weights(self, metrics: dict[str, float]) -> None:
-        """Split placement: the rollout ranks get the new version now (colocated, they read it at generate)."""
+        """Split placement: the rollout ranks get the new version now (colocated, they read it at generate).
+
+        Asynchronous training sends it into the rollout ranks' relays while they generate, then lets the
+        rollout thread use it.
+        """
         if self.roles.weight_sync is not None:
+            relay = self.async_rollouts is not None
             with timer("weight_sync", metrics):
-                metrics.update(self.roles.weight_sync(self.weight_version))
+                metrics.update(self.roles.weight_sync(self.weight_version, to_relay=relay))
+            if relay:
+                self.async_rollouts.publish(self.weight_version)
+
+    def _rollout_busy_metrics(self) -> dict[str, float]:
+        """Split placement: the share of wall time since the last step that rollout ranks spent generating."""
+        if self.roles.weight_sync is None:
+            return {}
+        now = time.perf_counter()
+        busy = [float(b.get("generate", 0.0)) for b in self.roles.rollout.busy_seconds()]
+        mark, self._busy_mark = self._busy_mark, (now, busy)
+        if mark is None:
+            return {}
+        fractions = [(b - b0) / max(now - mark[0], 1e-9) for b, b0 in zip(busy, mark[1])]
+        return {"rollout/busy_fraction": sum(fractions) / len(fractions), "rollout/busy_fraction_min": min(fractions)}
+
+    @contextlib.contextmanager
+    def _rollouts_paused(self) -> Iterator[None]:
+        """Asynchronous training: no rollout call runs inside (validation uses the engines; checkpoints
+        save the rollout buffer)."""
+        if self.async_rollouts is None:
+            yield
+        else:
+            with self.async_rollouts.paused():
+                yield
 
     def close(self) -> None:
         """Flush the loggers and stop the reward worker processes."""
@@ -194,6 +244,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ rollout
     def _collect_rollouts(self, metrics: dict[str, float]) -> Batch:
         """Generate and score; with DAPO's dynamic sampling, keep drawing until enough informative groups."""
+        if self.async_rollouts is not None:
+            return self._take_async_rollouts(metrics)
         want_groups = self.train_prompts.batch_size
         kept: list[Batch] = []
         num_groups = num_gen_batches = dropped = 0
@@ -226,6 +278,30 @@ class RLTrainer:
         batch = Batch.concat(kept)
         return batch[: want_groups * self.rollout.n]
 
+    def _build_async_rollouts(self) -> AsyncRollouts:
+        a = self.async_cfg
+        common = dict(next_prompts=self.train_prompts.next_batch, score=self._score_rules,
+                      sampling=self.rollout.sampling_params(), batch_size=self.train_prompts.batch_size,
+                      n=self.rollout.n, max_staleness=a.max_staleness, pad_id=self.train_prompts.pad_id,
+                      seed=self.cfg.seed)
+        if a.schedule == "deterministic":
+            return DeterministicRollouts(self.roles.rollout, **common)
+        return StreamRollouts(self.roles.rollout, prompts_per_call=a.prompts_per_call,
+                              stale_policy=a.stale_policy, **common)
+
+    def _take_async_rollouts(self, metrics: dict[str, float]) -> Batch:
+        """The next batch the rollout thread has ready (generated and rule-scored while the actor trained)."""
+        with timer("rollout_wait", metrics):
+            key = self.global_step - 1 if self.async_cfg.schedule == "deterministic" else self.weight_version
+            batch, async_metrics = self.async_rollouts.take(key)
+        metrics.update(async_metrics)
+        with timer("reward", metrics):
+            batch = self._score_models(batch)
+        lag = self.weight_version - batch["weight_version"]
+        for j in range(self.async_cfg.max_staleness + 1):
+            metrics[f"rollout/staleness/frac_{j}"] = (lag == j).float().mean().item()
+        return batch
+
     def _generate(self, prompts: Batch, sampling: dict[str, Any]) -> Batch:
         # Fresh per-prompt seeds from the controller's RNG: reproducible, resumable, different every step.
         prompts["seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
@@ -249,13 +325,24 @@ class RLTrainer:
         return scores.sum(-1)
 
     def _score(self, gen: Batch, metrics: dict[str, float]) -> Batch:
-        scores, reward_metrics = self.reward_fn(gen)
+        gen, reward_metrics = self._score_rules(gen)
         metrics.update(reward_metrics)
+        return self._score_models(gen)
+
+    def _score_models(self, gen: Batch) -> Batch:
+        """Add the reward model's score and the cost model's costs (worker calls: on the trainer's thread)."""
         if self.roles.reward_model is not None:
             rm = self.roles.reward_model.compute_scores(gen)["rm_scores"]
-            scores = scores + _at_last_token(rm, gen["response_mask"])
+            gen["token_level_scores"] = gen["token_level_scores"] + _at_last_token(rm, gen["response_mask"])
         if self.roles.cost_model is not None:
             gen["cost_scores"] = self.roles.cost_model.compute_scores(gen)["cost_scores"]
+        return gen
+
+    def _score_rules(self, gen: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` from the reward function and the overlong penalty (no worker calls, so the
+        asynchronous rollout thread runs it as soon as a trajectory returns)."""
+        scores, metrics = self.reward_fn(gen)
+        metrics = dict(metrics)
         if self.algo.overlong_buffer_len > 0:
             penalty = algorithms.overlong_penalty(
                 gen["response_mask"].sum(-1),
@@ -266,7 +353,7 @@ class RLTrainer:
             metrics["reward/overlong_penalty_mean"] = penalty.float().mean().item()
             scores = scores + _at_last_token(penalty, gen["response_mask"])
         gen["token_level_scores"] = scores
-        return gen
+        return gen, metrics
 
     # ------------------------------------------------------------------ advantages
     def _advantages(self, batch: Batch, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +397,8 @@ class RLTrainer:
         per_source: dict[str, list[float]] = {}
         samples: list[dict[str, Any]] = []
         for prompts in self.val_prompts.epoch():
-            gen = self._generate(prompts, sampling)
+            with self._rollouts_paused():
+                gen = self._generate(prompts, sampling)
             scores, _ = self.reward_fn(gen)
             seq_scores = scores.sum(-1).tolist()
             for source, score in zip(gen["data_source"], seq_scores):
@@ -329,7 +417,8 @@ class RLTrainer:
             if self.roles.critic is not None:
                 self.roles.critic.save_checkpoint(f"{path}/critic")
 
-        return self.checkpoints.save(self.global_step, save_roles, self.controller_state())
+        with self._rollouts_paused():
+            return self.checkpoints.save(self.global_step, save_roles, self.controller_state())
 
     def controller_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -341,6 +430,8 @@ class RLTrainer:
         }
         if self.lagrange is not None:
             state["lagrange"] = self.lagrange.state_dict()
+        if self.async_rollouts is not None:
+            state["async_rollouts"] = {"schedule": self.async_cfg.schedule, **self.async_rollouts.state_dict()}
         return state
 
     def _maybe_resume(self) -> None:
@@ -359,6 +450,12 @@ class RLTrainer:
         torch.set_rng_state(state["rng"])
         if self.lagrange is not None:
             self.lagrange.load_state_dict(state["lagrange"])
+        if self.async_rollouts is not None and "async_rollouts" in state:
+            saved = state["async_rollouts"]
+            if saved["schedule"] != self.async_cfg.schedule:
+                raise ValueError(f"checkpoint {path} was written with async_training.schedule={saved['schedule']}; "
+                                 f"this run has {self.async_cfg.schedule}")
+            self.async_rollouts.load_state_dict(saved)
         log.info("resumed from %s at step %d", path, self.global_step)
 
 

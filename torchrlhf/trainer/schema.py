@@ -23,6 +23,7 @@ from torchrlhf.config import ConfigError, get_component, schema_from_signature, 
 from torchrlhf.rewards import RewardManager
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
+    AsyncConfig,
     DataConfig,
     PlacementConfig,
     RefConfig,
@@ -90,6 +91,7 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
         ("rollout", rollout),
         ("algorithm", AlgorithmConfig),
         ("trainer", TrainerConfig),
+        ("async_training", AsyncConfig),
         ("reward", sections["reward"]),
         ("ref", RefConfig),
         ("placement", PlacementConfig),
@@ -217,8 +219,30 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         if rollout.weight_sync_bucket_mb < 1:
             errors.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
         errors += _batch_size_errors(cfg, ranks)
+        if cfg.trainer.mode == "async":
+            errors += _async_errors(cfg, ranks)
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+    """What asynchronous training needs: rollout ranks of their own, and estimators without extra generation."""
+    a, errors = cfg.async_training, []
+    if ranks["rollout"] == ranks["actor"]:
+        errors.append("trainer.mode=async generates while the actor trains: give the rollout ranks of its own "
+                      "(placement.rollout disjoint from placement.actor)")
+    if a.max_staleness < 0:
+        errors.append(f"async_training.max_staleness must be >= 0, got {a.max_staleness}")
+    if not 1 <= a.prompts_per_call <= cfg.data.train_batch_size:
+        errors.append(f"async_training.prompts_per_call must be in [1, data.train_batch_size="
+                      f"{cfg.data.train_batch_size}], got {a.prompts_per_call}")
+    if cfg.algorithm.filter_groups:
+        errors.append("trainer.mode=async does not support algorithm.filter_groups (DAPO dynamic sampling) yet")
+    if cfg.trainer.critic_warmup > 0:
+        errors.append("trainer.mode=async needs trainer.critic_warmup=0 (weight versions count actor updates)")
+    if cfg.algorithm.adv_estimator == "remax":
+        errors.append("trainer.mode=async does not support remax (its greedy baseline is a second generation)")
+    return errors
 
 
 def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:

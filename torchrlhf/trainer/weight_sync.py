@@ -18,18 +18,21 @@ class WeightSync:
 
     KEY = "weight_sync:actor->rollout"
 
-    def __init__(self, actor: Any, rollout: Any, *, dtype: str, bucket_bytes: int) -> None:
+    def __init__(self, actor: Any, rollout: Any, *, dtype: str, bucket_bytes: int, relay_capacity: int = 2) -> None:
         self.actor, self.rollout = actor, rollout
-        self.dtype, self.bucket_bytes = dtype, bucket_bytes
+        self.dtype, self.bucket_bytes, self.relay_capacity = dtype, bucket_bytes, relay_capacity
         new_process_group(self.KEY, sync_group_ranks(actor.ranks, rollout.ranks))
         self.manifest = actor.weight_manifest()
 
-    def __call__(self, version: int) -> dict[str, float]:
-        """Send the actor's current weights, tagged ``version``; returns ``weight_sync/*`` metrics."""
+    def __call__(self, version: int, to_relay: bool = False) -> dict[str, float]:
+        """Send the actor's current weights, tagged ``version``; returns ``weight_sync/*`` metrics.
+
+        ``to_relay`` (asynchronous training): into the rollout ranks' `WeightRelay`, while they generate.
+        """
         sent, _ = wait_all(
             self.actor.send_weights.async_(self.KEY, self.manifest, self.dtype, self.bucket_bytes),
             self.rollout.receive_weights.async_(self.KEY, self.actor.ranks[0], self.manifest, self.bucket_bytes,
-                                                version),
+                                                version, self.relay_capacity if to_relay else 0),
         )
         return {"weight_sync/bytes": sent["bytes"], "weight_sync/buckets": sent["buckets"],
                 "weight_sync/send_s": sent["seconds"]}

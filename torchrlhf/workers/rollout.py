@@ -11,6 +11,11 @@ controller runs `ActorWorker.send_weights` and `RolloutWorker.receive_weights` t
 new weights by bucketed broadcast from the actor's first rank (`hybrid.broadcast`). TP groups are
 adjacent rollout ranks.
 
+Asynchronous training (split placement): `receive_weights` with ``to_relay`` stores each new version in
+a `WeightRelay` while the engine generates, and each `generate` first loads the version its prompts ask
+for (``meta["relay_version"]``, chosen by the controller so the ranks of a TP group agree) at that
+trajectory boundary.
+
 Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
 produced it.
 """
@@ -27,12 +32,14 @@ from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
+from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
 from torchrlhf.runtime.group import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
 
 ENGINE_ARGS_SET_BY_ROLE = ("model_or_path", "model_path", "tokenizer", "device", "dtype", "tp_mesh")
+RELAY_VERSION = "relay_version"  # prompts.meta key: the weight version to generate with (asynchronous training)
 
 
 class RolloutWorker(Worker):
@@ -69,6 +76,7 @@ class RolloutWorker(Worker):
         self.actor_group = actor_group
         self.engine = None
         self.weight_version = 0
+        self.relay: WeightRelay | None = None  # asynchronous training only
         if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
             self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
             self._is_dp_leader = self.group_rank % tp_size == 0
@@ -115,6 +123,8 @@ class RolloutWorker(Worker):
                                                        optimizer=actor.optimizer)
             version = int(prompts.meta.get("weight_version", 0))
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
+            if RELAY_VERSION in prompts.meta:
+                self._load_from_relay(int(prompts.meta[RELAY_VERSION]))
             out = self.engine.generate(prompts, sampling)
             version = self.weight_version
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
@@ -123,14 +133,33 @@ class RolloutWorker(Worker):
     # ------------------------------------------------------------------ split placement
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def receive_weights(self, sync_key: str, src: int, manifest: Manifest, bucket_bytes: int,
-                        version: int) -> dict[str, float]:
-        """Load the weights the actor's `send_weights` broadcasts (collective with it); record ``version``."""
+                        version: int, relay_capacity: int = 0) -> dict[str, float]:
+        """Receive the weights the actor's `send_weights` broadcasts (collective with it) as ``version``.
+
+        ``relay_capacity`` 0: load them into the engine now (the engine is idle). Positive (asynchronous
+        training): keep them in the relay (holding that many versions), which may run while `generate`
+        does; the engine loads them at its next trajectory boundary.
+        """
         if self.actor_group is not None:
             raise RuntimeError("a colocated rollout gets its weights from the actor at each generate")
-        stats = receive_weights(self.engine, process_group(sync_key), src, manifest, self.dtype, bucket_bytes,
-                                device=self.device)
-        self.weight_version = version
+        if relay_capacity <= 0:
+            stats = receive_weights(self.engine, process_group(sync_key), src, manifest, self.dtype, bucket_bytes,
+                                    device=self.device)
+            self.weight_version = version
+            return stats.as_dict()
+        if self.relay is None:
+            self.relay = WeightRelay(self.engine, capacity=relay_capacity)
+        stats = receive_weights(self.relay, process_group(sync_key), src, manifest, self.dtype, bucket_bytes)
+        self.relay.publish(version)
         return stats.as_dict()
+
+    def _load_from_relay(self, want: int) -> None:
+        """Bring the engine to version ``want`` before a trajectory starts (a local copy from the relay)."""
+        if want == self.weight_version:
+            return
+        if self.relay is None:
+            raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
+        self.weight_version = self.relay.load(self.engine, want)
 
     def close(self) -> None:
         """Stop an engine that runs processes of its own (vLLM) while the process group still exists."""

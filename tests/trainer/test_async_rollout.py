@@ -1,0 +1,176 @@
+"""The asynchronous rollout driver against a fake rollout group whose calls take random times.
+
+What must hold whatever the timing: no sample trains more than ``max_staleness`` versions after the weights
+that generated it; every prompt is trained exactly once (requeue) or counted as dropped; a replica never
+runs two calls at once; ``paused`` means no call runs; the deterministic schedule gives batch t version
+max(0, t - k) and the sampler's t-th batch.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from torchrlhf.data import Batch
+from torchrlhf.trainer.async_rollout import DeterministicRollouts, StreamRollouts, left_pad_prompts
+from torchrlhf.workers.rollout import RELAY_VERSION
+
+N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width
+
+
+class FakeFuture:
+    def __init__(self) -> None:
+        self._event, self._value = threading.Event(), None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self):
+        self._event.wait()
+        return self._value
+
+
+class FakeRollouts:
+    """``call_dp`` answers after a random delay with n rows per prompt, recording the version asked for."""
+
+    def __init__(self, dp_size: int, seed: int = 0, slow: float = 0.03) -> None:
+        self.dp_size, self.rng, self.slow = dp_size, random.Random(seed), slow
+        self.running: dict[int, int] = {}
+        self.max_running = 0
+        self.lock = threading.Lock()
+        self.calls: list[tuple[int, int]] = []  # (replica, version)
+
+    def call_dp(self, d: int, method: str, prompts: Batch) -> FakeFuture:
+        assert method == "generate"
+        with self.lock:
+            self.running[d] = self.running.get(d, 0) + 1
+            self.max_running = max(self.max_running, self.running[d])
+            self.calls.append((d, prompts.meta[RELAY_VERSION]))
+        fut = FakeFuture()
+        delay = self.slow * (10 if self.rng.random() < 0.2 else self.rng.random())  # a long tail
+
+        def finish() -> None:
+            time.sleep(delay)
+            out = prompts.repeat(N)
+            width = prompts["input_ids"].shape[1]
+            out["prompts"] = out["input_ids"]
+            out["responses"] = torch.ones(len(out), R, dtype=torch.long)
+            out["response_mask"] = torch.ones(len(out), R, dtype=torch.long)
+            out["input_ids"] = torch.cat([out["prompts"], out["responses"]], 1)
+            out["attention_mask"] = torch.cat([out["attention_mask"], out["response_mask"]], 1)
+            out["position_ids"] = torch.arange(width + R).expand(len(out), -1).clone()
+            with self.lock:
+                self.running[d] -= 1
+            fut._value = out
+            fut._event.set()
+
+        threading.Thread(target=finish, daemon=True).start()
+        return fut
+
+    def idle(self) -> bool:
+        with self.lock:
+            return all(v == 0 for v in self.running.values())
+
+
+class PromptSource:
+    """Batches of B prompts numbered 0, 1, 2, ... (with widths that vary between batches)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.batches = 0
+
+    def __call__(self) -> Batch:
+        width = 2 + self.batches % 3
+        self.batches += 1
+        ids = list(range(self.next, self.next + B))
+        self.next += B
+        return Batch({"input_ids": torch.full((B, width), 7), "attention_mask": torch.ones(B, width, dtype=torch.long)},
+                     {"index": ids})
+
+
+def _score(gen: Batch):
+    gen["token_level_scores"] = torch.zeros(len(gen), R)
+    return gen, {"reward/mean": 0.0}
+
+
+def _common(k: int) -> dict:
+    return dict(next_prompts=PromptSource(), score=_score, sampling={"temperature": 1.0}, batch_size=B, n=N,
+                max_staleness=k, pad_id=0, seed=0)
+
+
+@pytest.mark.parametrize("k,policy", [(1, "requeue"), (2, "requeue"), (1, "drop"), (0, "requeue")])
+def test_stream_bounds_staleness_and_trains_each_prompt_once(k, policy):
+    group = FakeRollouts(dp_size=3)
+    driver = StreamRollouts(group, prompts_per_call=1, stale_policy=policy, **_common(k))
+    driver.start()
+    trained: list[int] = []
+    try:
+        for version in range(12):
+            batch, metrics = driver.take(version)
+            assert len(batch) == B * N
+            lag = version - batch["weight_version"]
+            assert int(lag.max()) <= k and int(lag.min()) >= 0, lag
+            trained += batch["index"][::N]
+            if version == 5:
+                with driver.paused():
+                    assert group.idle()
+            time.sleep(0.01)  # "training"
+            driver.publish(version + 1)
+    finally:
+        driver.stop()
+    assert group.max_running == 1  # one call per replica at a time
+    assert len(trained) == len(set(trained)) == 12 * B  # no prompt trained twice
+    if policy == "requeue":
+        assert driver.counters["dropped_groups"] == 0
+    else:
+        assert driver.counters["requeued_groups"] == 0
+    assert {v for _, v in group.calls} <= set(range(13))
+
+
+def test_stream_concatenates_prompts_of_different_widths():
+    gen = Batch({"prompts": torch.tensor([[5, 6]]), "input_ids": torch.tensor([[5, 6, 9]]),
+                 "attention_mask": torch.tensor([[1, 1, 1]]), "position_ids": torch.tensor([[0, 1, 2]]),
+                 "responses": torch.tensor([[9]])})
+    padded = left_pad_prompts(gen, 4, pad_id=0)
+    assert padded["prompts"].tolist() == [[0, 0, 5, 6]]
+    assert padded["input_ids"].tolist() == [[0, 0, 5, 6, 9]]
+    assert padded["attention_mask"].tolist() == [[0, 0, 1, 1, 1]]
+    assert padded["position_ids"].tolist() == [[0, 0, 0, 1, 2]]
+    assert padded["responses"].tolist() == [[9]]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_deterministic_batch_t_uses_version_t_minus_k(k):
+    group = FakeRollouts(dp_size=2)
+    driver = DeterministicRollouts(group, **_common(k))
+    driver.start()
+    try:
+        for step in range(6):
+            batch, _ = driver.take(step)
+            assert batch["weight_version"].tolist() == [max(0, step - k)] * (B * N)
+            assert batch["index"][::N] == list(range(step * B, (step + 1) * B))  # the sampler's step-th batch
+            assert len(driver._ready) <= k  # never more than k batches ahead
+            driver.publish(step + 1)
+    finally:
+        driver.stop()
+
+
+def test_a_failing_rollout_call_reaches_the_trainer():
+    class Broken(FakeRollouts):
+        def call_dp(self, d, method, prompts):
+            fut = FakeFuture()
+            fut.wait = lambda: (_ for _ in ()).throw(RuntimeError("rank 2 died"))
+            fut._event.set()
+            return fut
+
+    driver = StreamRollouts(Broken(dp_size=1), prompts_per_call=1, stale_policy="requeue", **_common(1))
+    driver.start()
+    try:
+        with pytest.raises(RuntimeError, match="asynchronous rollouts failed: rank 2 died"):
+            driver.take(0)
+    finally:
+        driver.stop()
