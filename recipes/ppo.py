@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml
     python recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml trainer.total_steps=2  # one process
+    python recipes/ppo.py --config X.yaml --dry-run --world-size 8   # what it would do; loads no weights
 
 Every rank parses and validates the config (a bad key fails before any model loads), then `launch`
 makes rank 0 the single controller: it builds the worker groups and runs `RLTrainer.fit`, the
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from torchrlhf.config import ConfigError, load_config, parse_args
 from torchrlhf.runtime import launch
 from torchrlhf.trainer.build import build_trainer
+from torchrlhf.trainer.explain import explain
 from torchrlhf.trainer.schema import RecipeConfig, load_recipe_config
 
 
@@ -30,16 +32,39 @@ def main(cfg: RecipeConfig, raw: dict, world_size: int) -> dict[str, float]:
         trainer.close()
 
 
+def _take_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
+    """Remove ``--dry-run`` and ``--world-size N`` from the command line (the rest is config and overrides)."""
+    rest, dry_run, world = [], False, None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--dry-run":
+            dry_run = True
+        elif arg == "--world-size" or arg.startswith("--world-size="):
+            value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--world-size needs a positive integer, got {value!r}")
+            world = int(value)
+        else:
+            rest.append(arg)
+    return rest, dry_run, world
+
+
 def cli(argv: list[str] | None = None) -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        argv, dry_run, world = _take_flags(list(sys.argv[1:] if argv is None else argv))
+        world_size = world or int(os.environ.get("WORLD_SIZE", "1"))
         path, overrides = parse_args(argv)
         raw_cfg = load_config(path, overrides, add_missing=True)  # the schema checks every key
         cfg = load_recipe_config(raw_cfg, world_size)
     except (ConfigError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(f"torchrlhf: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if dry_run:
+        if rank == 0:
+            print(explain(cfg, world_size))
+        return
     launch(main, cfg, OmegaConf.to_container(raw_cfg, resolve=True), world_size)
 
 

@@ -49,7 +49,9 @@ def write_prompts(path: Path, count: int, lo: int, hi: int, alpha: float, seed: 
 
 def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[str]) -> list[dict]:
     out = work / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    half = args.ranks // 2
+    actor, rollout = list(range(half)), list(range(half, args.ranks))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs/grpo_arithmetic_cpu.yaml"),
            f"model_path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.system_prompt=null",
            f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", f"rollout.max_tokens={args.max_tokens}",
@@ -58,7 +60,7 @@ def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[s
            f"actor.ppo_mini_batch_size={args.prompts}", "actor.ppo_micro_batch_size_per_device=8",
            "actor.lr=3e-3", "actor.use_kl_loss=false", "actor.rollout_is=token",
            f"reward.reward_fn={Path(__file__).resolve()}:e_fraction", "reward.isolate=false",
-           "placement.actor=[0,1]", "placement.rollout=[2,3]",
+           f"placement.actor={actor}".replace(" ", ""), f"placement.rollout={rollout}".replace(" ", ""),
            f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
            "trainer.save_freq=0", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -78,35 +80,41 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape of the budgets (smaller: heavier tail)")
     p.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--prompts-per-call", type=int, default=2, help="async_training.prompts_per_call")
+    p.add_argument("--ranks", type=int, default=4, choices=[2, 4], help="half actor, half rollout")
+    p.add_argument("--keep", default=None, help="write the runs here instead of a temporary directory")
     args = p.parse_args()
 
     from torchrlhf.models import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(args.keep) if args.keep else Path(tmp)
         model = save_tiny_model(work / "model", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                                 num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-                                max_position_embeddings=args.max_tokens + 64)
+                                max_position_embeddings=args.max_tokens + 64, initializer_range=1.0)
         data = work / "prompts.jsonl"
         budgets = write_prompts(data, args.prompts * (args.steps + 4) * 2, args.min_tokens, args.max_tokens,
                                 args.alpha, seed=0)
         mean_budget = sum(budgets) / len(budgets)
-        print(f"GRPO, random Llama (hidden {args.hidden}, {args.layers} layers, SmolLM2 vocab), 4 CPU ranks "
-              f"(actor 0-1 FSDP2, rollout 2-3), {args.prompts} prompts x {args.n} samples per step, "
+        layout = "actor 0-1 FSDP2, rollout 2-3" if args.ranks == 4 else "actor 0, rollout 1"
+        print(f"GRPO, random Llama (hidden {args.hidden}, {args.layers} layers, SmolLM2 vocab), {args.ranks} CPU "
+              f"ranks ({layout}), {args.prompts} prompts x {args.n} samples per step, "
               f"response budgets Pareto(alpha={args.alpha}) in [{args.min_tokens}, {args.max_tokens}] "
               f"(mean {mean_budget:.0f}, max {max(budgets)}); steps {args.warmup + 1}..{args.steps}")
         sides = [("sync", ["trainer.mode=sync"])]
-        sides += [(f"async k={k}", ["trainer.mode=async", f"async_training.max_staleness={k}"])
+        sides += [(f"async k={k}", ["trainer.mode=async", f"async_training.max_staleness={k}",
+                                    f"async_training.prompts_per_call={args.prompts_per_call}"])
                   for k in args.staleness]
         results = {name: run_side(name.replace(" ", "_").replace("=", ""), work, model, data, args, extra)
                    for name, extra in sides}
 
     samples = args.prompts * args.n
     base = None
-    print(f"{'mode':<11}{'s/step':>8}{'samples/s':>11}{'vs sync':>9}{'busy':>7}{'staleness':>11}"
-          f"{'resp len':>10}{'reward first3':>15}{'last3':>7}")
+    print(f"{'mode':<11}{'s/step':>8}{'samples/s':>11}{'vs sync':>9}{'tokens/s':>10}{'vs sync':>9}{'busy':>7}"
+          f"{'staleness':>11}{'resp len':>10}{'requeued':>10}{'reward first3':>15}{'last3':>7}")
+    base_tokens = None
     for name, metrics in results.items():
         measured = metrics[args.warmup:]
         step = sum(m["timing_s/step"] for m in measured) / len(measured)
@@ -114,9 +122,13 @@ def main() -> None:
         base = base or rate
         busy = [m["rollout/busy_fraction"] for m in measured if "rollout/busy_fraction" in m]
         scores = [m["critic/score/mean"] for m in metrics]
-        print(f"{name:<11}{step:8.2f}{rate:11.2f}{rate / base:8.2f}x{sum(busy) / len(busy):7.2f}"
-              f"{sum(m['rollout/staleness/mean'] for m in measured) / len(measured):11.2f}"
-              f"{sum(m['response_length/mean'] for m in measured) / len(measured):10.1f}"
+        resp = sum(m["response_length/mean"] for m in measured) / len(measured)
+        tokens = samples * resp / step  # trained response tokens per second
+        base_tokens = base_tokens or tokens
+        print(f"{name:<11}{step:8.2f}{rate:11.2f}{rate / base:8.2f}x{tokens:10.1f}{tokens / base_tokens:8.2f}x"
+              f"{sum(busy) / len(busy):7.2f}"
+              f"{sum(m['rollout/staleness/mean'] for m in measured) / len(measured):11.2f}{resp:10.1f}"
+              f"{metrics[-1].get('async/requeued_groups', 0.0):10.0f}"
               f"{sum(scores[:3]) / 3:15.3f}{sum(scores[-3:]) / 3:7.3f}")
 
 

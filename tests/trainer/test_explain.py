@@ -1,0 +1,54 @@
+"""The dry-run explainer: batch arithmetic and memory figures worked out by hand, errors as a real run's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+import transformers
+from conftest import RECIPE, ROOT, write_config
+
+from torchrlhf.config import load_config
+from torchrlhf.trainer.explain import explain, model_shape
+from torchrlhf.trainer.schema import load_recipe_config
+
+
+def _hf_params(path: str) -> int:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    return len(torch.nn.utils.parameters_to_vector(model.parameters()))
+
+
+def test_parameter_count_matches_the_loaded_model(tiny_model_dir):
+    assert model_shape(tiny_model_dir).params == _hf_params(tiny_model_dir)
+
+
+def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
+    # 8 prompts x 4 = 32 samples; mini-batches of 4 prompts -> 2 per step, x 2 epochs = 4 optimizer steps;
+    # per rank per mini-batch 4 * 4 / 4 ranks = 4 samples, micro-batches of 2 -> 2 accumulation steps.
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
+                            data={"train_batch_size": 8}, rollout={"n": 4},
+                            actor={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 2, "ppo_epochs": 2})
+    cfg = load_recipe_config(load_config(cfg_path), 4)
+    text = explain(cfg, 4)
+    assert "8 prompts × n 4 = 32 samples" in text
+    assert "2 mini-batch(es) of 4 prompts × 2 epoch(s) = 4 optimizer step(s)" in text
+    assert "4 samples in 2 micro-batch(es) of ≤ 2 = 2 gradient-accumulation step(s)" in text
+    params = _hf_params(tiny_model_dir)
+    weights_gib = params * 4 / 4 / 2**30  # fp32, sharded over 4 ranks
+    assert f"actor weights {weights_gib:.2f} GiB" in text
+    assert f"actor optimizer (AdamW, 2 states) {2 * weights_gib:.2f} GiB" in text
+    assert text.count("rank ") >= 4 and "rank 3:" in text
+
+
+def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir, tmp_path):
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
+                            placement={"actor": [0, 1], "rollout": [2, 3]},
+                            actor={"ppo_micro_batch_size_per_device": 4})
+    ok = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "rollout   ranks 2,3" in ok.stdout and "on its own ranks" in ok.stdout
+    bad = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4",
+                          "actor.lrr=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "actor.lrr: unknown key (did you mean 'lr'?)" in bad.stderr

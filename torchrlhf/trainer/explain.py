@@ -1,0 +1,210 @@
+"""What a config will do, without loading weights: ranks and meshes, batch arithmetic, memory per rank.
+
+    python recipes/ppo.py --config X.yaml --dry-run [--world-size 8] [key=value ...]
+
+or, in a notebook, ``print(explain(load_recipe_config(raw, world_size), world_size))``. The config is
+validated exactly as a real run validates it (the same errors), then every role's ranks and device
+mesh, the samples per step, the mini-batches and optimizer steps per rollout, the micro-batches and
+gradient-accumulation steps per rank, a bound on the tokens of one micro-batch, and an estimate of
+each rank's memory are printed. Parameter counts come from the model's ``config.json`` (built on the
+meta device), so nothing heavy is read.
+
+The memory figures are estimates, with their formulas beside them: weights, gradients and AdamW's two
+states sharded over each role's ranks; the rollout engine's weights (streamed in from training when
+colocated, a full TP shard of its own otherwise) and its KV cache; activations of one micro-batch
+(about 16 values per hidden unit per token and layer for a Llama block without activation checkpointing,
+plus the fp32 log-softmax of the response positions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
+
+GIB = 1 << 30
+ACTIVATION_VALUES_PER_HIDDEN = 16  # saved tensors per token, layer and hidden unit in a Llama block (approx.)
+
+
+@dataclass
+class ModelShape:
+    """What the estimates need from a ``config.json``."""
+
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+
+
+def model_shape(path: str) -> ModelShape:
+    """Parameter count and dimensions from the model directory's config, built on the meta device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    heads = config.num_attention_heads
+    return ModelShape(
+        params=sum(p.numel() for p in model.parameters()),
+        layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def _bytes(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], shape: ModelShape,
+                   frozen: bool = False) -> tuple[list[str], dict[int, float]]:
+    """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or the frozen reference."""
+    tp = getattr(sec, "tp_size", 1)
+    dp = len(ranks) // tp
+    n, prompts = cfg.rollout.n, cfg.data.train_batch_size
+    samples = prompts * n
+    dtype_bytes = _bytes(sec.dtype)
+    lines = [f"  {role:<9} ranks {_ranks(ranks)}: FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}), "
+             f"{shape.params / 1e6:.1f} M parameters in {sec.dtype}"]
+    p_len, r_len = cfg.data.max_prompt_length, cfg.rollout.max_tokens
+    if frozen:
+        micro = sec.log_prob_micro_batch_size_per_device or cfg.actor.log_prob_micro_batch_size_per_device \
+            or cfg.actor.ppo_micro_batch_size_per_device
+        per_rank = math.ceil(samples / dp)
+        lines.append(f"      log-probs: {per_rank} samples per rank in {math.ceil(per_rank / micro)} micro-batch(es) "
+                     f"of ≤ {micro}")
+    else:
+        mini = prompts // sec.ppo_mini_batch_size
+        per_rank = sec.ppo_mini_batch_size * n // dp
+        micro = sec.ppo_micro_batch_size_per_device
+        lines.append(f"      update: {mini} mini-batch(es) of {sec.ppo_mini_batch_size} prompts × {sec.ppo_epochs} "
+                     f"epoch(s) = {mini * sec.ppo_epochs} optimizer step(s) per training step")
+        if sec.use_dynamic_bsz:
+            lines.append(f"      per rank per mini-batch: {per_rank} samples, micro-batches by token budget "
+                         f"(≤ {sec.max_tokens_per_micro_batch} tokens each)")
+        else:
+            lines.append(f"      per rank per mini-batch: {per_rank} samples in {math.ceil(per_rank / micro)} "
+                         f"micro-batch(es) of ≤ {micro} = {math.ceil(per_rank / micro)} gradient-accumulation "
+                         "step(s)")
+    shared = getattr(sec, "shared_prefix", False) or (frozen and getattr(cfg.actor, "shared_prefix", False))
+    micro_tokens = sec.max_tokens_per_micro_batch if getattr(sec, "use_dynamic_bsz", False) else None
+    if micro_tokens is None:
+        micro_tokens = micro * (1 + r_len) if shared else micro * (p_len + r_len)
+    layout = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
+    lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({layout})")
+
+    shards = dp * tp
+    weights = shape.params * dtype_bytes / shards
+    memory = {"weights": weights}
+    if not frozen:
+        memory["grads"] = weights
+        memory["optimizer (AdamW, 2 states)"] = 2 * weights
+        per_token = shape.layers * shape.hidden * ACTIVATION_VALUES_PER_HIDDEN * dtype_bytes / tp
+        if getattr(sec, "activation_checkpointing", False):
+            per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
+        logits = (micro * r_len if not getattr(sec, "use_dynamic_bsz", False) else micro_tokens) * shape.vocab * 4 * 2
+        memory["activations (one micro-batch)"] = micro_tokens * per_token + (logits if role == "actor" else 0)
+    return lines, memory
+
+
+def explain(cfg: RecipeConfig, world_size: int) -> str:
+    """The dry-run report of a validated config (see the module docstring)."""
+    from torchrlhf.trainer.build import resolve_model_path
+
+    ranks = role_ranks(cfg, world_size)
+    shape = model_shape(resolve_model_path(cfg.actor.model_path))
+    out = [f"torchrlhf dry run: world size {world_size}, rank 0 is the controller"]
+    n, prompts = cfg.rollout.n, cfg.data.train_batch_size
+    out.append(f"per step: {prompts} prompts × n {n} = {prompts * n} samples, responses ≤ {cfg.rollout.max_tokens} "
+               f"tokens, prompts ≤ {cfg.data.max_prompt_length} tokens; {cfg.trainer.total_steps} steps, "
+               f"mode {cfg.trainer.mode}")
+    out.append("roles:")
+    per_rank: dict[int, dict[str, float]] = {r: {} for r in range(world_size)}
+
+    def add(role: str, role_ranks_: list[int], memory: dict[str, float]) -> None:
+        for r in role_ranks_:
+            for k, v in memory.items():
+                per_rank[r][f"{role} {k}"] = v
+
+    lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape)
+    out += lines
+    add("actor", ranks["actor"], mem)
+    if needs_reference(cfg):
+        ref = cfg.ref
+        ref_shape = model_shape(resolve_model_path(ref.model_path)) if ref.model_path else shape
+        ref_sec = _RefView(ref, cfg.actor)
+        lines, mem = _trainer_lines("ref", ref_sec, cfg, ranks["ref"], ref_shape, frozen=True)
+        out += lines
+        add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
+    if cfg.critic is not None:
+        critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
+        lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape)
+        out += lines
+        add("critic", ranks["critic"], mem)
+    colocated = ranks["rollout"] == ranks["actor"]
+    tp = cfg.rollout.tp_size
+    engine = cfg.rollout.engine
+    engine_name = getattr(engine, "_component_", "torchrlhf.generation.NativeEngine").rsplit(".", 1)[-1]
+    replicas = len(ranks["rollout"]) // tp
+    out.append(f"  rollout   ranks {_ranks(ranks['rollout'])}: {engine_name}, {replicas} replica(s) of TP {tp}, "
+               + ("colocated with the actor (weights streamed in from training at each rollout)" if colocated
+                  else "on its own ranks (weights pushed after each update"
+                  + (", into a relay while generating)" if cfg.trainer.mode == "async" else ")")))
+    dtype_bytes = _bytes(cfg.actor.dtype)
+    memory = {"weights": shape.params * dtype_bytes / tp}
+    if cfg.trainer.mode == "async":
+        a = cfg.async_training
+        memory["relay (CPU)"] = (a.max_staleness + 2) * shape.params * dtype_bytes / tp
+        out.append(f"      async: schedule {a.schedule}, max_staleness {a.max_staleness}, relay of ≤ "
+                   f"{a.max_staleness + 2} versions ({_gib(memory['relay (CPU)'])} CPU per rollout rank)")
+    slots = getattr(engine, "max_batch_size", None)
+    seq = getattr(engine, "max_seq_len", None)
+    if slots and seq:
+        memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
+        out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
+    add("rollout", ranks["rollout"], memory)
+    for role in ("reward_model", "cost_model"):
+        sec = getattr(cfg, role)
+        if sec is not None:
+            rm_shape = model_shape(resolve_model_path(sec.model_path))
+            out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
+            add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
+
+    out.append("memory per rank (estimate; colocated roles add up — the hybrid engine frees the actor's grads "
+               "during generation):")
+    for r in range(world_size):
+        items = per_rank[r]
+        detail = ", ".join(f"{k} {_gib(v)}" for k, v in items.items())
+        out.append(f"  rank {r}: {_gib(sum(items.values()))}  ({detail})")
+    return "\n".join(out)
+
+
+class _RefView:
+    """The reference section with the actor's values where it leaves them unset (as the builder does)."""
+
+    def __init__(self, ref: Any, actor: Any) -> None:
+        self.dtype = ref.dtype or actor.dtype
+        self.tp_size = actor.tp_size
+        self.log_prob_micro_batch_size_per_device = ref.log_prob_micro_batch_size_per_device
+        self.use_dynamic_bsz = actor.use_dynamic_bsz
+        self.max_tokens_per_micro_batch = actor.max_tokens_per_micro_batch
+        self.shared_prefix = getattr(actor, "shared_prefix", False)
+
+
+__all__ = ["explain", "model_shape", "ModelShape"]
