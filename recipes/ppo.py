@@ -63,7 +63,11 @@ def cli(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if dry_run:
         if rank == 0:
-            print(explain(cfg, world_size))
+            try:
+                print(explain(cfg, world_size))
+            except (OSError, ValueError) as e:  # a model path without a config.json, ...
+                print(f"torchrlhf: config error: {e}", file=sys.stderr)
+                sys.exit(2)
         return
     launch(main, cfg, OmegaConf.to_container(raw_cfg, resolve=True), world_size)
 
