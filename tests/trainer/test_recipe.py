@@ -196,3 +196,45 @@ def test_default_config_one_step_on_smollm2(tmp_path):
     acc = f"val/arithmetic/acc {before['val/arithmetic/acc']:.3f} -> {m['val/arithmetic/acc']:.3f}"
     assert f"validation before -> after training: {acc}" in proc.stdout
     assert (out / "global_step_1" / "COMPLETE").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_equal_one_node(tiny_model_dir, tmp_path):
+    """The multi-node launch: two torchrun agents (``--nnodes 2 --node_rank 0/1 --rdzv_endpoint``), one rank
+    each, run the FSDP2 + hybrid-engine recipe to the same numbers as one agent with two ranks."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import RECIPE
+
+    one, two = tmp_path / "one", tmp_path / "two"
+
+    def config(out: Path) -> Path:
+        trainer = {"total_steps": 3, "output_dir": str(out), "loggers": ["jsonl"]}
+        return write_config(tmp_path / f"{out.name}.yaml", tiny_model_dir, trainer=trainer,
+                            actor={"lr": 3e-2, "ppo_micro_batch_size_per_device": 8})
+
+    assert_ok(run_recipe(config(one), nproc=2))
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                "--nproc_per_node=1", f"--rdzv_endpoint=127.0.0.1:{port}", str(RECIPE),
+                                "--config", str(config(two))],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+              for node in (0, 1)]
+    for agent in agents:
+        out, err = agent.communicate(timeout=600)
+        assert agent.returncode == 0, f"agent failed ({agent.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
+    want, got = metrics_of(one), metrics_of(two)
+    assert len(got) == 3
+    for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean"]:
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in want], rel=1e-5, abs=1e-7), key
