@@ -142,10 +142,11 @@ def load_value_weights(
     device: str | torch.device = "cpu",
     init_head_std: float | None = None,
     seed: int = 0,
+    cpu_offload: bool = False,
 ) -> None:
     """Sharded counterpart of `load_value_model`: fill a meta-built, parallelized `ValueModel` shard by shard."""
     head = _head_from_checkpoint(path, model.config.hidden_size)
     if not head:
         std = init_head_std if init_head_std is not None else getattr(model.config, "initializer_range", 0.02)
         head = init_value_head((1, model.config.hidden_size), std, seed)
-    load_weights(model, path, device=device, extra=head)
+    load_weights(model, path, device=device, extra=head, cpu_offload=cpu_offload)

@@ -1,8 +1,9 @@
 """Build on the meta device, parallelize, then fill the shards straight from safetensors.
 
-No rank ever holds the whole model: each rank reads one checkpoint tensor at a
-time (safetensors reads lazily) and keeps only its own slice of it, cut with
-`distribute_tensor(..., src_data_rank=None)` (local slicing, no communication).
+No rank ever holds the whole model. With plain FSDP2 (a parameter sharded on dim 0 only) each rank
+reads only its shard's rows from the file; otherwise (TP splits) it reads one full checkpoint tensor at
+a time and keeps its slice, cut with `distribute_tensor(..., src_data_rank=None)` (local slicing, no
+communication). Peak memory during a load is about the shards plus one tensor.
 
     model = build_meta_causal_lm(path)               # no memory
     parallelize(model, dp_mesh=..., tp_mesh=...)     # DTensor shards, still on meta
@@ -23,7 +24,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from torchrlhf.models.loading import _existing, _is_gguf
@@ -64,6 +66,13 @@ class SafetensorsReader:
     def get(self, key: str) -> torch.Tensor:
         return self._where[key].get_tensor(key)
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._where[key].get_slice(key).get_shape())
+
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor, reading only their bytes (a dim-0 shard)."""
+        return self._where[key].get_slice(key)[start:stop]
+
     def close(self) -> None:
         self._stack.close()
 
@@ -94,6 +103,29 @@ def _reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
                 fresh = type(module)(module.config)
             for name, buf in fresh.named_buffers(recurse=False):
                 getattr(module, name).copy_(buf)
+
+
+def _row_shard(param: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) rows of this rank's shard when ``param`` is sharded on dim 0 only (plain FSDP2), else None."""
+    if not isinstance(param, DTensor):
+        return None
+    placements = param.placements
+    if any(not (p.is_replicate() or (type(p) is Shard and p.dim == 0)) for p in placements):
+        return None  # TP's column splits and FSDP2 × TP strided shards: read the full tensor
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+    return offset[0], offset[0] + shape[0]
+
+
+def _fill_from(reader: SafetensorsReader, name: str, param: torch.Tensor) -> None:
+    """Copy this rank's part of checkpoint tensor ``name`` into ``param``, reading only its rows when it can."""
+    rows = _row_shard(param)
+    if rows is None:
+        _fill(param, reader.get(name))
+        return
+    if reader.shape(name) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {reader.shape(name)}, model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.to_local().copy_(reader.get_rows(name, *rows))
 
 
 def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -140,7 +172,7 @@ def load_weights(
     with _reader(path) as reader:
         for name, param in model.named_parameters():  # deduplicated: a tied weight appears once
             if name in reader:
-                _fill(param, reader.get(name))
+                _fill_from(reader, name, param)
             elif name in extra:
                 _fill(param, extra[name])
             else:

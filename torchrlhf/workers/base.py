@@ -6,6 +6,8 @@ owns nothing role-specific (no losses, no model heads).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -100,15 +102,21 @@ class FSDPWorker(Worker):
         mesh = DeviceMesh.from_group([dp_pg, tp_pg], dev, mesh=grid, mesh_dim_names=("dp", "tp"))
         return mesh["dp"], mesh["tp"]
 
-    def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
-        """FSDP2 (× TP) over the group's ranks; the plain module when the group is one fp32 rank.
+    def _is_plain(self, dtype: torch.dtype, cpu_offload: bool) -> bool:
+        """A one-rank fp32 group has nothing to shard, and FSDP2 there only adds DTensor dispatch and
+        all-gather copies (~15-20% of a CPU update step). CPU offload and a lower compute dtype (FSDP2's
+        mixed-precision policy, fp32 master weights) still need FSDP2."""
+        return self.dp_mesh is None or (self.group_size == 1 and not cpu_offload and dtype == torch.float32)
 
-        A one-rank fp32 group has nothing to shard, and FSDP2 there only adds DTensor dispatch
-        and all-gather copies (~15-20% of a CPU update step). CPU offload and a lower compute
-        dtype (FSDP2's mixed-precision policy, fp32 master weights) still need FSDP2.
-        """
-        plain = self.group_size == 1 and not cpu_offload and dtype == torch.float32
-        if self.dp_mesh is None or plain:
+    def loads_sharded(self, model_path: str, dtype: torch.dtype, cpu_offload: bool) -> bool:
+        """Whether the model is built on the meta device and each rank reads only its shards: whenever it
+        is FSDP2-sharded and the weights are a safetensors directory (a GGUF file loads whole)."""
+        return not self._is_plain(dtype, cpu_offload) and Path(model_path).is_dir()
+
+    def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
+        """FSDP2 (× TP) over the group's ranks (a meta-device model stays on meta); the plain module when
+        the group is one fp32 rank (see `_is_plain`)."""
+        if self._is_plain(dtype, cpu_offload):
             if activation_checkpointing:
                 from torchrlhf.models.parallelize import enable_activation_checkpointing
 
