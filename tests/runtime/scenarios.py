@@ -153,6 +153,18 @@ class Critic(Worker):
         return _shared.get("actor"), os.getpid(), id(self.process_group), str(self.device)
 
 
+class Hang(Worker):
+    """A planted hang: one rank sleeps instead of joining the all-reduce the others wait in."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reduce_except_on(self, rank: int) -> float:
+        if self.group_rank == rank:
+            time.sleep(120)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.process_group)
+        return t.item()
+
+
 def expect_error(exc_type: type, fn, *args) -> str:
     try:
         fn(*args)
@@ -284,6 +296,19 @@ def main_kill() -> None:
         raise
 
 
+def main_stall() -> None:
+    from torchrlhf.runtime import StallError, set_stall_timeout
+
+    g = WorkerGroup(Hang, name="hang")
+    set_stall_timeout(3.0)
+    start = time.perf_counter()
+    try:
+        g.reduce_except_on(1)
+    except StallError as e:
+        print(f"REPORT after {time.perf_counter() - start:.1f} s\n{e}", flush=True)
+        raise
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     name = sys.argv[1]
@@ -293,5 +318,7 @@ if __name__ == "__main__":
         launch(main_error, shutdown_timeout=5.0)
     elif name == "kill":
         launch(main_kill, shutdown_timeout=5.0)
+    elif name == "stall":
+        launch(main_stall, shutdown_timeout=5.0)
     else:
         raise SystemExit(f"unknown scenario {name}")

@@ -8,6 +8,8 @@ scenarios assert against hand-derived values on the controller and print
 from __future__ import annotations
 
 import os
+import time
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +69,21 @@ def test_killed_worker_fails_controller_and_stops_the_rest() -> None:
     assert "CAUGHT worker group 'victim', method 'die_on' failed on rank 1" in out, out
     assert "did not answer" in out, out
     assert "rank 2 stopping with exit code 1" in out, out
+
+
+def test_stall_report_names_who_waits_on_whom_and_ends_the_job() -> None:
+    """Rank 1 sleeps instead of joining the all-reduce ranks 0 and 2 wait in: 3 s into the call the controller
+    prints each rank's call, the collective it is blocked in and its stack, then the job ends."""
+    start = time.monotonic()
+    p = _torchrun(3, "stall", monitor_interval=5, timeout=90)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "torchrlhf stall report: hang.reduce_except_on has run 3.0 s" in out, out
+    assert re.search(r"rank 0: hang.reduce_except_on for 3\.\d s, blocked in all_reduce \(from .*scenarios.py", out), out
+    assert re.search(r"rank 1: hang.reduce_except_on for 3\.\d s, not in a collective", out), out
+    assert "ranks [0, 2] wait in a collective that ranks [1] have not entered" in out, out
+    assert "time.sleep(120)" in out  # rank 1's stack shows where it is
+    assert time.monotonic() - start < 60  # ended by the report, long before the sleep or any RPC timeout
 
 
 NOTEBOOK = """

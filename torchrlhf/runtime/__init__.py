@@ -10,11 +10,13 @@ from torchrlhf.runtime.group import (
     process_group,
 )
 from torchrlhf.runtime.launch import init, launch, shutdown
+from torchrlhf.runtime.stall import StallError, set_stall_timeout
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, register
 
 __all__ = [
     "Dispatch",
     "GroupFuture",
+    "StallError",
     "Worker",
     "WorkerContext",
     "WorkerError",
@@ -26,5 +28,6 @@ __all__ = [
     "new_process_group",
     "process_group",
     "register",
+    "set_stall_timeout",
     "shutdown",
 ]

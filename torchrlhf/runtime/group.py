@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from torchrlhf.data.batch import Batch
+from torchrlhf.runtime import stall
 from torchrlhf.runtime.launch import _on_finish, is_initialized, rpc_timeout, worker_name
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, registered_methods, set_current_context
 
@@ -90,11 +91,13 @@ def _set_leader(name: str, leader: bool) -> None:
 def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
     """RPC target of every call: run the worker method; errors come back as `_Failure`."""
     start = time.perf_counter()
+    stall.enter(name, method)
     try:
         out = getattr(_workers[name], method)(*args, **kwargs)
     except Exception:
         return _Failure(traceback.format_exc())
     finally:
+        stall.leave()
         busy = _busy_s.setdefault(name, {})
         busy[method] = busy.get(method, 0.0) + time.perf_counter() - start
     return out if want_result else None
@@ -242,7 +245,13 @@ class GroupFuture:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
-        if not self._event.wait(timeout):
+        """The collected answer. Without ``timeout``, a call running past the stall timeout raises
+        `StallError` with every rank's status (`runtime.stall`)."""
+        limit = stall.stall_timeout() if timeout is None else None
+        if limit is not None:
+            if not self._event.wait(limit):
+                raise stall.StallError(stall.report(f"{self._group}.{self._method}", limit))
+        elif not self._event.wait(timeout):
             raise TimeoutError(f"{self._group}.{self._method} did not finish in {timeout}s")
         if self._error is not None:
             raise self._error
@@ -252,12 +261,17 @@ class GroupFuture:
 def wait_all(*futures: GroupFuture, poll_s: float = 0.05) -> list[Any]:
     """Wait for several group calls that depend on each other (two halves of one collective).
 
-    Raises the first failure as soon as it happens: the other call may never finish once its peer died.
+    Raises the first failure as soon as it happens: the other call may never finish once its peer died;
+    past the stall timeout, `StallError` with every rank's status.
     """
+    start, limit = time.perf_counter(), stall.stall_timeout()
     while not all(f.done() for f in futures):
         failed = next((f for f in futures if f.done() and f._error is not None), None)
         if failed is not None:
             failed.wait()
+        if limit is not None and time.perf_counter() - start > limit:
+            pending = next(f for f in futures if not f.done())
+            raise stall.StallError(stall.report(f"{pending._group}.{pending._method}", limit))
         time.sleep(poll_s)
     return [f.wait() for f in futures]
 

@@ -14,7 +14,7 @@ from typing import Any
 from torchrlhf.data.dataset import PromptDataset
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.config import get_component
-from torchrlhf.runtime import colocate
+from torchrlhf.runtime import colocate, set_stall_timeout
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
 from torchrlhf.trainer.weight_sync import WeightSync
@@ -118,6 +118,7 @@ def on_policy_update(cfg: RecipeConfig) -> bool:
 
 def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any] | None = None) -> RLTrainer:
     """Everything a run needs, built in dependency order (data first: a bad file fails before models load)."""
+    set_stall_timeout(cfg.trainer.stall_timeout_s)
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path))
     train_prompts, val_prompts = build_prompts(cfg, tokenizer)
     reward_fn = get_component(cfg.reward._component_)(tokenizer=tokenizer, **_kwargs(cfg.reward))

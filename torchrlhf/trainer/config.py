@@ -80,10 +80,13 @@ class TrainerConfig:
 
     ``mode``: ``sync`` (generate, then train, every step) or ``async`` (rollout ranks of their own generate
     while the actor trains; the ``async_training`` section says how far they may run ahead).
+    ``stall_timeout_s``: a worker call running longer ends the job with a report of what every rank is
+    doing (method, seconds, the collective it waits in, its stack; `runtime.stall`); 0 turns it off.
     """
 
     total_steps: int = 10
     mode: Literal["sync", "async"] = "sync"
+    stall_timeout_s: float = 1800.0
     critic_warmup: int = 0
     test_freq: int = 0
     val_before_train: bool = False
