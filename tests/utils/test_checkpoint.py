@@ -103,3 +103,13 @@ def test_rng_state_round_trip_through_weights_only_file(tmp_path):
     got = (torch.randn(4), [random.random() for _ in range(3)], random.gauss(0, 1), np.random.randn(3))
     assert torch.equal(got[0], want[0]) and got[1] == want[1] and got[2] == want[2]
     assert np.array_equal(got[3], want[3])
+
+
+def test_a_corrupted_checkpoint_file_is_named(model_dir, tmp_path):
+    actor = ActorWorker(model_dir, **ACTOR_KW)
+    ckpt = tmp_path / "ckpt"
+    actor.save_checkpoint(str(ckpt))
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated, as by a failing disk
+    with pytest.raises(RuntimeError, match=rf"(?s)checkpoint {ckpt} could not be read .*corrupted or truncated"):
+        load_checkpoint(ckpt, model=actor.model)

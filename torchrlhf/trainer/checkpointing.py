@@ -30,15 +30,26 @@ class CheckpointManager:
         return os.path.join(self.output_dir, f"global_step_{step}")
 
     def save(self, step: int, save_roles: Callable[[str], None], controller_state: dict[str, Any]) -> str:
-        """Write the roles' state and the controller's, then mark the directory complete."""
+        """Write the roles' state and the controller's, then mark the directory complete.
+
+        A failed save (a full disk, a dying worker) leaves this directory incomplete, which `resume=auto`
+        skips; the error names the directory and the complete checkpoint a resume would use.
+        """
         path = self.path_for(step)
-        if os.path.exists(path):
-            shutil.rmtree(path)  # an earlier, unfinished attempt at this step
-        os.makedirs(path)
-        save_roles(path)
-        torch.save(controller_state, os.path.join(path, "controller.pt"))
-        with open(os.path.join(path, COMPLETE), "w") as f:
-            f.write(f"{step}\n")
+        try:
+            if os.path.exists(path):
+                shutil.rmtree(path)  # an earlier, unfinished attempt at this step
+            os.makedirs(path)
+            save_roles(path)
+            torch.save(controller_state, os.path.join(path, "controller.pt"))
+            with open(os.path.join(path, COMPLETE), "w") as f:
+                f.write(f"{step}\n")
+        except Exception as e:
+            previous = [p for s, p in self.complete_checkpoints() if s != step]
+            keep = f"the latest complete checkpoint, {previous[-1]}, is intact" if previous else \
+                "there is no earlier complete checkpoint"
+            raise RuntimeError(f"saving checkpoint {path} failed ({type(e).__name__}: {e}); it is left incomplete "
+                               f"and resume=auto skips it; {keep}") from e
         self._prune()
         return path
 
@@ -67,7 +78,12 @@ class CheckpointManager:
 
     @staticmethod
     def load_controller_state(path: str) -> dict[str, Any]:
-        return torch.load(os.path.join(path, "controller.pt"), weights_only=True)
+        file = os.path.join(path, "controller.pt")
+        try:
+            return torch.load(file, weights_only=True)
+        except Exception as e:
+            raise RuntimeError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e}); it may be "
+                               "corrupted: resume from an earlier checkpoint (trainer.resume=<its path>)") from e
 
     def _prune(self) -> None:
         if not self.keep_last:

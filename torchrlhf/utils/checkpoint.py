@@ -147,7 +147,11 @@ def load_checkpoint(
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
-    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=process_group)
+    except Exception as e:
+        raise RuntimeError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); a file in it may be "
+                           "corrupted or truncated: resume from an earlier checkpoint") from e
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],
