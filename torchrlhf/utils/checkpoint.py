@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 COMPLETE = "COMPLETE"
@@ -149,7 +150,7 @@ def load_checkpoint(
         state["optimizer"] = optim_sd
     try:
         dcp.load(state, checkpoint_id=path, process_group=process_group)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
         raise RuntimeError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); a file in it may be "
                            "corrupted or truncated: resume from an earlier checkpoint") from e
     set_state_dict(
