@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from torchrlhf.runtime.mesh import build_mesh
 
 def suffix_tp_dims(table: Mapping[str, int]) -> Callable[[str], int | None]:
     """name -> TP dim from a table keyed by HF name suffix (e.g. ``"mlp.down_proj.weight": 1``); absent = replicated."""
@@ -56,16 +57,13 @@ def training_mesh(model: nn.Module) -> DeviceMesh | None:
     return max(meshes, key=lambda m: m.ndim) if meshes else None
 
 
-_GENERATION_MESHES: dict[tuple[DeviceMesh, int], DeviceMesh] = {}
-
-
 def generation_mesh(train_mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
     """The 2-D ("dp", "tp") generation mesh on the ranks of `train_mesh`, grouped as the module docstring says.
 
     `train_mesh` is the FSDP2 mesh (1-D), or a 2-D ("dp", "tp") training mesh. For a 2-D training mesh
     with the same TP size the training mesh is returned (TP shards are reused as they are). Collective:
-    every rank of `train_mesh` must call it the first time (it creates this rank's dp and tp groups);
-    later calls return the same mesh, so the engine and the resharder share one set of process groups.
+    every rank of `train_mesh` must call it the first time; the mesh factory caches it, so the engine and
+    the resharder share one set of process groups.
     """
     if train_mesh.ndim == 2 and train_mesh.mesh_dim_names == ("dp", "tp") and train_mesh.size(1) == tp_size:
         return train_mesh
@@ -73,16 +71,6 @@ def generation_mesh(train_mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
     n = ranks.numel()
     if tp_size < 1 or n % tp_size:
         raise ValueError(f"generation tp_size={tp_size} must be >= 1 and divide the number of training ranks ({n})")
-    key = (train_mesh, tp_size)
-    if key not in _GENERATION_MESHES:
-        d = n // tp_size
-        layout = ranks.view(tp_size, d).t().contiguous()  # layout[i, j] = ranks[j*d + i]: dp index i, tp index j
-        i, j = (layout == dist.get_rank()).nonzero()[0].tolist()
-        # Only this rank's two groups, created by their members alone: the training ranks may be a
-        # subset of the world (a worker group), whose other ranks never call this.
-        dp_pg = dist.new_group(layout[:, j].tolist(), use_local_synchronization=True)
-        tp_pg = dist.new_group(layout[i].tolist(), use_local_synchronization=True)
-        _GENERATION_MESHES[key] = DeviceMesh.from_group(
-            [dp_pg, tp_pg], train_mesh.device_type, mesh=layout, mesh_dim_names=("dp", "tp")
-        )
-    return _GENERATION_MESHES[key]
+    layout = ranks.view(tp_size, n // tp_size).t().contiguous()  # layout[i, j] = ranks[j*d + i]: dp i, tp j
+    group = train_mesh.get_group() if train_mesh.ndim == 1 else None
+    return build_mesh(layout, ("dp", "tp"), train_mesh.device_type, group=group)

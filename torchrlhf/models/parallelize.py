@@ -4,8 +4,7 @@ Order matters: tensor parallelism first (it turns weights into DTensors on the
 TP mesh), then activation checkpointing, then FSDP2 `fully_shard` per
 transformer block and at the root (which shards those DTensors further on the
 DP mesh). For 2-D, `dp_mesh` and `tp_mesh` must be the two dimensions of one
-2-D mesh, e.g. ``mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))``
-and ``dp_mesh=mesh["dp"], tp_mesh=mesh["tp"]`` (see `init_mesh`).
+2-D mesh, e.g. ``dp_mesh, tp_mesh = init_mesh(dp, tp)`` (the runtime's mesh factory over the world).
 
 The TP plan has no sequence parallelism: activations between blocks stay
 replicated on the TP group, so norms, rotary embeddings and the HF attention
@@ -17,8 +16,9 @@ replicated DTensors so that their gradients are summed over the TP group.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -56,10 +56,13 @@ def init_mesh(dp: int, tp: int = 1, device_type: str | None = None) -> tuple[Dev
 
     Ranks of one TP group are adjacent (rank = dp_rank * tp + tp_rank).
     """
+    from torchrlhf.runtime.mesh import build_mesh
+
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.group.WORLD
     if tp == 1:
-        return init_device_mesh(device_type, (dp,), mesh_dim_names=("dp",)), None
-    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        return build_mesh(torch.arange(dp), ("dp",), device_type, group=world), None
+    mesh = build_mesh(torch.arange(dp * tp).view(dp, tp), ("dp", "tp"), device_type, group=world)
     return mesh["dp"], mesh["tp"]
 
 

@@ -32,6 +32,7 @@ import torch.distributed.rpc as rpc
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.runtime import stall
+from torchrlhf.runtime.mesh import forget_meshes
 from torchrlhf.runtime.launch import _on_finish, is_initialized, rpc_timeout, worker_name
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, registered_methods, set_current_context
 
@@ -151,6 +152,7 @@ def _reset() -> None:
 
 
 _on_finish.append(_reset)
+_on_finish.append(forget_meshes)
 
 
 def _check_ranks(ranks: Sequence[int] | None) -> list[int]:

@@ -153,11 +153,11 @@ class Worker:
 
         Collective over the group: every rank of the group must call it with the
         same arguments, in the same order relative to other mesh creations.
-        A 1-D mesh reuses the group's process group; an N-D mesh creates one
-        subgroup per dimension with ``use_local_synchronization=True`` (only
-        the group's ranks take part). Meshes are cached per (shape, names).
+        Made by the one mesh factory (`runtime.mesh.build_mesh`): a 1-D mesh reuses
+        the group's process group; an N-D mesh creates one subgroup per dimension
+        that only the group's ranks take part in. Cached per layout and names.
         """
-        from torch.distributed.device_mesh import DeviceMesh
+        from torchrlhf.runtime.mesh import build_mesh
 
         shape = tuple(shape or (self.group_size,))
         names = tuple(names) if names is not None else tuple(f"dim{i}" for i in range(len(shape)))
@@ -167,40 +167,7 @@ class Worker:
             raise ValueError(f"device_mesh: shape {shape} does not hold the group's {self.group_size} ranks")
         if self.process_group is None:
             raise RuntimeError("device_mesh needs torch.distributed (run under the runtime)")
-        cache = self.__dict__.setdefault("_meshes", {})
-        if (shape, names) in cache:
-            return cache[(shape, names)]
-        mesh = torch.tensor(self.ranks).view(shape)
-        if len(shape) == 1:
-            dm = DeviceMesh.from_group(self.process_group, self.device.type, mesh_dim_names=names)
-        else:
-            _equalize_group_counts(self.process_group)
-            groups = []
-            for dim in range(len(shape)):
-                rows = mesh.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
-                mine = next(r for r in rows if self.rank in r)
-                groups.append(dist.new_group(mine, use_local_synchronization=True))
-            dm = DeviceMesh.from_group(groups, self.device.type, mesh=mesh, mesh_dim_names=names)
-        cache[(shape, names)] = dm
-        return dm
-
-
-def _equalize_group_counts(pg: dist.ProcessGroup) -> None:
-    """Make every rank of ``pg`` hold the same number of process groups.
-
-    ``new_group(use_local_synchronization=True)`` names a group by hashing its
-    ranks with the number of groups this rank already holds; ranks that belong
-    to different numbers of groups (split placement) would disagree on the name
-    and never meet. One-rank placeholder groups (no peers, no sockets) even out
-    the counts first.
-    """
-    from torch.distributed.distributed_c10d import _world
-
-    count = torch.tensor([len(_world.pg_names)])
-    target = count.clone()
-    dist.all_reduce(target, op=dist.ReduceOp.MAX, group=pg)
-    for _ in range(int(target - count)):
-        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        return build_mesh(torch.tensor(self.ranks).view(shape), names, self.device.type, group=self.process_group)
 
 
 def registered_methods(cls: type) -> dict[str, dict[str, Any]]:

@@ -80,26 +80,15 @@ class FSDPWorker(Worker):
 
     # ------------------------------------------------------------------ setup
     def _build_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-        """(dp_mesh, tp_mesh) over this group's ranks only; (None, None) without torch.distributed.
-
-        Subgroups are created with local synchronization so that ranks outside this
-        worker group never have to take part.
-        """
-        pg = self.process_group
-        if pg is None:
+        """(dp_mesh, tp_mesh) over this group's ranks only (TP groups are adjacent ranks); (None, None)
+        without torch.distributed. Made by the one mesh factory (`Worker.device_mesh`)."""
+        if self.process_group is None:
             if self.tp_size > 1:
                 raise ValueError(f"tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
             return None, None
-        dev = self.device.type
         if self.tp_size == 1:
-            return DeviceMesh.from_group(pg, dev, mesh_dim_names=("dp",)), None
-        grid = torch.tensor(self.ranks).view(self.dp_size, self.tp_size)
-        tp_rank = self.group_rank % self.tp_size
-        dp_ranks = grid[:, tp_rank].tolist()
-        tp_ranks = grid[self.dp_rank].tolist()
-        dp_pg = dist.new_group(dp_ranks, use_local_synchronization=True)
-        tp_pg = dist.new_group(tp_ranks, use_local_synchronization=True)
-        mesh = DeviceMesh.from_group([dp_pg, tp_pg], dev, mesh=grid, mesh_dim_names=("dp", "tp"))
+            return self.device_mesh((self.group_size,), ("dp",)), None
+        mesh = self.device_mesh((self.dp_size, self.tp_size), ("dp", "tp"))
         return mesh["dp"], mesh["tp"]
 
     def _is_plain(self, dtype: torch.dtype, cpu_offload: bool) -> bool:
