@@ -174,3 +174,24 @@ def test_a_failing_rollout_call_reaches_the_trainer():
             driver.take(0)
     finally:
         driver.stop()
+
+
+def test_deterministic_checkpoint_pause_first_generates_what_the_new_version_allows():
+    """A checkpoint right after a publish (the race that once hung a run): the pause waits for the batch
+    the new version allows, so the saved state holds it and a resume continues exactly."""
+    group = FakeRollouts(dp_size=2)
+    driver = DeterministicRollouts(group, **_common(1))
+    driver.start()
+    try:
+        for step in range(4):
+            driver.take(step)
+            driver.publish(step + 1)
+            with driver.paused(drain=True):
+                state = driver.state_dict()
+                assert group.idle()
+            assert state["next_index"] == step + 3  # batches 0 .. (step + 1) + k
+            assert sorted(state["ready"]) == [step + 1, step + 2]
+            with driver.paused():  # validation's pause: nothing to wait for
+                assert group.idle()
+    finally:
+        driver.stop()

@@ -17,10 +17,10 @@ SPLIT = {"placement": {"actor": [0], "rollout": [1, 2]}, "actor": {"lr": 3e-2}}
 
 
 def _config(tmp_path: Path, tiny: str, name: str, steps: int, mode: str = "async", save_freq: int = 0,
-            actor: dict | None = None, **async_training) -> tuple[Path, Path]:
+            actor: dict | None = None, test_freq: int = 0, **async_training) -> tuple[Path, Path]:
     out = tmp_path / name
     trainer = {"total_steps": steps, "mode": mode, "save_freq": save_freq, "output_dir": str(out),
-               "loggers": ["jsonl"]}
+               "loggers": ["jsonl"], "test_freq": test_freq}
     return write_config(tmp_path / f"{name}_{steps}.yaml", tiny, trainer=trainer, async_training=async_training,
                         placement=SPLIT["placement"], actor={**SPLIT["actor"], **(actor or {})}), out
 
@@ -35,30 +35,43 @@ def _mean(values: list[float]) -> float:
 
 
 def test_async_reaches_the_sync_reward_with_bounded_staleness(tiny_model_dir, tmp_path):
-    """30 steps each (the same trained samples): stream schedule with k = 1 and 2 against sync.
+    """30 steps each (the same trained samples) against sync.
 
-    Measured over trainer seeds 0 and 1 (last five steps' mean score; the first five are 0.085-0.099):
-    sync 0.147 / 0.164, async k=1 0.172 / 0.168, async k=2 0.141 / 0.249 (the deterministic schedule:
-    k=1 0.188 / 0.185, k=2 0.160 / 0.141).
+    The margin test uses the deterministic schedule with k = 1 and 2, whose runs are reproducible bit for
+    bit, so the margins below are exact for this seed. The stream schedule depends on timing, so its
+    reward varies from run to run: it is checked for its bounds, versions, busy fraction and validation.
+
+    Last five steps' mean score, trainer seeds 0 / 1 (the first five are 0.085-0.099): sync 0.147 / 0.164;
+    deterministic k=1 0.188 / 0.185, k=2 0.160 / 0.141; stream k=1 0.172 / 0.168 and 0.125 in another
+    run, k=2 0.141 / 0.249.
     """
     runs = {}
-    for name, mode, k in [("sync", "sync", 1), ("k1", "async", 1), ("k2", "async", 2)]:
-        cfg, out = _config(tmp_path, tiny_model_dir, name, 30, mode=mode, max_staleness=k)
+    for name, mode, schedule, k in [("sync", "sync", "stream", 1), ("det1", "async", "deterministic", 1),
+                                    ("det2", "async", "deterministic", 2), ("stream2", "async", "stream", 2)]:
+        # validation every 15 steps pauses the rollout thread and generates with the newest weights (async
+        # only: in the sync run validation draws sampling seeds that would shift its training samples)
+        cfg, out = _config(tmp_path, tiny_model_dir, name, 30, mode=mode, max_staleness=k, schedule=schedule,
+                           test_freq=15 if mode == "async" else 0)
         assert_ok(run_recipe(cfg, nproc=3))
         runs[name] = metrics_of(out)
     sync_level = _mean([m["critic/score/mean"] for m in runs["sync"][-5:]])
-    for name, k in [("k1", 1), ("k2", 2)]:
-        metrics = runs[name]
-        scores = [m["critic/score/mean"] for m in metrics]
-        assert len(scores) == 30
+    for name in ("det1", "det2"):
+        scores = [m["critic/score/mean"] for m in runs[name]]
         assert _mean(scores[-5:]) > _mean(scores[:5]) + 0.03, (name, scores)  # it learns
         assert _mean(scores[-5:]) > sync_level - 0.03, (name, _mean(scores[-5:]), sync_level)  # as well as sync
+    for name, k in [("det1", 1), ("det2", 2), ("stream2", 2)]:
+        metrics = runs[name]
+        assert len(metrics) == 30
         for step, m in enumerate(metrics):
             assert 0 <= m["rollout/staleness/max"] <= k, (name, step, m["rollout/staleness/max"])
             assert m["rollout/weight_version"] == step  # the trainer's version: one update per step
             assert sum(m[f"rollout/staleness/frac_{j}"] for j in range(k + 1)) == pytest.approx(1.0)
         assert max(m["rollout/staleness/mean"] for m in metrics) > 0  # it really ran ahead
-        assert all(0 < m["rollout/busy_fraction"] <= 1.0 for m in metrics[1:])
+        # running calls count up to the moment of asking; clocks of different processes: 5 % slack
+        assert all(0 < m["rollout/busy_fraction"] <= 1.05 for m in metrics[1:]), [m["rollout/busy_fraction"]
+                                                                                   for m in metrics]
+        assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [15, 30], name
+    assert [m["rollout/staleness/max"] for m in runs["det1"][:3]] == [0, 1, 1]
     assert all(m["rollout/staleness/max"] == 0 for m in runs["sync"])
 
 

@@ -120,9 +120,13 @@ def process_group(key: str) -> dist.ProcessGroup:
 
 
 def busy_seconds(name: str) -> dict[str, float]:
-    """Seconds this rank has spent inside each method of worker ``name``: the controller's wall time of a
-    call minus this is what dispatch, RPC and serialization cost."""
-    return dict(_busy_s.get(name, {}))
+    """Seconds this rank has spent inside each method of worker ``name``, calls still running included up to
+    now: the controller's wall time of a call minus this is what dispatch, RPC and serialization cost."""
+    out = dict(_busy_s.get(name, {}))
+    for group, method, seconds in stall.running_calls():
+        if group == name:
+            out[method] = out.get(method, 0.0) + seconds
+    return out
 
 
 # ---------------------------------------------------------------------- controller side

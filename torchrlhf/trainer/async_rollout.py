@@ -127,12 +127,15 @@ class AsyncRollouts:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No generate call runs inside (validation, checkpoints); every call allowed so far has finished."""
+    def paused(self, drain: bool = False) -> Iterator[None]:
+        """No generate call runs inside (validation, checkpoints). ``drain`` (checkpoints) first lets the
+        thread finish all the work the published version allows, so that a checkpoint holds it."""
         with self._cond:
+            if drain:
+                self._wait(self._drained)
             self._pause_requests += 1
             self._cond.notify_all()
-            self._wait(lambda: self._quiet())
+            self._wait(self._quiet)
         try:
             yield
         finally:
@@ -174,7 +177,13 @@ class AsyncRollouts:
         raise NotImplementedError
 
     def _quiet(self) -> bool:
+        """No generate call is running or being scored."""
         raise NotImplementedError
+
+    def _drained(self) -> bool:
+        """Nothing the published version allows is left to generate (only the trainer publishes, so this
+        stays true while the trainer holds the pause)."""
+        return True
 
 
 class StreamRollouts(AsyncRollouts):
@@ -186,6 +195,7 @@ class StreamRollouts(AsyncRollouts):
         self._pending: deque[Batch] = deque()  # single prompts waiting for a replica
         self._ready: list[Rollout] = []  # one entry per prompt group
         self._in_flight: dict[int, tuple[Any, Batch, int]] = {}  # replica -> (future, prompts, version)
+        self._finishing = 0  # returned calls being scored, not yet in the buffer
         self._consumed = 0  # groups the trainer has taken
 
     def take(self, version: int) -> tuple[Batch, dict[str, float]]:
@@ -230,7 +240,7 @@ class StreamRollouts(AsyncRollouts):
             self._outstanding() + self.prompts_per_call <= budget
 
     def _quiet(self) -> bool:
-        return not self._in_flight
+        return not self._in_flight and not self._finishing
 
     def _next_prompts(self) -> Batch:
         while len(self._pending) < self.prompts_per_call:
@@ -253,14 +263,16 @@ class StreamRollouts(AsyncRollouts):
                 if not done:
                     self._cond.wait(0.01)
                     continue
-                finished = {d: self._in_flight.pop(d) for d in done}
-            for fut, prompts, version in finished.values():
+                finished = [self._in_flight.pop(d) for d in done]
+                self._finishing += len(finished)
+            for fut, prompts, version in finished:
                 gen = fut.wait()  # raises WorkerError naming the rank
                 gen, metrics = self._finish(gen, version)
                 groups = [Rollout(gen[i * self.n : (i + 1) * self.n], version, metrics, prompts[i : i + 1])
                           for i in range(len(prompts))]
                 with self._cond:
                     self._ready.extend(groups)
+                    self._finishing -= 1
                     self._cond.notify_all()
 
     # ------------------------------------------------------------------ checkpoints
@@ -307,9 +319,12 @@ class DeterministicRollouts(AsyncRollouts):
         return self.published >= max(0, self.next_index - self.k)
 
     def _quiet(self) -> bool:
-        """Nothing generating, and every batch the published version allows is generated (so a
-        checkpoint holds every batch that needs an older version than the next one)."""
-        return not self._generating and (not self._allowed() or self._error is not None)
+        return not self._generating
+
+    def _drained(self) -> bool:
+        """Every batch the published version allows is generated: a checkpoint then holds every batch that
+        needs an older version than the next one, and a resumed run can continue exactly."""
+        return not self._generating and not self._allowed()
 
     def _loop(self) -> None:
         while True:
@@ -321,18 +336,18 @@ class DeterministicRollouts(AsyncRollouts):
                 version, index = max(0, self.next_index - self.k), self.next_index
                 prompts = self._prepare(self.next_prompts(), version)
                 self._generating = True
+            done = None
             try:
                 futures = [self.rollout.call_dp(d, "generate", shard)
                            for d, shard in enumerate(_split_even(prompts, self.rollout.dp_size)) if len(shard)]
-                gen, metrics = self._finish(concat_generations([f.wait() for f in futures], self.pad_id), version)
+                done = self._finish(concat_generations([f.wait() for f in futures], self.pad_id), version)
             finally:
-                with self._cond:
+                with self._cond:  # buffered and released at once: `paused` never sees it half done
+                    if done is not None:
+                        self._ready[index] = Rollout(done[0], version, done[1])
+                        self.next_index += 1
                     self._generating = False
                     self._cond.notify_all()
-            with self._cond:
-                self._ready[index] = Rollout(gen, version, metrics)
-                self.next_index += 1
-                self._cond.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         return {

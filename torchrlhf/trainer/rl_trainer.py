@@ -29,6 +29,7 @@ from torchrlhf.trainer.metrics import (
 )
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.utils.timer import timer
+from torchrlhf.workers.rollout import RELAY_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +226,13 @@ class RLTrainer:
         return {"rollout/busy_fraction": sum(fractions) / len(fractions), "rollout/busy_fraction_min": min(fractions)}
 
     @contextlib.contextmanager
-    def _rollouts_paused(self) -> Iterator[None]:
+    def _rollouts_paused(self, drain: bool = False) -> Iterator[None]:
         """Asynchronous training: no rollout call runs inside (validation uses the engines; checkpoints
-        save the rollout buffer)."""
+        save the rollout buffer, after ``drain``-ing what the published version allows)."""
         if self.async_rollouts is None:
             yield
         else:
-            with self.async_rollouts.paused():
+            with self.async_rollouts.paused(drain=drain):
                 yield
 
     def close(self) -> None:
@@ -307,6 +308,8 @@ class RLTrainer:
         prompts["seed"] = torch.randint(0, 2**31 - 1, (len(prompts),))
         prompts.meta["sampling"] = sampling
         prompts.meta["weight_version"] = self.weight_version
+        if self.async_rollouts is not None:  # validation: the newest version the relays hold
+            prompts.meta[RELAY_VERSION] = self.async_rollouts.published
         gen = self.roles.rollout.generate(prompts)
         gen.meta["temperature"] = sampling["temperature"] or 1.0
         return gen
@@ -417,7 +420,7 @@ class RLTrainer:
             if self.roles.critic is not None:
                 self.roles.critic.save_checkpoint(f"{path}/critic")
 
-        with self._rollouts_paused():
+        with self._rollouts_paused(drain=True):
             return self.checkpoints.save(self.global_step, save_roles, self.controller_state())
 
     def controller_state(self) -> dict[str, Any]:

@@ -25,8 +25,6 @@ from torchrlhf.algorithms import (
 from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
-from torchrlhf.models import build_meta_causal_lm, load_causal_lm
-from torchrlhf.models.sharded import load_weights
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -124,16 +122,9 @@ class ActorWorker(FSDPWorker):
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
         self.shared_prefix = shared_prefix
 
-        dtype_ = resolve_dtype(dtype)
-        sharded = self.loads_sharded(model_path, dtype_, cpu_offload)  # meta build: each rank reads its shards
-        model = build_meta_causal_lm(model_path) if sharded else load_causal_lm(model_path, dtype=torch.float32)
-        self.window = sliding_window(model.config)
-        model.config.use_cache = False
-        if freeze:
-            model.requires_grad_(False)
-        self.model = self._shard(model, dtype_, activation_checkpointing and not freeze, cpu_offload)
-        if sharded:
-            load_weights(self.model, model_path, device=self.device, cpu_offload=cpu_offload)
+        self.model = self._build_model(model_path, resolve_dtype(dtype), freeze=freeze,
+                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
+        self.window = sliding_window(self.model.config)
         if not freeze:
             self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                                  total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)

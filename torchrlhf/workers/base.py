@@ -102,6 +102,49 @@ class FSDPWorker(Worker):
         is FSDP2-sharded and the weights are a safetensors directory (a GGUF file loads whole)."""
         return not self._is_plain(dtype, cpu_offload) and Path(model_path).is_dir()
 
+    def _build_model(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        *,
+        value_head: bool = False,
+        freeze: bool = False,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        init_head_std: float | None = None,
+    ) -> torch.nn.Module:
+        """The role's model (a causal LM, or a `ValueModel` with ``value_head``), sharded over the group.
+
+        When it is FSDP2-sharded and the weights are safetensors, it is built on the meta device and each
+        rank reads only its own rows (`loads_sharded`); otherwise it is loaded whole, then sharded. A fresh
+        value head is drawn from ``self.seed``, identical on every rank.
+        """
+        from torchrlhf.models import (
+            build_meta_causal_lm,
+            build_meta_value_model,
+            load_causal_lm,
+            load_value_model,
+            load_value_weights,
+        )
+        from torchrlhf.models.sharded import load_weights
+
+        sharded = self.loads_sharded(model_path, dtype, cpu_offload)
+        if value_head:
+            model = build_meta_value_model(model_path) if sharded else load_value_model(
+                model_path, dtype=torch.float32, init_head_std=init_head_std, seed=self.seed)
+        else:
+            model = build_meta_causal_lm(model_path) if sharded else load_causal_lm(model_path, dtype=torch.float32)
+            model.config.use_cache = False
+        if freeze:
+            model.requires_grad_(False)
+        model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload)
+        if sharded and value_head:
+            load_value_weights(model, model_path, device=self.device, init_head_std=init_head_std, seed=self.seed,
+                               cpu_offload=cpu_offload)
+        elif sharded:
+            load_weights(model, model_path, device=self.device, cpu_offload=cpu_offload)
+        return model
+
     def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
         """FSDP2 (× TP) over the group's ranks (a meta-device model stays on meta); the plain module when
         the group is one fp32 rank (see `_is_plain`)."""

@@ -9,7 +9,6 @@ from torch.distributed.tensor import DTensor
 
 from torchrlhf.algorithms import compute_value_loss
 from torchrlhf.data import Batch
-from torchrlhf.models import build_meta_value_model, load_value_model, load_value_weights
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
@@ -84,16 +83,10 @@ class CriticWorker(FSDPWorker):
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
         self.shared_prefix = shared_prefix
 
-        # seeded: a fresh value head must be identical on every rank before FSDP shards it
-        dtype_ = resolve_dtype(dtype)
-        sharded = self.loads_sharded(model_path, dtype_, cpu_offload)  # meta build: each rank reads its shards
-        model = (build_meta_value_model(model_path) if sharded
-                 else load_value_model(model_path, dtype=torch.float32, init_head_std=init_head_std, seed=seed))
-        self.window = sliding_window(model.config)
-        self.model = self._shard(model, dtype_, activation_checkpointing, cpu_offload)
-        if sharded:
-            load_value_weights(self.model, model_path, device=self.device, init_head_std=init_head_std, seed=seed,
-                               cpu_offload=cpu_offload)
+        self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
+                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+                                       init_head_std=init_head_std)
+        self.window = sliding_window(self.model.config)
         self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                              total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
 

@@ -6,7 +6,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.data import Batch
-from torchrlhf.models import load_value_model
 from torchrlhf.models.heads import score_at_last_token
 from torchrlhf.runtime.worker import Dispatch, register
 from torchrlhf.workers.base import FSDPWorker, resolve_dtype
@@ -47,9 +46,8 @@ class RewardModelWorker(FSDPWorker):
         self.output_key = output_key
         self.micro_batch_size = micro_batch_size_per_device
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
-        model = load_value_model(model_path, dtype=torch.float32, seed=seed)
-        model.requires_grad_(False)
-        self.model = self._shard(model, resolve_dtype(dtype), False, cpu_offload)
+        self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True, freeze=True,
+                                       cpu_offload=cpu_offload)
         self.model.eval()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
