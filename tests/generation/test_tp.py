@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
-import socket
+import sys
+from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
 
 from gen_helpers import left_padded, tiny_model
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from dist_helpers import run_ranks  # noqa: E402
 
 FAMILIES = ("qwen2", "llama")
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -25,51 +27,31 @@ def prompts() -> Batch:
     return Batch({"input_ids": ids, "attention_mask": mask})
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
-        results = {}
-        for family in FAMILIES:
-            engine = NativeEngine(tiny_model(family, seed=0), max_batch_size=3, max_seq_len=64, tp_mesh=mesh)
-            results[family, "greedy"] = engine.generate(prompts(), GREEDY)["responses"]
-            sampled = engine.generate(prompts(), SAMPLED)
-            results[family, "sampled"] = sampled["responses"]
-            results[family, "sampled_lp"] = sampled["rollout_log_probs"]
-            # Free everything, then stream another model's weights in as this rank's local shards.
-            dims = engine.param_shard_dims()
-            engine.release()
-            engine.resume()
-            new = tiny_model(family, seed=1)
-            engine.update_weights(
-                (name, p.detach() if dims[name] is None else p.detach().chunk(world, dims[name])[rank])
-                for name, p in new.named_parameters()
-            )
-            results[family, "updated"] = engine.generate(prompts(), GREEDY)["responses"]
-            results[family, "dims"] = dims
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    results = {}
+    for family in FAMILIES:
+        engine = NativeEngine(tiny_model(family, seed=0), max_batch_size=3, max_seq_len=64, tp_mesh=mesh)
+        results[family, "greedy"] = engine.generate(prompts(), GREEDY)["responses"]
+        sampled = engine.generate(prompts(), SAMPLED)
+        results[family, "sampled"] = sampled["responses"]
+        results[family, "sampled_lp"] = sampled["rollout_log_probs"]
+        # Free everything, then stream another model's weights in as this rank's local shards.
+        dims = engine.param_shard_dims()
+        engine.release()
+        engine.resume()
+        new = tiny_model(family, seed=1)
+        engine.update_weights(
+            (name, p.detach() if dims[name] is None else p.detach().chunk(world, dims[name])[rank])
+            for name, p in new.named_parameters()
+        )
+        results[family, "updated"] = engine.generate(prompts(), GREEDY)["responses"]
+        results[family, "dims"] = dims
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tp2_matches_tp1(tmp_path):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    for _ in range(120):
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("TP workers did not finish in 120 s")
+    run_ranks(_worker, 2, str(tmp_path), timeout=120)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     for family in FAMILIES:
         for key in ("greedy", "sampled", "updated"):

@@ -57,6 +57,24 @@ def engine(models):
     engine.shutdown()
 
 
+def test_starting_an_engine_leaves_the_callers_process_state(models, monkeypatch):
+    """vLLM's CPU platform rewrites LD_PRELOAD (for its own children) and LOCAL_WORLD_SIZE (torchrun's) and
+    lowers the thread count; a rank that trains after starting its engine, or spawns processes, needs
+    them as they were."""
+    import os
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    torch.set_num_threads(2)
+    engine = VLLMEngine(models[1], max_batch_size=2, max_seq_len=32)
+    try:
+        assert os.environ["LOCAL_WORLD_SIZE"] == "7" and "LD_PRELOAD" not in os.environ
+        assert torch.get_num_threads() == 2
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(1)
+
+
 def test_top_k_logprobs_are_renormalised_over_the_kept_tokens(models, engine):
     """The documented difference from NativeEngine: with a filter on, vLLM's log-probs are the filtered ones."""
     out = engine.generate(prompt_batch(), SamplingParams(n=3, temperature=1.5, top_k=3, max_tokens=8, seed=0))

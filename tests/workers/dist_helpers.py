@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,13 +22,24 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    """Run ``fn`` on this rank, then leave together with the others and exit without finalisers.
+
+    A rank that tears down while a peer still holds its gloo connections can abort in torch's C++ teardown
+    (SIGABRT, "terminate called without an active exception"; seen once per few hundred runs in CI). By
+    then ``fn`` has finished and written its results, so after a final barrier the rank skips interpreter
+    finalisation. An exception in ``fn`` still propagates (the spawn wrapper reports it).
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> None:

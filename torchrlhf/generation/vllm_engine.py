@@ -73,12 +73,18 @@ def _checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
     return shapes
 
 
+_LAUNCH_ENV = ("LD_PRELOAD", "LOCAL_WORLD_SIZE")
+
+
 @contextmanager
 def _keep_caller_state(cuda: bool) -> Iterator[None]:
     """Restore what vLLM's start changes for its own process: the global RNGs, torch.set_num_threads (which
-    it replaces with a no-op) and the thread count (which it lowers "for serving": training would slow down)."""
+    it replaces with a no-op), the thread count (which it lowers "for serving": training would slow down)
+    and the launch variables it rewrites (`_LAUNCH_ENV`: its CPU platform sets LD_PRELOAD for its own
+    children and LOCAL_WORLD_SIZE to its TP size, which torchrun set for this rank)."""
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     py_state, np_state = random.getstate(), np.random.get_state()
+    launch_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     try:
         with torch.random.fork_rng(devices=[0] if cuda else []):
             yield
@@ -87,6 +93,11 @@ def _keep_caller_state(cuda: bool) -> Iterator[None]:
         torch.set_num_threads(threads)
         random.setstate(py_state)
         np.random.set_state(np_state)
+        for key, value in launch_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _exit_with(worker, pid: int) -> None:
