@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.trainer.async_rollout import DeterministicRollouts, StreamRollouts, left_pad_prompts
+from torchrlhf.trainer.async_rollout import DeterministicRollouts, StreamRollouts, _concat_prompts, left_pad_prompts
 from torchrlhf.workers.rollout import RELAY_VERSION
 
 N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width
@@ -142,6 +142,17 @@ def test_stream_concatenates_prompts_of_different_widths():
     assert padded["position_ids"].tolist() == [[0, 0, 0, 1, 2]]
     assert padded["responses"].tolist() == [[9]]
 
+
+
+def test_prompt_batches_of_different_widths_concatenate_without_their_seeds():
+    """Requeued prompts rejoin fresh ones: left-padded to the widest, seeds dropped (each call draws new)."""
+    a = Batch({"input_ids": torch.tensor([[7]]), "attention_mask": torch.tensor([[1]]), "seed": torch.tensor([3])},
+              {"answer": ["a"]})
+    b = Batch({"input_ids": torch.tensor([[2, 8, 9]]), "attention_mask": torch.tensor([[0, 1, 1]])}, {"answer": ["b"]})
+    both = _concat_prompts([a, b], pad_id=2)
+    assert both["input_ids"].tolist() == [[2, 2, 7], [2, 8, 9]]
+    assert both["attention_mask"].tolist() == [[0, 0, 1], [0, 1, 1]]
+    assert "seed" not in both and both.non_tensors["answer"] == ["a", "b"]
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_deterministic_batch_t_uses_version_t_minus_k(k):

@@ -38,11 +38,17 @@ log = logging.getLogger(__name__)
 PROMPT_COLUMNS = ("prompts", "input_ids", "attention_mask", "position_ids")  # left-padded prompt width
 
 
+def _prompt_width(batch: Batch) -> int:
+    """Left-padded prompt width: the "prompts" column of a generation, or "input_ids" of a prompt batch."""
+    return batch["prompts" if "prompts" in batch else "input_ids"].shape[1]
+
+
 def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
-    """``gen`` with its prompt part left-padded to ``width`` tokens (so calls of other widths concatenate)."""
-    extra = width - gen["prompts"].shape[1]
+    """``gen`` (a generation or a prompt batch) with its prompt part left-padded to ``width`` tokens, so
+    batches of other widths concatenate."""
+    extra = width - _prompt_width(gen)
     if extra < 0:
-        raise ValueError(f"cannot pad prompts of width {gen['prompts'].shape[1]} to {width}")
+        raise ValueError(f"cannot pad prompts of width {_prompt_width(gen)} to {width}")
     if extra == 0:
         return gen
     out = gen.copy()
@@ -56,7 +62,8 @@ def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
 
 
 def concat_generations(parts: list[Batch], pad_id: int) -> Batch:
-    width = max(p["prompts"].shape[1] for p in parts)
+    """Generations (or prompt batches) of different prompt widths as one Batch."""
+    width = max(_prompt_width(p) for p in parts)
     return Batch.concat([left_pad_prompts(p, width, pad_id) for p in parts])
 
 
@@ -366,19 +373,8 @@ class DeterministicRollouts(AsyncRollouts):
 
 def _concat_prompts(prompts: list[Batch], pad_id: int) -> Batch:
     """Single-prompt Batches (possibly of different left-padded widths) as one prompt Batch."""
-    width = max(p["input_ids"].shape[1] for p in prompts)
-    out = []
-    for p in prompts:
-        p = p.select(*[k for k in p.keys() if k != "seed"])  # a requeued prompt gets a fresh seed
-        extra = width - p["input_ids"].shape[1]
-        if extra:
-            p = p.copy()
-            p.tensors = {**p.tensors,
-                         "input_ids": torch.cat([p["input_ids"].new_full((len(p), extra), pad_id), p["input_ids"]], 1),
-                         "attention_mask": torch.cat([p["attention_mask"].new_zeros((len(p), extra)),
-                                                      p["attention_mask"]], 1)}
-        out.append(p)
-    return Batch.concat(out)
+    # a requeued prompt gets a fresh seed
+    return concat_generations([p.select(*[k for k in p.keys() if k != "seed"]) for p in prompts], pad_id)
 
 
 def _split_even(prompts: Batch, parts: int) -> list[Batch]:
