@@ -131,6 +131,47 @@ def test_stream_bounds_staleness_and_trains_each_prompt_once(k, policy):
     assert {v for _, v in group.calls} <= set(range(13))
 
 
+
+def _score_by_index(gen: Batch):
+    """Prompts with an even index get rewards that differ within the group; odd ones get equal rewards."""
+    index = torch.tensor(gen["index"])
+    varied = (index % 2 == 0).float()[:, None] * torch.arange(len(gen)).float()[:, None] % N
+    gen["token_level_scores"] = torch.zeros(len(gen), R) + varied * (torch.arange(R) == R - 1)
+    return gen, {}
+
+
+def test_stream_dynamic_sampling_trains_only_informative_groups():
+    group = FakeRollouts(dp_size=2, slow=0.01)
+    common = {**_common(1), "score": _score_by_index}
+    driver = StreamRollouts(group, prompts_per_call=1, stale_policy="requeue", filter_groups=True,
+                            max_filtered=10 * B, **common)
+    driver.start()
+    dropped = 0
+    try:
+        for version in range(6):
+            batch, metrics = driver.take(version)
+            assert len(batch) == B * N
+            assert all(i % 2 == 0 for i in batch["index"])  # the constant-reward groups never reach training
+            assert int((version - batch["weight_version"]).max()) <= 1
+            dropped += metrics["train/dropped_groups"]
+            driver.publish(version + 1)
+        assert dropped >= 6 * B - 2  # about one odd prompt per even one (a few may still be in flight)
+        assert driver.counters["filtered_groups"] >= dropped
+    finally:
+        driver.stop()
+
+
+def test_stream_dynamic_sampling_gives_up_when_every_group_is_constant():
+    group = FakeRollouts(dp_size=2, slow=0.001)
+    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", filter_groups=True, max_filtered=8,
+                            **_common(1))  # _score: all rewards 0
+    driver.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"dynamic sampling: (9|10) prompt groups with constant rewards .*more than 8"):
+            driver.take(0)
+    finally:
+        driver.stop()
+
 def test_stream_concatenates_prompts_of_different_widths():
     gen = Batch({"prompts": torch.tensor([[5, 6]]), "input_ids": torch.tensor([[5, 6, 9]]),
                  "attention_mask": torch.tensor([[1, 1, 1]]), "position_ids": torch.tensor([[0, 1, 2]]),

@@ -98,3 +98,20 @@ def test_deterministic_schedule_is_bitwise_reproducible_and_resumes(tiny_model_d
     assert len(model) > 0
     for name, tensor in model.items():  # the trained weights, bit for bit
         assert all(torch.equal(s["model"][name], tensor) for s in states[1:]), name
+
+
+def test_stream_schedule_with_dapo_dynamic_sampling(tiny_model_dir, tmp_path):
+    """DAPO's dynamic sampling in the stream: constant-reward groups are discarded as they return, counted,
+    and the trainer still gets full batches within the staleness bound."""
+    cfg, out = _config(tmp_path, tiny_model_dir, "dapo", 4, max_staleness=1, schedule="stream")
+    reward_fn = Path(__file__).with_name("reward_fns.py")
+    assert_ok(run_recipe(cfg, "algorithm.filter_groups=true", "algorithm.max_num_gen_batches=30",
+                         f"reward.reward_fn={reward_fn}:odd_length", nproc=3))
+    metrics = metrics_of(out)
+    assert len(metrics) == 4
+    reported = 0.0
+    for m in metrics:
+        assert 0 <= m["rollout/staleness/max"] <= 1
+        reported += m["train/dropped_groups"]
+        assert m["async/filtered_groups"] >= reported  # the counter also holds groups filtered after a take
+    assert reported > 0  # some groups score all 0 or all 1: they never reach training

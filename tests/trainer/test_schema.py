@@ -81,8 +81,12 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
      "async_training.prompts_per_call must be in [1, data.train_batch_size=4], got 5"),
     ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"schedule": "fast"}},
      "async_training.schedule"),
-    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True}},
-     "does not support algorithm.filter_groups"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
+      "async_training": {"schedule": "deterministic"}},
+     "algorithm.filter_groups (DAPO dynamic sampling) needs async_training.schedule=stream"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
+      "reward_model": {"model_path": "x"}},
+     "algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards"),
 ])
 def test_bad_async_config_is_refused(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

@@ -288,7 +288,9 @@ class RLTrainer:
         if a.schedule == "deterministic":
             return DeterministicRollouts(self.roles.rollout, **common)
         return StreamRollouts(self.roles.rollout, prompts_per_call=a.prompts_per_call,
-                              stale_policy=a.stale_policy, **common)
+                              stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
+                              max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,
+                              **common)
 
     def _take_async_rollouts(self, metrics: dict[str, float]) -> Batch:
         """The next batch the rollout thread has ready (generated and rule-scored while the actor trained)."""

@@ -236,8 +236,12 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
     if not 1 <= a.prompts_per_call <= cfg.data.train_batch_size:
         errors.append(f"async_training.prompts_per_call must be in [1, data.train_batch_size="
                       f"{cfg.data.train_batch_size}], got {a.prompts_per_call}")
-    if cfg.algorithm.filter_groups:
-        errors.append("trainer.mode=async does not support algorithm.filter_groups (DAPO dynamic sampling) yet")
+    if cfg.algorithm.filter_groups and a.schedule == "deterministic":
+        errors.append("algorithm.filter_groups (DAPO dynamic sampling) needs async_training.schedule=stream: the "
+                      "deterministic schedule trains exactly the sampler's t-th batch at step t")
+    if cfg.algorithm.filter_groups and cfg.reward_model is not None:
+        errors.append("algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards as they "
+                      "return; a reward model scores on the trainer's thread, so drop one of them")
     if cfg.trainer.critic_warmup > 0:
         errors.append("trainer.mode=async needs trainer.critic_warmup=0 (weight versions count actor updates)")
     if cfg.algorithm.adv_estimator == "remax":
