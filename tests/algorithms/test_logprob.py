@@ -69,3 +69,42 @@ def test_entropy_by_hand_and_reference():
     torch.testing.assert_close(grad, ref_grad.float())
     out16 = entropy_from_logits(logits.detach().bfloat16())
     assert out16.dtype == torch.float32 and torch.isfinite(out16).all()
+
+
+def _dense(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """The reference: a float64 log-softmax of the scaled logits, and -sum p log p."""
+    log_p = torch.log_softmax(logits.double() / temperature, -1)
+    return log_p.gather(-1, labels[..., None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_temperature_is_applied_inside_values_and_grads(temperature, chunk_size):
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(3, 5, 13, generator=g)).requires_grad_()
+    labels = torch.randint(0, 13, (3, 5), generator=g)
+    w_lp, w_h = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    ref_lp, ref_h = _dense(logits, labels, temperature)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), logits)
+    lp = log_probs_from_logits(logits, labels, temperature, chunk_size=chunk_size)
+    h = entropy_from_logits(logits, temperature, chunk_size=chunk_size)
+    torch.testing.assert_close(lp, ref_lp.float())
+    torch.testing.assert_close(h, ref_h.float())
+    (grad,) = torch.autograd.grad((lp * w_lp + h * w_h).sum(), logits)
+    torch.testing.assert_close(grad, ref_grad.float())
+
+
+def test_entropy_saves_no_vocab_sized_float_copy():
+    logits = torch.randn(2, 6, 50, dtype=torch.bfloat16, requires_grad=True)
+    out = entropy_from_logits(logits, 0.7, chunk_size=4)
+    saved = [t for t in out.grad_fn.next_functions[0][0].saved_tensors if t.numel() >= logits.numel()]
+    assert saved and all(t.dtype == torch.bfloat16 for t in saved)
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def test_bad_temperature_or_chunk_is_refused():
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        log_probs_from_logits(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), 0.0)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        entropy_from_logits(torch.zeros(1, 3), chunk_size=0)

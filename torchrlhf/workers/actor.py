@@ -148,15 +148,15 @@ class ActorWorker(FSDPWorker):
 
     # ------------------------------------------------------------------ forward
     def _response_outputs(self, logits, labels: torch.Tensor, temperature: float, with_entropy: bool):
-        """Log-probs of ``labels`` (and entropy) from the logits that predict them, in fp32 at ``temperature``."""
+        """Log-probs of ``labels`` (and entropy) from the logits that predict them, in fp32 at ``temperature``
+        (chunked, so no scaled or float32 copy of the logits is made)."""
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        logits = logits.float() / temperature
-        log_probs = log_probs_from_logits(logits, labels)
+        log_probs = log_probs_from_logits(logits, labels, temperature)
         entropy = None
         if with_entropy:  # the entropy needs a graph only when the loss has an entropy bonus
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coeff != 0):
-                entropy = entropy_from_logits(logits)
+                entropy = entropy_from_logits(logits, temperature)
         return log_probs, entropy
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool):

@@ -1,0 +1,101 @@
+"""Token log-probs + entropy from logits: the chunked functions vs the textbook dense computation.
+
+The actor's loss needs ``log softmax(logits / T)[label]`` with a gradient, and the entropy (a metric, no
+gradient, unless there is an entropy bonus). The textbook way scales the logits (a [N, V] copy kept for
+backward) and forms full [N, V] softmax temporaries; `torchrlhf.algorithms.logprob` takes ``T`` inside and
+works ``chunk_size`` rows at a time. Each side runs in its own subprocess (its peak RSS is its own), on
+the same float32 logits: N response positions x SmolLM2's 49 152-token vocabulary.
+
+    python tools/bench/bench_logprob.py [--positions 768 --temperature 1.0 0.7 --entropy-grad]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+VOCAB = 49152
+SIDES = ("dense", "chunked")
+
+
+def step(side: str, logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool) -> None:
+    if side == "dense":
+        z = logits.float() / temperature
+        log_p = torch.log_softmax(z, -1)
+        lp = log_p.gather(-1, labels[:, None]).squeeze(-1)
+        with torch.set_grad_enabled(entropy_grad):
+            p = torch.softmax(z, -1)
+            h = -(p * torch.log_softmax(z, -1)).sum(-1)
+    else:
+        from torchrlhf.algorithms import entropy_from_logits, log_probs_from_logits
+
+        lp = log_probs_from_logits(logits, labels, temperature)
+        with torch.set_grad_enabled(entropy_grad):
+            h = entropy_from_logits(logits, temperature)
+    loss = lp.sum() + (0.01 * h.sum() if entropy_grad else 0.0)
+    loss.backward()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(side: str, args: argparse.Namespace, temperature: float) -> dict:
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.positions, VOCAB, generator=g).requires_grad_()
+    labels = torch.randint(0, VOCAB, (args.positions,), generator=g)
+    base = _rss_mb()  # logits and labels allocated; the peak above this is the step's own
+    step(side, logits, labels, temperature, args.entropy_grad)  # warm-up
+    logits.grad = None
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step(side, logits, labels, temperature, args.entropy_grad)
+        times.append(time.perf_counter() - start)
+        logits.grad = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"s": statistics.median(times), "peak_over_mb": peak - base}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--positions", type=int, default=768, help="response positions N (e.g. 16 samples x 48)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--entropy-grad", action="store_true", help="an entropy bonus: the entropy needs a gradient")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # child process: SIDE TEMPERATURE
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one[0], args, float(args.one[1]))))
+        return
+    logits_mb = args.positions * VOCAB * 4 / 2**20
+    print(f"log-probs + entropy{' (with gradient)' if args.entropy_grad else ''} over {args.positions} x {VOCAB} "
+          f"float32 logits ({logits_mb:.0f} MB), median of {args.steps}, {args.threads} threads")
+    print(f"{'T':>4} {'side':<8} {'s/step':>7} {'vs dense':>9} {'peak MB':>8}")  # peak RSS above the allocated logits
+    for temperature in args.temperature:
+        results = {}
+        for side in SIDES:
+            cmd = [sys.executable, __file__, "--one", side, str(temperature), "--positions", str(args.positions),
+                   "--steps", str(args.steps), "--threads", str(args.threads)]
+            cmd += ["--entropy-grad"] if args.entropy_grad else []
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            results[side] = json.loads(out.strip().splitlines()[-1])
+        for side in SIDES:
+            r = results[side]
+            print(f"{temperature:>4} {side:<8} {r['s']:>7.3f} {results['dense']['s'] / r['s']:>8.2f}x "
+                  f"{r['peak_over_mb']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()
