@@ -195,18 +195,38 @@ def test_prompt_batches_of_different_widths_concatenate_without_their_seeds():
     assert both["attention_mask"].tolist() == [[0, 0, 1], [0, 1, 1]]
     assert "seed" not in both and both.non_tensors["answer"] == ["a", "b"]
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_deterministic_batch_t_uses_version_t_minus_k(k):
+@pytest.mark.parametrize("k,warmup", [(0, 0), (1, 0), (2, 0), (1, 2)])
+def test_deterministic_batch_t_uses_version_t_minus_k(k, warmup):
+    """Batch t: the actor's weights after step t - k, i.e. version max(0, t - k - warmup) when the first
+    ``warmup`` steps (critic_warmup) do not update the actor."""
     group = FakeRollouts(dp_size=2)
-    driver = DeterministicRollouts(group, **_common(k))
+    driver = DeterministicRollouts(group, warmup=warmup, **_common(k))
     driver.start()
     try:
         for step in range(6):
             batch, _ = driver.take(step)
-            assert batch["weight_version"].tolist() == [max(0, step - k)] * (B * N)
+            assert batch["weight_version"].tolist() == [max(0, step - k - warmup)] * (B * N)
             assert batch["index"][::N] == list(range(step * B, (step + 1) * B))  # the sampler's step-th batch
-            assert len(driver._ready) <= k  # never more than k batches ahead
-            driver.publish(step + 1)
+            assert len(driver._ready) <= k + warmup  # never further ahead than the weights allow
+            driver.publish(max(0, step + 1 - warmup))
+    finally:
+        driver.stop()
+
+
+def test_stream_keeps_going_through_steps_without_an_update():
+    """critic_warmup: the first steps publish the same version; admission counts steps, not versions, so
+    the stream neither stalls nor runs ahead more than k + 1 batches."""
+    group = FakeRollouts(dp_size=2, slow=0.005)
+    driver = StreamRollouts(group, prompts_per_call=1, stale_policy="requeue", **_common(1))
+    driver.start()
+    try:
+        for step in range(8):
+            version = max(0, step - 3)  # three warmup steps
+            batch, _ = driver.take(version)
+            assert len(batch) == B * N and int((version - batch["weight_version"]).max()) <= 1
+            with driver._cond:
+                assert driver._outstanding() <= driver.k * B  # the open step's batch is out already
+            driver.publish(max(0, step + 1 - 3))
     finally:
         driver.stop()
 

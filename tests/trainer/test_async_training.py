@@ -115,3 +115,18 @@ def test_stream_schedule_with_dapo_dynamic_sampling(tiny_model_dir, tmp_path):
         reported += m["train/dropped_groups"]
         assert m["async/filtered_groups"] >= reported  # the counter also holds groups filtered after a take
     assert reported > 0  # some groups score all 0 or all 1: they never reach training
+
+
+def test_ppo_with_critic_warmup_runs_async(tiny_model_dir, tmp_path):
+    """PPO with a critic and two critic-only warmup steps: the stream keeps generating through steps that
+    publish no new weights, and staleness stays within k."""
+    cfg, out = _config(tmp_path, tiny_model_dir, "warmup", 5, max_staleness=1, schedule="stream")
+    critic = ("critic.model_path=${model_path}", "critic.lr=1e-3", "critic.ppo_mini_batch_size=4",
+              "critic.ppo_micro_batch_size_per_device=16", "critic.init_head_std=0.0")
+    assert_ok(run_recipe(cfg, "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0",
+                         "trainer.critic_warmup=2", *critic, nproc=3))
+    metrics = metrics_of(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 0, 1, 2]
+    assert ["actor/pg_loss" in m for m in metrics] == [False, False, True, True, True]
+    assert all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)
+    assert all("critic/vf_loss" in m for m in metrics)

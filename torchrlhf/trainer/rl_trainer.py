@@ -189,6 +189,8 @@ class RLTrainer:
                 metrics.update(roles.actor.update(batch))
             self.weight_version += 1
             self._sync_weights(metrics)
+        elif self.async_rollouts is not None:  # the step is done, with the same weights
+            self.async_rollouts.publish(self.weight_version)
 
         step_seconds = time.perf_counter() - start
         metrics.update(self._rollout_busy_metrics())
@@ -286,7 +288,7 @@ class RLTrainer:
                       n=self.rollout.n, max_staleness=a.max_staleness, pad_id=self.train_prompts.pad_id,
                       seed=self.cfg.seed)
         if a.schedule == "deterministic":
-            return DeterministicRollouts(self.roles.rollout, **common)
+            return DeterministicRollouts(self.roles.rollout, warmup=self.cfg.critic_warmup, **common)
         return StreamRollouts(self.roles.rollout, prompts_per_call=a.prompts_per_call,
                               stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
                               max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,

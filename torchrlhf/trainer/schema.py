@@ -242,8 +242,6 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
     if cfg.algorithm.filter_groups and cfg.reward_model is not None:
         errors.append("algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards as they "
                       "return; a reward model scores on the trainer's thread, so drop one of them")
-    if cfg.trainer.critic_warmup > 0:
-        errors.append("trainer.mode=async needs trainer.critic_warmup=0 (weight versions count actor updates)")
     if cfg.algorithm.adv_estimator == "remax":
         errors.append("trainer.mode=async does not support remax (its greedy baseline is a second generation)")
     return errors
