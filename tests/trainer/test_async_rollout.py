@@ -55,7 +55,7 @@ class FakeRollouts:
 
         def finish() -> None:
             time.sleep(delay)
-            out = prompts.repeat(N)
+            out = prompts.repeat(prompts.meta["sampling"].get("n", N))
             width = prompts["input_ids"].shape[1]
             out["prompts"] = out["input_ids"]
             out["responses"] = torch.ones(len(out), R, dtype=torch.long)
@@ -171,6 +171,38 @@ def test_stream_dynamic_sampling_gives_up_when_every_group_is_constant():
             driver.take(0)
     finally:
         driver.stop()
+
+
+def test_stream_remax_generates_each_greedy_baseline_on_the_same_replica_and_version():
+    """ReMax: every call is followed by a greedy call with the same prompts, replica and relay version; the
+    baseline of each sample is the score of its prompt's greedy response."""
+    group = FakeRollouts(dp_size=2, slow=0.005)
+    seen: list[tuple[int, float, int]] = []  # (replica, temperature, version) of each call
+    call_dp = group.call_dp
+
+    def recording(d, method, prompts):
+        seen.append((d, prompts.meta["sampling"]["temperature"], prompts.meta[RELAY_VERSION]))
+        return call_dp(d, method, prompts)
+
+    group.call_dp = recording
+
+    def baseline(greedy: Batch) -> torch.Tensor:
+        return torch.tensor(greedy["index"], dtype=torch.float32) * 10
+
+    common = {**_common(1), "n": 1, "sampling": {"temperature": 1.0, "n": 1}}
+    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", baseline=baseline, **common)
+    driver.start()
+    try:
+        for version in range(4):
+            batch, _ = driver.take(version)
+            assert batch["reward_baselines"].tolist() == [10.0 * i for i in batch["index"]]
+            driver.publish(version + 1)
+    finally:
+        driver.stop()
+    sampled = [i for i, (_, t, _) in enumerate(seen) if t == 1.0]
+    for i in sampled[:-2]:  # the last calls may still have been sampling when the driver stopped
+        greedy = next(j for j in range(i + 1, len(seen)) if seen[j][0] == seen[i][0])
+        assert seen[greedy][1] == 0.0 and seen[greedy][2] == seen[i][2]
 
 def test_stream_concatenates_prompts_of_different_widths():
     gen = Batch({"prompts": torch.tensor([[5, 6]]), "input_ids": torch.tensor([[5, 6, 9]]),

@@ -130,3 +130,13 @@ def test_ppo_with_critic_warmup_runs_async(tiny_model_dir, tmp_path):
     assert ["actor/pg_loss" in m for m in metrics] == [False, False, True, True, True]
     assert all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)
     assert all("critic/vf_loss" in m for m in metrics)
+
+
+def test_remax_runs_async_with_greedy_baselines(tiny_model_dir, tmp_path):
+    """ReMax in the stream: each replica follows its samples with their greedy baselines (the estimator
+    refuses a batch without ``reward_baselines``)."""
+    cfg, out = _config(tmp_path, tiny_model_dir, "remax", 3, max_staleness=1, schedule="stream")
+    assert_ok(run_recipe(cfg, "algorithm.adv_estimator=remax", "rollout.n=1", "data.train_batch_size=8",
+                         "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8", nproc=3))
+    metrics = metrics_of(out)
+    assert len(metrics) == 3 and all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)

@@ -87,6 +87,9 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
       "reward_model": {"model_path": "x"}},
      "algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"adv_estimator": "remax"},
+      "async_training": {"schedule": "deterministic"}, "rollout": {"n": 1}},
+     "algorithm.adv_estimator=remax with trainer.mode=async needs async_training.schedule=stream"),
 ])
 def test_bad_async_config_is_refused(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

@@ -203,18 +203,22 @@ class StreamRollouts(AsyncRollouts):
     """Trajectory-level asynchrony over the rollout replicas (see the module docstring)."""
 
     def __init__(self, rollout: Any, *, prompts_per_call: int, stale_policy: str, filter_groups: bool = False,
-                 max_filtered: int | None = None, **kwargs: Any) -> None:
+                 max_filtered: int | None = None, baseline: Callable[[Batch], torch.Tensor] | None = None,
+                 **kwargs: Any) -> None:
         """``filter_groups``: drop groups whose rule scores all agree (DAPO); more than ``max_filtered`` of them
-        between two takes (default: one batch) is an error, as ``algorithm.max_num_gen_batches`` is in sync."""
+        between two takes (default: one batch) is an error, as ``algorithm.max_num_gen_batches`` is in sync.
+        ``baseline`` (ReMax): after each call the same replica also generates the greedy response to its
+        prompts with the same version; ``baseline(greedy)`` becomes the samples' ``reward_baselines``."""
         super().__init__(rollout, **kwargs)
-        self.prompts_per_call, self.stale_policy = prompts_per_call, stale_policy
+        self.prompts_per_call, self.stale_policy, self.baseline = prompts_per_call, stale_policy, baseline
         self.filter_groups = filter_groups
         self.max_filtered = self.batch_size if max_filtered is None else max_filtered
         self._filtered_since_take = 0
         self.counters["filtered_groups"] = 0
         self._pending: deque[Batch] = deque()  # single prompts waiting for a replica
         self._ready: list[Rollout] = []  # one entry per prompt group
-        self._in_flight: dict[int, tuple[Any, Batch, int]] = {}  # replica -> (future, prompts, version)
+        # replica -> (future, prompts, version, the sampled generation when the future is its greedy baseline)
+        self._in_flight: dict[int, tuple[Any, Batch, int, Batch | None]] = {}
         self._finishing = 0  # returned calls being scored, not yet in the buffer
 
     def take(self, version: int) -> tuple[Batch, dict[str, float]]:
@@ -251,7 +255,7 @@ class StreamRollouts(AsyncRollouts):
         return len(fresh)
 
     def _outstanding(self) -> int:
-        return len(self._ready) + sum(len(p) for _, p, _ in self._in_flight.values())
+        return len(self._ready) + sum(len(p) for _, p, *_ in self._in_flight.values())
 
     def _may_submit(self) -> bool:
         """AReaL's admission rule, counted in trainer steps: at most ``k + 1`` batches of groups outstanding
@@ -281,15 +285,25 @@ class StreamRollouts(AsyncRollouts):
                     if d not in self._in_flight and self._may_submit():
                         prompts = self._prepare(self._next_prompts(), self.published)
                         fut = self.rollout.call_dp(d, "generate", prompts)
-                        self._in_flight[d] = (fut, prompts, self.published)
+                        self._in_flight[d] = (fut, prompts, self.published, None)
                 done = [d for d, (fut, *_) in self._in_flight.items() if fut.done()]
                 if not done:
                     self._cond.wait(0.01)
                     continue
-                finished = [self._in_flight.pop(d) for d in done]
+                finished = [(d, self._in_flight.pop(d)) for d in done]
                 self._finishing += len(finished)
-            for fut, prompts, version in finished:
+            for d, (fut, prompts, version, sampled) in finished:
                 gen = fut.wait()  # raises WorkerError naming the rank
+                if self.baseline is not None and sampled is None:  # ReMax: now the greedy response
+                    greedy = prompts.copy()
+                    greedy.meta["sampling"] = {**self.sampling, "n": 1, "temperature": 0.0}
+                    with self._cond:
+                        self._in_flight[d] = (self.rollout.call_dp(d, "generate", greedy), prompts, version, gen)
+                        self._finishing -= 1
+                    continue
+                if sampled is not None:
+                    gen, baseline = sampled, self.baseline(gen)
+                    gen["reward_baselines"] = baseline.repeat_interleave(self.n)
                 gen, metrics = self._finish(gen, version)
                 groups = [Rollout(gen[i * self.n : (i + 1) * self.n], version, metrics, prompts[i : i + 1])
                           for i in range(len(prompts))]

@@ -291,6 +291,7 @@ class RLTrainer:
             return DeterministicRollouts(self.roles.rollout, warmup=self.cfg.critic_warmup, **common)
         return StreamRollouts(self.roles.rollout, prompts_per_call=a.prompts_per_call,
                               stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
+                              baseline=self._baseline_scores if self.algo.adv_estimator == "remax" else None,
                               max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,
                               **common)
 
@@ -325,11 +326,14 @@ class RLTrainer:
             {k: gen[k] for k in ("uid", "raw_prompt", "ground_truth", "data_source") if k in gen},
         )
         greedy = self._generate(prompts, {**self.rollout.sampling_params(), "n": 1, "temperature": 0.0})
-        scores, _ = self.reward_fn(greedy)
+        return self._baseline_scores(greedy)
+
+    def _baseline_scores(self, greedy: Batch) -> torch.Tensor:
+        """ReMax: the sequence reward of each greedy response (rule reward, plus the reward model's score)."""
+        scores = self.reward_fn(greedy)[0].sum(-1)
         if self.roles.reward_model is not None:
-            scores = scores.sum(-1) + self.roles.reward_model.compute_scores(greedy)["rm_scores"]
-            return scores
-        return scores.sum(-1)
+            scores = scores + self.roles.reward_model.compute_scores(greedy)["rm_scores"]
+        return scores
 
     def _score(self, gen: Batch, metrics: dict[str, float]) -> Batch:
         gen, reward_metrics = self._score_rules(gen)

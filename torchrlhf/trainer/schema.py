@@ -243,7 +243,12 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
         errors.append("algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards as they "
                       "return; a reward model scores on the trainer's thread, so drop one of them")
     if cfg.algorithm.adv_estimator == "remax":
-        errors.append("trainer.mode=async does not support remax (its greedy baseline is a second generation)")
+        if a.schedule == "deterministic":
+            errors.append("algorithm.adv_estimator=remax with trainer.mode=async needs async_training.schedule="
+                          "stream (each replica generates its greedy baselines right after its samples)")
+        if cfg.reward_model is not None:
+            errors.append("algorithm.adv_estimator=remax with trainer.mode=async scores the greedy baselines "
+                          "with the rule reward on the rollout thread; a reward model cannot score there")
     return errors
 
 
