@@ -9,6 +9,10 @@ vocabulary-sized tensor kept for backward is the logits themselves, and the peak
 import torch
 
 
+def _chunks(n: int, chunk_size: int) -> list[slice]:
+    return [slice(s, s + chunk_size) for s in range(0, n, chunk_size)]
+
+
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     z = logits.float()
     return z if temperature == 1.0 else z / temperature
@@ -30,10 +34,10 @@ class _ChunkedLogProb(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
         out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        for s in range(0, logits.shape[0], chunk_size):
-            z = _scaled(logits[s : s + chunk_size], temperature)
-            lse[s : s + chunk_size] = torch.logsumexp(z, dim=-1)
-            out[s : s + chunk_size] = z.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1)
+        for c in _chunks(len(logits), chunk_size):
+            z = _scaled(logits[c], temperature)
+            lse[c] = torch.logsumexp(z, dim=-1)
+            out[c] = z.gather(-1, labels[c, None]).squeeze(-1)
         out -= lse
         ctx.save_for_backward(logits, labels, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
@@ -43,11 +47,10 @@ class _ChunkedLogProb(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], ctx.chunk_size):
-            e = s + ctx.chunk_size
-            g = _log_softmax(logits[s:e], lse[s:e], ctx.temperature).exp_().neg_()  # d/dz of -logsumexp
-            g.scatter_add_(-1, labels[s:e, None], torch.ones_like(lse[s:e, None]))
-            grad[s:e] = g.mul_(grad_out[s:e, None] / ctx.temperature)
+        for c in _chunks(len(logits), ctx.chunk_size):
+            g = _log_softmax(logits[c], lse[c], ctx.temperature).exp_().neg_()  # d/dz of -logsumexp
+            g.scatter_add_(-1, labels[c, None], torch.ones_like(lse[c, None]))
+            grad[c] = g.mul_(grad_out[c, None] / ctx.temperature)
         return grad, None, None, None
 
 
@@ -61,11 +64,10 @@ class _ChunkedEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
         out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
-        for s in range(0, logits.shape[0], chunk_size):
-            z = _scaled(logits[s : s + chunk_size], temperature)
-            c = torch.logsumexp(z, dim=-1)
-            lse[s : s + chunk_size] = c
-            out[s : s + chunk_size] = c - torch.linalg.vecdot(torch.sub(z, c[:, None]).exp_(), z)
+        for c in _chunks(len(logits), chunk_size):
+            z = _scaled(logits[c], temperature)
+            lse[c] = torch.logsumexp(z, dim=-1)
+            out[c] = lse[c] - torch.linalg.vecdot(torch.sub(z, lse[c, None]).exp_(), z)
         ctx.save_for_backward(logits, lse, out)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
@@ -74,11 +76,10 @@ class _ChunkedEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], ctx.chunk_size):
-            e = s + ctx.chunk_size
-            log_p = _log_softmax(logits[s:e], lse[s:e], ctx.temperature)
-            g = log_p.exp().mul_(log_p.add_(entropy[s:e, None]))
-            grad[s:e] = g.mul_(grad_out[s:e, None] / -ctx.temperature)
+        for c in _chunks(len(logits), ctx.chunk_size):
+            log_p = _log_softmax(logits[c], lse[c], ctx.temperature)
+            g = log_p.exp().mul_(log_p.add_(entropy[c, None]))
+            grad[c] = g.mul_(grad_out[c, None] / -ctx.temperature)
         return grad, None, None
 
 

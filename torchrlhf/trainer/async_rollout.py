@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from torchrlhf.algorithms import filter_groups
 from torchrlhf.data import Batch
 from torchrlhf.workers.rollout import RELAY_VERSION
 
@@ -110,7 +111,6 @@ class AsyncRollouts:
         self.sampling, self.batch_size, self.n, self.k, self.pad_id = sampling, batch_size, n, max_staleness, pad_id
         self.generator = torch.Generator().manual_seed(seed)
         self.published = 0  # newest version every rollout relay holds
-        self.trainer_version = 0
         self._step_open = False  # the trainer has taken its batch and not yet published
         self._cond = threading.Condition()
         self._pause_requests = 0
@@ -135,7 +135,7 @@ class AsyncRollouts:
         """The trainer's step is done and every relay holds ``version`` (its newest weights; the same as
         before after a step that did not update the actor, e.g. ``critic_warmup``)."""
         with self._cond:
-            self.published = self.trainer_version = version
+            self.published = version
             self._step_open = False
             self._cond.notify_all()
 
@@ -224,8 +224,6 @@ class StreamRollouts(AsyncRollouts):
     def take(self, version: int) -> tuple[Batch, dict[str, float]]:
         """``batch_size`` groups for the trainer at ``version``, the least stale first."""
         with self._cond:
-            self.trainer_version = version
-            self._cond.notify_all()
             self._wait(lambda: self._drop_stale(version) >= self.batch_size)
             self._ready.sort(key=lambda r: r.version)
             taken, self._ready = self._ready[: self.batch_size], self._ready[self.batch_size:]
@@ -269,6 +267,15 @@ class StreamRollouts(AsyncRollouts):
     def _quiet(self) -> bool:
         return not self._in_flight and not self._finishing
 
+    def _informative(self, gen: Batch, groups: int) -> list[bool]:
+        """Per group of ``gen`` (``groups`` runs of n samples): whether it trains. With ``filter_groups``,
+        only groups whose rewards differ (DAPO's dynamic sampling, `algorithms.filter_groups`)."""
+        if not self.filter_groups:
+            return [True] * groups
+        index = torch.arange(groups).repeat_interleave(self.n)
+        keep, _ = filter_groups(index, gen["token_level_scores"].sum(-1))
+        return keep[:: self.n].tolist()
+
     def _next_prompts(self) -> Batch:
         while len(self._pending) < self.prompts_per_call:
             prompts = self.next_prompts()
@@ -301,13 +308,13 @@ class StreamRollouts(AsyncRollouts):
                         self._in_flight[d] = (self.rollout.call_dp(d, "generate", greedy), prompts, version, gen)
                         self._finishing -= 1
                     continue
-                if sampled is not None:
-                    gen, baseline = sampled, self.baseline(gen)
-                    gen["reward_baselines"] = baseline.repeat_interleave(self.n)
+                if sampled is not None:  # ReMax uses one sample per prompt (checked by the config schema)
+                    sampled["reward_baselines"] = self.baseline(gen)
+                    gen = sampled
                 gen, metrics = self._finish(gen, version)
                 groups = [Rollout(gen[i * self.n : (i + 1) * self.n], version, metrics, prompts[i : i + 1])
                           for i in range(len(prompts))]
-                kept = [g for g in groups if not self.filter_groups or _informative(g.batch)]
+                kept = [g for g, keep in zip(groups, self._informative(gen, len(prompts))) if keep]
                 with self._cond:
                     self._ready.extend(kept)
                     self._finishing -= 1
@@ -355,8 +362,6 @@ class DeterministicRollouts(AsyncRollouts):
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Batch ``step`` (0-based: the trainer's ``step``-th update consumes it)."""
         with self._cond:
-            self.trainer_version = step
-            self._cond.notify_all()
             self._wait(lambda: step in self._ready)
             r = self._ready.pop(step)
             self._cond.notify_all()
@@ -420,13 +425,6 @@ def _concat_prompts(prompts: list[Batch], pad_id: int) -> Batch:
     """Single-prompt Batches (possibly of different left-padded widths) as one prompt Batch."""
     # a requeued prompt gets a fresh seed
     return concat_generations([p.select(*[k for k in p.keys() if k != "seed"]) for p in prompts], pad_id)
-
-
-def _informative(group: Batch) -> bool:
-    """A group whose sequence rewards differ (DAPO's dynamic sampling keeps only these; see
-    `algorithms.filter_groups`, which does the same over a whole batch by uid)."""
-    scores = group["token_level_scores"].sum(-1)
-    return len(group) > 1 and bool(scores.max() > scores.min())
 
 
 def _split_even(prompts: Batch, parts: int) -> list[Batch]:
