@@ -149,3 +149,46 @@ def test_tail_compaction_keeps_results(monkeypatch):
         alone = engine.generate(prompt_batch(lengths)[i], params)
         assert torch.equal(together["responses"][i], alone["responses"][0])
         assert together["finish_reason"][i] == alone["finish_reason"][0]
+
+
+def _greedy_with_swap(model_a, model_b, prompt: torch.Tensor, new_tokens: int, swap_at: int):
+    """A slow reference: greedy tokens and log-probs where token ``t`` comes from model_a while ``t <
+    swap_at`` and from model_b after; model_b continues on the cache model_a built (transformers)."""
+    out = model_a(prompt[None], use_cache=True)
+    past, logits, tokens, logps = out.past_key_values, out.logits[0, -1], [], []
+    for t in range(new_tokens):
+        if t > 0:
+            model = model_a if t < swap_at else model_b
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+        tokens.append(int(logits.argmax()))
+        logps.append(float(torch.log_softmax(logits.float(), -1)[tokens[-1]]))
+    return torch.tensor(tokens), torch.tensor(logps)
+
+
+@torch.no_grad()
+def test_weights_swapped_between_steps_continue_the_trajectory(tmp_path):
+    """Partial rollouts: new weights loaded between two decode steps produce every later token (on the
+    keys/values cached so far), and each token records the version that produced it."""
+    model_a, model_b = tiny_model(seed=0), tiny_model(seed=1)
+    model_a.save_pretrained(tmp_path)
+    engine = NativeEngine(tmp_path, max_batch_size=8, max_seq_len=64)
+    swap_at, new_tokens, calls = 4, 9, []
+
+    def between_steps() -> int:  # call 1 admits (token 0); call t + 1 decodes token t
+        calls.append(len(calls) + 1)
+        if len(calls) == swap_at + 1:
+            engine.update_weights((name, p.detach()) for name, p in model_b.named_parameters())
+        return int(len(calls) > swap_at)
+
+    batch = prompt_batch()
+    out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                          between_steps=between_steps)
+    expected = torch.tensor([0] * swap_at + [1] * (new_tokens - swap_at))
+    for i, length in enumerate(LENGTHS):
+        tokens, logps = _greedy_with_swap(model_a, model_b, batch["input_ids"][i, -length:], new_tokens, swap_at)
+        assert torch.equal(out["responses"][i], tokens), i
+        torch.testing.assert_close(out["rollout_log_probs"][i], logps, atol=1e-4, rtol=1e-4)
+        assert torch.equal(out["token_weight_versions"][i], expected)
+    # the swap changed the outcome: model_a alone continues differently
+    assert not torch.equal(out["responses"], hf_greedy(model_a, batch, new_tokens))

@@ -28,9 +28,10 @@ class RecordingEngine:
 
 def _send(relay: WeightRelay, version: int) -> None:
     w, b = torch.full((2, 3), float(version)), torch.full((3,), -float(version))
-    relay.update_weights([("w", w), ("b", b)])
+    inbox = relay.inbox()
+    inbox.update_weights([("w", w), ("b", b)])
     w.fill_(99.0)  # the sender reuses its buckets: the relay must hold its own copy
-    relay.publish(version)
+    relay.publish(version, inbox)
 
 
 def test_load_exact_and_newest_and_forget_older():
@@ -67,3 +68,17 @@ def test_load_waits_for_a_version_on_its_way_and_times_out_otherwise():
     assert torch.equal(engine.weights["w"], torch.full((2, 3), 2.0))
     with pytest.raises(TimeoutError, match="version 5 did not reach the relay"):
         relay.load(engine, 5, timeout=0.1)
+
+
+def test_a_sync_abandoned_half_way_does_not_mix_into_the_next():
+    """A sender that died mid-sync leaves a partial inbox behind; the retried sync publishes only its own."""
+    engine = RecordingEngine()
+    relay = WeightRelay(engine, capacity=2)
+    abandoned = relay.inbox()
+    abandoned.update_weights([("w", torch.full((2, 3), -7.0))])  # "b" never arrives
+    retried = relay.inbox()
+    retried.update_weights([("w", torch.full((2, 3), 4.0)), ("b", torch.full((3,), -4.0))])
+    relay.publish(4, retried)
+    assert relay.load(engine, 4) == 4
+    assert torch.equal(engine.weights["w"], torch.full((2, 3), 4.0))
+    assert torch.equal(engine.weights["b"], torch.full((3,), -4.0))

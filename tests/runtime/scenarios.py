@@ -83,6 +83,15 @@ class Probe(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def survivors_sum(self) -> float:
+        """All-reduce of rank + 1 over the "survivors" group (the controller, rank 0, joins from its thread)."""
+        from torchrlhf.runtime.group import process_group
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t, group=process_group("survivors"))
+        return t.item()
+
+    @register(Dispatch.ONE_TO_ALL)
     def nap(self, seconds: float) -> None:
         time.sleep(seconds)
 
@@ -296,6 +305,35 @@ def main_kill() -> None:
         raise
 
 
+def main_lose() -> int:
+    """Ranks 1 and 2 serve two replicas; rank 2 is killed. After `drop_replica` every dispatch mode uses
+    rank 1 alone, a process group of the survivors works (rank 1 took part in a group rank 0 did not: the
+case where members-only creation hangs), and the job ends cleanly."""
+    from torchrlhf.runtime.group import new_process_group, process_group
+
+    g = WorkerGroup(Probe, ranks=[1, 2], name="pair")
+    try:
+        g.die_on(2)
+        raise AssertionError("die_on(2) returned")
+    except WorkerError as e:
+        assert e.unreachable and e.rank == 2, e
+    assert g.unreachable_replicas() == [1]
+    assert g.drop_replica(1) == [2] and g.drop_replica(1) == []  # once
+    assert g.live_ranks == [1] and g.live_dp_ranks == [0]
+    assert g.where() == [(1, [1, 2], 0, 2, 0, 2, True)]
+    assert g.rank_zero(7) == (0, 7)
+    out = g.scaled(Batch({"x": torch.arange(5.0)}, {"id": list("abcde")}), offset=1)
+    assert torch.equal(out["y"], torch.arange(5.0) * 10 + 1) and out["who"].tolist() == [1] * 5
+    assert g.seen_ids() == [list("abcde")]
+    new_process_group("survivors", [0, 1])  # rank 2 cannot take part
+    fut = g.survivors_sum.async_()
+    mine = torch.tensor([1.0])  # rank 0's rank + 1
+    dist.all_reduce(mine, group=process_group("survivors"))
+    assert fut.wait() == [3.0] and mine.item() == 3.0
+    print("PASS lost replica", flush=True)
+    return 0
+
+
 def main_stall() -> None:
     from torchrlhf.runtime import StallError, set_stall_timeout
 
@@ -318,6 +356,8 @@ if __name__ == "__main__":
         launch(main_error, shutdown_timeout=5.0)
     elif name == "kill":
         launch(main_kill, shutdown_timeout=5.0)
+    elif name == "lose":
+        sys.exit(launch(main_lose, shutdown_timeout=5.0))
     elif name == "stall":
         launch(main_stall, shutdown_timeout=5.0)
     else:

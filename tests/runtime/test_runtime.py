@@ -71,6 +71,35 @@ def test_killed_worker_fails_controller_and_stops_the_rest() -> None:
     assert "rank 2 stopping with exit code 1" in out, out
 
 
+def test_a_lost_replica_is_dropped_and_the_rest_go_on(tmp_path: Path) -> None:
+    """Each rank its own process (as srun starts them; one torchrun agent would stop all when one dies):
+    rank 2 is killed, the controller drops its replica and goes on, and ranks 0 and 1 exit 0."""
+    import socket
+
+    with socket.socket() as a, socket.socket() as b:  # the process group's store port and RPC's (port + 1)
+        a.bind(("127.0.0.1", 0))
+        port = a.getsockname()[1]
+        b.bind(("127.0.0.1", port + 1))
+    procs = []
+    for rank in range(3):
+        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(SCENARIOS), "lose"], env=env, cwd=ROOT, stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+    try:
+        codes = [p.wait(timeout=120) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    out = (tmp_path / "rank0.log").read_text()
+    assert codes == [0, 0, -9], (codes, out, (tmp_path / "rank1.log").read_text())
+    assert "PASS lost replica" in out, out
+    assert "LOST group 'pair' replica 1 (ranks [2])" in out, out
+
+
 def test_stall_report_names_who_waits_on_whom_and_ends_the_job() -> None:
     """Rank 1 sleeps instead of joining the all-reduce ranks 0 and 2 wait in: 3 s into the call the controller
     prints each rank's call, the collective it is blocked in and its stack, then the job ends."""

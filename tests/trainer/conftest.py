@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,50 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     return subprocess.run([*cmd, "--config", str(config), *overrides], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the process group's store and, without a torchrun agent, RPC's)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
+def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Each rank its own process with torchrun's variables set by hand, as ``srun`` (or one torchrun per node)
+    starts them: no local agent stops the other ranks when one dies. One answer per rank."""
+    port = _free_port_pair()
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path,
+               "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, str(RECIPE), "--config", str(config), *overrides], stdout=out,
+                                stderr=err, text=True, env=env, cwd=ROOT)
+        procs.append((proc, out, err))
+    answers = []
+    try:
+        for proc, out, err in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc, out, err in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            answers.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+    return answers
 
 
 def metrics_of(output_dir: Path) -> list[dict[str, Any]]:

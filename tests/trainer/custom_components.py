@@ -1,5 +1,12 @@
 """User-style subclasses for ``_component_`` tests (importable on every rank through PYTHONPATH)."""
 
+import os
+import signal
+import time
+
+import torch
+
+from torchrlhf.generation import NativeEngine
 from torchrlhf.rewards import RewardManager
 from torchrlhf.runtime import Dispatch, register
 from torchrlhf.workers import ActorWorker
@@ -34,3 +41,51 @@ class MarkedActor(ActorWorker):
 class NotAWorker:
     def __init__(self, model_path: str):
         self.model_path = model_path
+
+
+class DyingEngine(NativeEngine):
+    """A rollout engine whose process dies (SIGKILL, as the OOM killer would) on rank ``die_on_rank``.
+
+    ``die_at_generate``: at the start of its n-th generate call (1-based), i.e. with prompts in flight.
+    ``die_in_first_sync``: when asked for its parameter layout, which a rollout rank does when it makes its
+    weight relay inside the first asynchronous weight sync, i.e. in the middle of a broadcast.
+    """
+
+    def __init__(self, *args, die_on_rank: int = -1, die_at_generate: int = 0, die_in_first_sync: bool = False,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dies = torch.distributed.get_rank() == die_on_rank
+        self._die_at_generate, self._die_in_first_sync, self._calls = die_at_generate, die_in_first_sync, 0
+
+    def _die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def generate(self, *args, **kwargs):
+        self._calls += 1
+        if self._dies and self._calls == self._die_at_generate:
+            self._die()
+        return super().generate(*args, **kwargs)
+
+    def param_shard_dims(self):
+        if self._dies and self._die_in_first_sync:
+            self._die()
+        return super().param_shard_dims()
+
+
+class SlowEngine(NativeEngine):
+    """Sleeps ``step_delay_s`` before each step of a partial rollout: generations that outlast a training
+    step, as long ones do, so new weights arrive mid-trajectory."""
+
+    def __init__(self, *args, step_delay_s: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_delay_s = step_delay_s
+
+    def generate(self, prompts, sampling=None, *, between_steps=None):
+        if between_steps is None:
+            return super().generate(prompts, sampling)
+
+        def slowly() -> int:
+            time.sleep(self.step_delay_s)
+            return between_steps()
+
+        return super().generate(prompts, sampling, between_steps=slowly)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from torchrlhf.data import Batch
+from torchrlhf.runtime.group import WorkerError
 from torchrlhf.trainer.async_rollout import DeterministicRollouts, StreamRollouts, _concat_prompts, left_pad_prompts
 from torchrlhf.workers.rollout import RELAY_VERSION
 
@@ -39,6 +40,7 @@ class FakeRollouts:
 
     def __init__(self, dp_size: int, seed: int = 0, slow: float = 0.03) -> None:
         self.dp_size, self.rng, self.slow = dp_size, random.Random(seed), slow
+        self.ranks, self.lost_dp_ranks, self.dead = list(range(dp_size)), set(), set()  # one rank per replica
         self.running: dict[int, int] = {}
         self.max_running = 0
         self.lock = threading.Lock()
@@ -74,6 +76,20 @@ class FakeRollouts:
     def idle(self) -> bool:
         with self.lock:
             return all(v == 0 for v in self.running.values())
+
+    # the part of `WorkerGroup` that loses replicas
+    @property
+    def live_dp_ranks(self) -> list[int]:
+        return [d for d in range(self.dp_size) if d not in self.lost_dp_ranks]
+
+    live_ranks = live_dp_ranks
+
+    def unreachable_replicas(self) -> list[int]:
+        return sorted(self.dead - self.lost_dp_ranks)
+
+    def drop_replica(self, d: int) -> list[int]:
+        self.lost_dp_ranks.add(d)
+        return [d]
 
 
 class PromptSource:
@@ -276,6 +292,63 @@ def test_a_failing_rollout_call_reaches_the_trainer():
     try:
         with pytest.raises(RuntimeError, match="asynchronous rollouts failed: rank 2 died"):
             driver.take(0)
+    finally:
+        driver.stop()
+
+
+class Dying(FakeRollouts):
+    """Replica 1's process dies during its 3rd call; later calls to it would fail the same way. With
+    ``timeout``, its call fails the same way but the rank still answers (a timeout, not a death)."""
+
+    def __init__(self, *args, timeout: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout, self.calls_to_1, self.prompts_lost = timeout, 0, []
+
+    def call_dp(self, d, method, prompts):
+        if d == 1:
+            self.calls_to_1 += 1
+            if self.calls_to_1 >= 3:
+                if not self.timeout:
+                    self.dead.add(1)
+                self.prompts_lost += prompts["index"]
+                fut = FakeFuture()
+                error = WorkerError("rollout", method, 2, "rank 2 did not answer", unreachable=True)
+                fut.wait = lambda: (_ for _ in ()).throw(error)
+                fut._event.set()
+                return fut
+        return super().call_dp(d, method, prompts)
+
+
+def test_stream_drops_a_dead_replica_and_requeues_its_prompts():
+    group = Dying(dp_size=3, slow=0.005)
+    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", lose_replicas=True, **_common(1))
+    driver.start()
+    trained: list[int] = []
+    try:
+        for version in range(6):
+            batch, metrics = driver.take(version)
+            trained += batch["index"][::N]
+            driver.publish(version + 1)
+    finally:
+        driver.stop()
+    assert group.lost_dp_ranks == {1} and group.calls_to_1 == 3  # never called again once lost
+    assert metrics["async/lost_rollout_ranks"] == 1.0
+    assert metrics["async/requeued_in_flight"] == 2.0
+    assert set(group.prompts_lost) <= set(trained)  # its prompts were generated elsewhere and trained
+    assert len(trained) == len(set(trained)) == 6 * B
+
+
+@pytest.mark.parametrize("lose_replicas,timeout", [(False, False), (True, True)])
+def test_a_lost_replica_ends_the_run_unless_allowed_and_dead(lose_replicas, timeout):
+    """Not allowed (e.g. rollout.tp_size > 1), or the rank still answers: the run ends with the error."""
+    driver = StreamRollouts(Dying(dp_size=2, slow=0.005, timeout=timeout), prompts_per_call=1,
+                            stale_policy="requeue", lose_replicas=lose_replicas, **_common(1))
+    driver.start()
+    try:
+        with pytest.raises(RuntimeError, match="rank 2 did not answer"):
+            for version in range(6):
+                driver.take(version)
+                driver.publish(version + 1)
     finally:
         driver.stop()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, metrics_of, run_recipe, write_config
+from conftest import BASE, assert_ok, metrics_of, run_recipe, run_recipe_per_rank, write_config
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -17,12 +17,14 @@ SPLIT = {"placement": {"actor": [0], "rollout": [1, 2]}, "actor": {"lr": 3e-2}}
 
 
 def _config(tmp_path: Path, tiny: str, name: str, steps: int, mode: str = "async", save_freq: int = 0,
-            actor: dict | None = None, test_freq: int = 0, **async_training) -> tuple[Path, Path]:
+            actor: dict | None = None, test_freq: int = 0, rollout: dict | None = None,
+            **async_training) -> tuple[Path, Path]:
     out = tmp_path / name
     trainer = {"total_steps": steps, "mode": mode, "save_freq": save_freq, "output_dir": str(out),
                "loggers": ["jsonl"], "test_freq": test_freq}
     return write_config(tmp_path / f"{name}_{steps}.yaml", tiny, trainer=trainer, async_training=async_training,
-                        placement=SPLIT["placement"], actor={**SPLIT["actor"], **(actor or {})}), out
+                        placement=SPLIT["placement"], actor={**SPLIT["actor"], **(actor or {})},
+                        rollout=rollout or {}), out
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -140,3 +142,42 @@ def test_remax_runs_async_with_greedy_baselines(tiny_model_dir, tmp_path):
                          "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_device=8", nproc=3))
     metrics = metrics_of(out)
     assert len(metrics) == 3 and all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)
+
+
+@pytest.mark.parametrize("death", ["generate", "sync"])
+def test_a_dead_rollout_rank_is_dropped_and_training_goes_on(tiny_model_dir, tmp_path, death):
+    """Rank 2 (one of two rollout replicas) is SIGKILLed: with prompts in flight (its 3rd generate call), or
+    inside the first weight sync into the relays. The run trains all its steps on rank 1 alone and ends
+    cleanly; rank 2's prompts in flight are generated again. Each rank is its own process (as under srun, or
+    one torchrun per node): a single torchrun agent would stop every rank when one dies."""
+    engine = {**BASE["rollout"]["engine"], "_component_": "custom_components.DyingEngine", "die_on_rank": 2,
+              "die_at_generate": 3 if death == "generate" else 0, "die_in_first_sync": death == "sync"}
+    cfg, out = _config(tmp_path, tiny_model_dir, f"dying_{death}", 5, max_staleness=1, rollout={"engine": engine})
+    procs = run_recipe_per_rank(cfg, nproc=3)
+    assert procs[2].returncode == -9  # killed
+    assert_ok(procs[0])
+    assert procs[1].returncode == 0, procs[1].stderr[-3000:]
+    assert "LOST group 'rollout' replica 1 (ranks [2])" in procs[0].stderr
+    metrics = metrics_of(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2, 3, 4]  # every step updated the actor
+    assert metrics[-1]["async/lost_rollout_ranks"] == 1.0
+    if death == "generate":
+        assert metrics[-1]["async/requeued_in_flight"] >= 1.0
+    assert all(m["rollout/staleness/max"] <= 1 for m in metrics)
+
+
+def test_partial_rollouts_record_the_version_of_every_token(tiny_model_dir, tmp_path):
+    """``partial_rollout``: the engines also load new versions between decode steps. Each step logs the
+    share of samples whose tokens span versions and the per-token staleness, which stays within k. Decode steps are slowed down (0.1 s) so that generation is the
+    bottleneck, as with long trajectories: the replicas are always generating, so every new version
+    arrives in the middle of a trajectory."""
+    engine = {**BASE["rollout"]["engine"], "_component_": "custom_components.SlowEngine", "step_delay_s": 0.1}
+    cfg, out = _config(tmp_path, tiny_model_dir, "partial", 6, max_staleness=1, partial_rollout=True,
+                       rollout={"max_tokens": 16, "engine": {**engine, "max_seq_len": 96}})
+    assert_ok(run_recipe(cfg, nproc=3))
+    metrics = metrics_of(out)
+    assert [m["rollout/weight_version"] for m in metrics] == list(range(6))
+    for m in metrics:
+        assert 0.0 <= m["rollout/partial/mixed_version_frac"] <= 1.0
+        assert 0.0 <= m["rollout/partial/token_staleness_mean"] <= 1.0 and m["rollout/staleness/max"] <= 1
+    assert max(m["rollout/partial/mixed_version_frac"] for m in metrics) > 0  # weights did change mid-trajectory

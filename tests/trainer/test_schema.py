@@ -90,6 +90,12 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"adv_estimator": "remax"},
       "async_training": {"schedule": "deterministic"}, "rollout": {"n": 1}},
      "algorithm.adv_estimator=remax with trainer.mode=async needs async_training.schedule=stream"),
+    ({"placement": {"actor": [0], "rollout": [1]},
+      "async_training": {"partial_rollout": True, "schedule": "deterministic"}},
+     "async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"partial_rollout": True},
+      "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
+     "async_training.partial_rollout: VLLMEngine.generate cannot load weights between decode steps"),
 ])
 def test_bad_async_config_is_refused(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

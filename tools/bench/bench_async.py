@@ -7,12 +7,14 @@ Llama that rarely emits EOS, so each response runs to its budget and the step's 
 the tail. Same model, prompts, budgets, batch sizes and steps on every side; each side is one
 ``torchrun`` of the recipe, run one after another.
 
-    python tools/bench/bench_async.py [--steps 12 --warmup 2 --staleness 1 2]
+    python tools/bench/bench_async.py [--steps 12 --warmup 2 --staleness 1 2] [--partial]
 
 Prints, over the steps after ``--warmup``: trained samples per second (samples per step / mean step
 wall time), the ratio to sync, the rollout ranks' busy fraction (share of wall time inside ``generate``),
 mean staleness, and the mean reward of the first and last steps (the reward is a task a random model can
-learn: the share of the letter 'e' in the response).
+learn: the share of the letter 'e' in the response). ``--partial`` adds, for each k, a side with partial
+rollouts (new weights loaded between decode steps) and prints the per-token staleness and the share of
+samples whose tokens span versions.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--prompts-per-call", type=int, default=2, help="async_training.prompts_per_call")
     p.add_argument("--ranks", type=int, default=4, choices=[2, 4], help="half actor, half rollout")
+    p.add_argument("--partial", action="store_true", help="also run each k with async_training.partial_rollout")
     p.add_argument("--keep", default=None, help="write the runs here instead of a temporary directory")
     args = p.parse_args()
 
@@ -107,13 +110,17 @@ def main() -> None:
         sides += [(f"async k={k}", ["trainer.mode=async", f"async_training.max_staleness={k}",
                                     f"async_training.prompts_per_call={args.prompts_per_call}"])
                   for k in args.staleness]
+        if args.partial:
+            sides += [(f"{name} partial", [*extra, "async_training.partial_rollout=true"])
+                      for name, extra in sides[1:]]
         results = {name: run_side(name.replace(" ", "_").replace("=", ""), work, model, data, args, extra)
                    for name, extra in sides}
 
     samples = args.prompts * args.n
     base = None
-    print(f"{'mode':<11}{'s/step':>8}{'samples/s':>11}{'vs sync':>9}{'tokens/s':>10}{'vs sync':>9}{'busy':>7}"
-          f"{'staleness':>11}{'resp len':>10}{'requeued':>10}{'reward first3':>15}{'last3':>7}")
+    print(f"{'mode':<19}{'s/step':>8}{'samples/s':>11}{'vs sync':>9}{'tokens/s':>10}{'vs sync':>9}{'busy':>7}"
+          f"{'staleness':>11}{'tok stale':>10}{'mixed':>7}{'resp len':>10}{'requeued':>10}{'reward first3':>15}"
+          f"{'last3':>7}")
     base_tokens = None
     for name, metrics in results.items():
         measured = metrics[args.warmup:]
@@ -125,9 +132,13 @@ def main() -> None:
         resp = sum(m["response_length/mean"] for m in measured) / len(measured)
         tokens = samples * resp / step  # trained response tokens per second
         base_tokens = base_tokens or tokens
-        print(f"{name:<11}{step:8.2f}{rate:11.2f}{rate / base:8.2f}x{tokens:10.1f}{tokens / base_tokens:8.2f}x"
+        partial = [(m["rollout/partial/token_staleness_mean"], m["rollout/partial/mixed_version_frac"])
+                   for m in measured if "rollout/partial/mixed_version_frac" in m]
+        tok_stale = f"{sum(t for t, _ in partial) / len(partial):10.2f}" if partial else f"{'-':>10}"
+        mixed = f"{sum(x for _, x in partial) / len(partial):7.2f}" if partial else f"{'-':>7}"
+        print(f"{name:<19}{step:8.2f}{rate:11.2f}{rate / base:8.2f}x{tokens:10.1f}{tokens / base_tokens:8.2f}x"
               f"{sum(busy) / len(busy):7.2f}"
-              f"{sum(m['rollout/staleness/mean'] for m in measured) / len(measured):11.2f}{resp:10.1f}"
+              f"{sum(m['rollout/staleness/mean'] for m in measured) / len(measured):11.2f}{tok_stale}{mixed}{resp:10.1f}"
               f"{metrics[-1].get('async/requeued_groups', 0.0):10.0f}"
               f"{sum(scores[:3]) / 3:15.3f}{sum(scores[-3:]) / 3:7.3f}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -279,7 +279,8 @@ class NativeEngine:
         return stops[0] if stops else 0
 
     @torch.inference_mode()
-    def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
+    def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
+                 between_steps: Callable[[], int] | None = None) -> Batch:
         """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
 
         Reads ``input_ids``/``attention_mask`` [B, P]. Returns B*n rows (samples of one
@@ -288,6 +289,11 @@ class NativeEngine:
         ``response_mask``, ``rollout_log_probs`` (float32, 0 on padding) and
         ``finish_reason`` (``rollout_log_probs`` only when ``sampling.logprobs``); every other column of ``prompts`` is repeated n times.
         ``meta["temperature"]`` is set to the temperature the log-probs used.
+
+        ``between_steps`` (partial rollouts): called before every prefill and decode step; it may load new
+        weights (`update_weights`) and returns their version, recorded for each token the step produces in
+        ``token_weight_versions`` [B*n, max_tokens]. The cached keys/values of earlier tokens stay as they
+        were computed; each token's ``rollout_log_probs`` is from the weights that sampled it.
         """
         params = sampling or SamplingParams()
         if self.k_cache is None or self._missing:
@@ -303,9 +309,12 @@ class NativeEngine:
         if self.prepacked is not None:
             self.prepacked.refresh()
         run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh),
-                   prompt_max_tokens(prompts, params))
+                   prompt_max_tokens(prompts, params), between_steps)
         tokens, logps, resp_len, reasons = run.run()
-        return self._assemble(prompts, params, tokens, logps, resp_len, reasons)
+        out = self._assemble(prompts, params, tokens, logps, resp_len, reasons)
+        if between_steps is not None:
+            out["token_weight_versions"] = (run.res_ver * out["response_mask"].cpu()).to(out["responses"].device)
+        return out
 
     def _assemble(self, prompts: Batch, params: SamplingParams, tokens, logps, resp_len, reasons) -> Batch:
         return assemble_generation(prompts, params, tokens, logps, resp_len, reasons, self._pad_id())
@@ -314,8 +323,10 @@ class NativeEngine:
 class _Run:
     """The scheduling state of one `generate` call."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits) -> None:
+    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits,
+                 between_steps: Callable[[], int] | None = None) -> None:
         self.e, self.p = engine, params
+        self.between_steps, self.version = between_steps, 0  # the weight version the next step uses
         self.limits = limits  # per prompt: tokens a response may have
         self.decode = engine.decode_fn()
         self.prompt_tokens, self.seeds = prompt_tokens, seeds
@@ -329,11 +340,13 @@ class _Run:
         self.limit = torch.zeros(slots, dtype=torch.long, device=dev)
         self.out_tok = torch.zeros(slots, steps, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(slots, steps, dtype=torch.float32, device=dev)
+        self.out_ver = torch.zeros(slots, steps, dtype=torch.long, device=dev)
         self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
         self.stop_ids = torch.tensor(engine._stop_ids(params), dtype=torch.long, device=dev)
         # Results, by sample id (prompt i, sample j -> i * n + j).
         self.res_tok = torch.zeros(total, steps, dtype=torch.long)
         self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
+        self.res_ver = torch.zeros(total, steps, dtype=torch.long)
         self.res_len = torch.zeros(total, dtype=torch.long)
         self.reasons: list[str] = [""] * total
         # Python-side bookkeeping.
@@ -343,6 +356,7 @@ class _Run:
         self.slot_pos = [0] * slots  # position the slot's next token goes to
         self.prompt_slots: dict[int, set[int]] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.prompt_version: dict[int, int] = {}  # the weights each cached prefill's logits came from
         self.to_admit = {i: params.n for i in range(len(prompt_tokens))}
         self.gen_text: dict[int, list[int]] = {}
         self.stop_window = max((len(s) for s in params.stop), default=0) + 4
@@ -378,6 +392,7 @@ class _Run:
             )
             for row, p in enumerate(plist):
                 self.prompt_logits[p] = logits[row]
+                self.prompt_version[p] = self.version
         if copies:
             dst = torch.tensor([d for d, _, _ in copies], device=e.device)
             src = torch.tensor([s for _, s, _ in copies], device=e.device)
@@ -394,6 +409,7 @@ class _Run:
         tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p)
         self.out_tok[slot_t, 0] = tok
         self.out_lp[slot_t, 0] = lp
+        self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[sid // n] for sid, _ in taken], device=e.device)
         self.cur[slot_t] = tok
         lens = [len(self.prompt_tokens[sid // n]) for sid, _ in taken]
         self.pos[slot_t] = torch.tensor(lens, device=e.device)
@@ -438,6 +454,7 @@ class _Run:
         sid_t = torch.tensor(sids)
         self.res_tok[sid_t] = self.out_tok[slot_t].cpu()
         self.res_lp[sid_t] = self.out_lp[slot_t].cpu()
+        self.res_ver[sid_t] = self.out_ver[slot_t].cpu()
         self.res_len[sid_t] = self.step[slot_t].cpu()
         self.live[slot_t] = 0
         self.pos[slot_t] = 0
@@ -462,7 +479,8 @@ class _Run:
         dst, src = torch.tensor(targets, device=e.device), torch.tensor(movers, device=e.device)
         e.k_cache[:, dst, :kv_len] = e.k_cache[:, src, :kv_len]
         e.v_cache[:, dst, :kv_len] = e.v_cache[:, src, :kv_len]
-        for t in (self.cur, self.pos, self.step, self.live, self.limit, self.out_tok, self.out_lp, self.uni):
+        for t in (self.cur, self.pos, self.step, self.live, self.limit, self.out_tok, self.out_lp, self.out_ver,
+                  self.uni):
             t[dst] = t[src]
         self.live[src] = 0
         self.pos[src] = 0
@@ -494,6 +512,7 @@ class _Run:
         tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
         self.out_tok[rows, step] = tok
         self.out_lp[rows, step] = lp
+        self.out_ver[rows, step] = self.version
         self.cur[:span] = tok
         live_t = self.live[:span]
         self.pos[:span] += live_t
@@ -502,8 +521,18 @@ class _Run:
             self.slot_pos[s] += 1
         self._finish_check(rows, tok)
 
+    def _refresh(self) -> None:
+        """Partial rollouts: let the caller swap weights in between two steps."""
+        if self.between_steps is None:
+            return
+        version = int(self.between_steps())
+        if version != self.version and self.e.prepacked is not None:
+            self.e.prepacked.refresh()  # repack what `update_weights` wrote
+        self.version = version
+
     def run(self):
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
+            self._refresh()
             if self.waiting and self.free:
                 self._admit()
                 continue

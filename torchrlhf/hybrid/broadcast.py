@@ -82,6 +82,7 @@ def send_weights(
     """
     stats, start = SyncStats(), time.perf_counter()
     stream = _full_weights(model)
+    failure: Exception | None = None  # a receiver died: keep gathering so the other actor ranks finish too
     for bucket in plan_buckets(manifest, dtype, bucket_bytes):
         parts = []
         for i in bucket:
@@ -91,13 +92,19 @@ def send_weights(
                                    f"{manifest[i][0]!r} {manifest[i][1]}; the model changed since the manifest")
             if dist.get_rank() == src:
                 parts.append(tensor.detach().reshape(-1).to(dtype))
-        if dist.get_rank() == src:
+        if dist.get_rank() == src and failure is None:
             flat = torch.cat(parts)
-            dist.broadcast(flat.view(torch.uint8), src=src, group=group)
+            try:
+                dist.broadcast(flat.view(torch.uint8), src=src, group=group)
+            except RuntimeError as e:
+                failure = e
+                continue
             stats.bytes += flat.numel() * flat.element_size()
             stats.buckets += 1
     if next(stream, None) is not None:
         raise RuntimeError("send_weights: the model has more parameters than the manifest")
+    if failure is not None:
+        raise RuntimeError(f"send_weights: the broadcast to the rollout ranks failed: {failure}") from failure
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -34,23 +34,18 @@ class WeightRelay:
         self._dims = engine.param_shard_dims()
         self.capacity = capacity
         self._versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self._incoming: list[tuple[str, torch.Tensor]] = []
         self._changed = threading.Condition()
 
-    # -------------------------------------------------------------- receiving side (an engine stand-in)
-    def param_shard_dims(self) -> dict[str, int | None]:
-        return self._dims
+    # -------------------------------------------------------------- receiving side
+    def inbox(self) -> "_Inbox":
+        """Where one sync's tensors land (an engine stand-in for `hybrid.broadcast.receive_weights`); each
+        sync has its own, so a sync abandoned half way (its sender died) cannot mix into the next one."""
+        return _Inbox(self._dims, self.tp_size, self.tp_mesh)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Keep the stream's tensors (own copies: the sender's buckets are reused) until `publish`."""
-        for name, tensor in named_tensors:
-            self._incoming.append((name, tensor.clone()))
-
-    def publish(self, version: int) -> None:
-        """The tensors received since the last publish are ``version``; engines may load it now."""
+    def publish(self, version: int, inbox: "_Inbox") -> None:
+        """The tensors of ``inbox`` are ``version``; engines may load it now."""
         with self._changed:
-            self._versions[version] = self._incoming
-            self._incoming = []
+            self._versions[version] = inbox.tensors
             while len(self._versions) > self.capacity:
                 del self._versions[min(self._versions)]
             self._changed.notify_all()
@@ -84,3 +79,18 @@ class WeightRelay:
                 del self._versions[old]
         engine.update_weights(tensors)
         return version
+
+
+class _Inbox:
+    """The receiving end of one sync: keeps own copies of the stream's tensors (the sender's buckets are
+    reused)."""
+
+    def __init__(self, dims: dict[str, int | None], tp_size: int, tp_mesh) -> None:
+        self._dims, self.tp_size, self.tp_mesh = dims, tp_size, tp_mesh  # what `receive_weights` shards by
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def param_shard_dims(self) -> dict[str, int | None]:
+        return self._dims
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.tensors.extend((name, tensor.clone()) for name, tensor in named_tensors)

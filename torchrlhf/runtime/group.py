@@ -20,6 +20,7 @@ does a plain call of a method registered with ``blocking=False``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import traceback
@@ -33,8 +34,18 @@ import torch.distributed.rpc as rpc
 from torchrlhf.data.batch import Batch
 from torchrlhf.runtime import stall
 from torchrlhf.runtime.mesh import forget_meshes
-from torchrlhf.runtime.launch import _on_finish, is_initialized, rpc_timeout, worker_name
+from torchrlhf.runtime.launch import (
+    _on_finish,
+    is_initialized,
+    is_reachable,
+    lost_ranks,
+    mark_lost,
+    rpc_timeout,
+    worker_name,
+)
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, registered_methods, set_current_context
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- worker side (runs on every rank)
 _process_groups: dict[str, dist.ProcessGroup | None] = {}
@@ -49,7 +60,7 @@ class _Failure:
 
 
 def _new_group(key: str, ranks: list[int]) -> None:
-    """RPC target on every world rank: create the group's process group (collective)."""
+    """RPC target on every live world rank: create the group's process group (collective)."""
     pg = dist.new_group(ranks)
     if dist.get_rank() in ranks:
         _process_groups[key] = pg
@@ -131,10 +142,15 @@ def busy_seconds(name: str) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- controller side
 class WorkerError(RuntimeError):
-    """A worker method failed (or its rank died); names group, method and rank."""
+    """A worker method failed (or its rank died); names group, method and rank.
 
-    def __init__(self, group: str, method: str, rank: int, remote_traceback: str) -> None:
+    ``unreachable``: no answer came back (the process died, or the call timed out), as opposed to an
+    exception the method raised.
+    """
+
+    def __init__(self, group: str, method: str, rank: int, remote_traceback: str, unreachable: bool = False) -> None:
         self.group, self.method, self.rank, self.remote_traceback = group, method, rank, remote_traceback
+        self.unreachable = unreachable
         super().__init__(
             f"worker group {group!r}, method {method!r} failed on rank {rank}:\n{remote_traceback.rstrip()}"
         )
@@ -189,10 +205,15 @@ def _reserve(names: Sequence[str]) -> None:
 
 
 def _create_process_group(key: str, ranks: list[int]) -> None:
+    """Every live rank creates the group, members or not, in the same order: torch names such a group by how
+    many were created before it, so a dead rank does not matter. (Members-only creation names a group by its
+    ranks and the number of groups each member holds, which differ between roles: see `runtime.mesh`.)"""
+    lost = lost_ranks()
+    if lost & set(ranks):
+        raise ValueError(f"process group {key!r}: ranks {sorted(lost & set(ranks))} are lost")
     with _create_lock:  # one group at a time: every rank sees the same creation order
-        futs = [
-            rpc.rpc_async(worker_name(r), _new_group, args=(key, ranks)) for r in range(dist.get_world_size())
-        ]
+        callers = [r for r in range(dist.get_world_size()) if r not in lost]  # the dead cannot take part
+        futs = [rpc.rpc_async(worker_name(r), _new_group, args=(key, ranks)) for r in callers]
         for f in futs:
             f.wait()
 
@@ -200,7 +221,8 @@ def _create_process_group(key: str, ranks: list[int]) -> None:
 def new_process_group(key: str, ranks: Sequence[int]) -> None:
     """Controller side: a process group over ``ranks`` (e.g. across two roles' groups, for weight sync).
 
-    Every world rank takes part in the creation; members find it with `process_group(key)`.
+    Every world rank takes part in the creation (but the ranks given up with `launch.mark_lost`); members
+    find it with `process_group(key)`.
     """
     ranks = _check_ranks(ranks)
     if key in _names:
@@ -235,7 +257,7 @@ class GroupFuture:
             value = None
             err = WorkerError(
                 self._group, self._method, rank,
-                f"rank {rank} did not answer (its process died, or the call timed out): {e}",
+                f"rank {rank} did not answer (its process died, or the call timed out): {e}", unreachable=True,
             )
         if isinstance(value, _Failure):
             err = WorkerError(self._group, self._method, rank, value.text)
@@ -395,6 +417,8 @@ class WorkerGroup:
             )
         self.dp_size = sizes.pop()
         self.dp_ranks = dp_ranks
+        self.lost_dp_ranks: set[int] = set()  # replicas given up (`drop_replica`); calls skip their ranks
+        self._lost_lock = threading.Lock()
         self._leaders = [dp_ranks.index(d) for d in range(self.dp_size)]  # group rank answering for each DP group
         self._fan_out("dp_placement", _set_leader, [(name, i in self._leaders) for i in range(len(ranks))])
 
@@ -424,27 +448,66 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    # ------------------------------------------------------------------ lost replicas
+    @property
+    def live_dp_ranks(self) -> list[int]:
+        """The data-parallel replicas still serving (all of them unless `drop_replica` gave some up)."""
+        return [d for d in range(self.dp_size) if d not in self.lost_dp_ranks]
+
+    @property
+    def live_ranks(self) -> list[int]:
+        return [r for r, d in zip(self.ranks, self.dp_ranks) if d not in self.lost_dp_ranks]
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica global ``rank`` belongs to."""
+        return self.dp_ranks[self.ranks.index(rank)]
+
+    def drop_replica(self, dp_rank: int) -> list[int]:
+        """Give up replica ``dp_rank`` (a rank of it died): later calls go to the other replicas only, and the
+        runtime's shutdown no longer waits for its ranks. Returns the ranks given up (none if already)."""
+        with self._lost_lock:
+            if dp_rank in self.lost_dp_ranks:
+                return []
+            if len(self.lost_dp_ranks) + 1 == self.dp_size:
+                raise RuntimeError(f"group {self.name!r}: its last live replica ({dp_rank}) is lost")
+            self.lost_dp_ranks.add(dp_rank)
+        dropped = [r for r, d in zip(self.ranks, self.dp_ranks) if d == dp_rank]
+        for r in dropped:
+            mark_lost(r)
+        msg = (f"torchrlhf: LOST group {self.name!r} replica {dp_rank} (ranks {dropped}): its process no longer "
+               f"answers; going on with replicas {self.live_dp_ranks}")
+        log.error(msg)
+        return dropped
+
+    def unreachable_replicas(self) -> list[int]:
+        """Live replicas with a rank that no longer answers RPC (its process died)."""
+        return sorted({self.replica_of(r) for r in self.live_ranks if not is_reachable(r)})
+
     def _call(self, m: _GroupMethod, args: tuple, kwargs: dict) -> GroupFuture:
-        n = len(self.ranks)
+        live = [i for i, d in enumerate(self.dp_ranks) if d not in self.lost_dp_ranks]  # group indices called
+        n = len(live)
         where = f"{self.name}.{m._name}"
         if m.dispatch is Dispatch.ONE_TO_ALL:
             per_rank = [(args, kwargs, True)] * n
             collect = m.collect or list
         elif m.dispatch is Dispatch.RANK_ZERO:
-            per_rank = [(args, kwargs, i == 0) for i in range(n)]
+            per_rank = [(args, kwargs, k == 0) for k in range(n)]
             collect = m.collect or (lambda answers: answers[0])
         elif m.dispatch is Dispatch.ALL_TO_ALL:
+            if self.lost_dp_ranks:
+                raise RuntimeError(f"{where}: ALL_TO_ALL needs every rank; replicas {sorted(self.lost_dp_ranks)} "
+                                   "of this group are lost")
             per_rank = _split_all_to_all(where, args, kwargs, n)
             collect = m.collect or list
         elif m.dispatch is Dispatch.DP_COMPUTE:
-            per_rank, collect = self._split_dp(where, m, args, kwargs)
+            per_rank, collect = self._split_dp(where, m, args, kwargs, live)
         else:
             raise ValueError(f"{where}: unknown dispatch {m.dispatch!r}")
         futs = [
-            rpc.rpc_async(w, _invoke, args=(self.name, m._name, a, kw, want), timeout=self.timeout)
-            for w, (a, kw, want) in zip(self._workers, per_rank)
+            rpc.rpc_async(self._workers[i], _invoke, args=(self.name, m._name, a, kw, want), timeout=self.timeout)
+            for i, (a, kw, want) in zip(live, per_rank)
         ]
-        return GroupFuture(self.name, m._name, self.ranks, futs, collect)
+        return GroupFuture(self.name, m._name, [self.ranks[i] for i in live], futs, collect)
 
     def call_dp(self, dp_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
         """Start ``method`` on the ranks of one data-parallel group only (all its TP ranks, same arguments);
@@ -452,6 +515,8 @@ class WorkerGroup:
         busy on its own (asynchronous training) instead of splitting one batch over all of them."""
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"{self.name}.call_dp: dp_rank {dp_rank} not in [0, {self.dp_size})")
+        if dp_rank in self.lost_dp_ranks:
+            raise ValueError(f"{self.name}.call_dp: replica {dp_rank} is lost")
         getattr(self, method)  # the usual error for an unknown or unregistered method
         members = [i for i, d in enumerate(self.dp_ranks) if d == dp_rank]
         leader = self._leaders[dp_rank]
@@ -463,7 +528,8 @@ class WorkerGroup:
         pos = members.index(leader)
         return GroupFuture(self.name, method, [self.ranks[i] for i in members], futs, lambda answers: answers[pos])
 
-    def _split_dp(self, where: str, m: _GroupMethod, args: tuple, kwargs: dict):
+    def _split_dp(self, where: str, m: _GroupMethod, args: tuple, kwargs: dict, live: list[int]):
+        """One shard per live replica; ``live``: the group indices called (all ranks unless replicas were lost)."""
         for i, a in enumerate(args):
             if not isinstance(a, Batch):
                 raise TypeError(
@@ -478,22 +544,25 @@ class WorkerGroup:
         total = next(iter(sizes.values()))
         if total == 0:
             raise ValueError(f"{where} (DP_COMPUTE): got an empty Batch")
-        dp = self.dp_size
+        replicas = self.live_dp_ranks
+        dp = len(replicas)
+        slot = {d: j for j, d in enumerate(replicas)}
         shards = {}
         for k, b in batches.items():
             padded, _ = b.pad_to_multiple(dp)
             shards[k] = padded.chunk(dp)
         shard_size = -(-total // dp)
-        real = [max(0, min(shard_size, total - d * shard_size)) for d in range(dp)]  # non-padding rows per DP shard
+        real = [max(0, min(shard_size, total - j * shard_size)) for j in range(dp)]  # non-padding rows per shard
         per_rank = []
-        for i, d in enumerate(self.dp_ranks):
-            a = tuple(shards[j][d] for j in range(len(args)))
-            kw = {k: (shards[k][d] if k in shards else v) for k, v in kwargs.items()}
+        for i in live:
+            j = slot[self.dp_ranks[i]]
+            a = tuple(shards[x][j] for x in range(len(args)))
+            kw = {k: (shards[k][j] if k in shards else v) for k, v in kwargs.items()}
             per_rank.append((a, kw, i in self._leaders))
-        leaders = self._leaders
+        leaders = [live.index(self._leaders[d]) for d in replicas]  # answer positions of the replicas' leaders
 
         def collect(results: list[Any]) -> Any:
-            answers = [_strip_padding(results[leaders[d]], real[d], shard_size) for d in range(dp)]
+            answers = [_strip_padding(results[leaders[j]], real[j], shard_size) for j in range(dp)]
             if m.collect is not None:
                 return m.collect(answers)
             if all(isinstance(a, Mapping) for a in answers):  # metrics of all-padding shards do not count

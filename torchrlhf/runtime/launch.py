@@ -29,7 +29,10 @@ cluster network must be trusted.
 
 Shutdown never hangs: when ``main`` returns, the controller tells every rank to
 stop, then all ranks run a graceful RPC shutdown bounded by ``shutdown_timeout``
-(a rank that cannot finish in time exits with ``os._exit``). When ``main``
+(a rank that cannot finish in time exits with ``os._exit``). After the controller
+gave up a dead rank (`mark_lost`: asynchronous training goes on without a dead
+rollout rank) a graceful shutdown would wait for it, so every live rank then shuts
+down locally: workers close their roles and exit at once. When ``main``
 raises, the controller tells every rank to exit non-zero at once and re-raises.
 Worker ranks also ping the controller every ``heartbeat_s`` and exit non-zero
 if it is gone, so no rank outlives a dead controller.
@@ -61,6 +64,8 @@ _SIOCGIFADDR = 0x8915
 
 _stop_event = threading.Event()
 _stop_code = 0
+_stop_alone = False  # shut down without the other ranks (some rank was lost)
+_lost: set[int] = set()  # ranks the controller gave up (`mark_lost`)
 _state: dict[str, Any] = {"initialized": False, "notebook": False, "rpc_timeout": DEFAULT_RPC_TIMEOUT}
 _on_finish: list[Callable[[], None]] = []  # forget per-run registries (workers, group names) at shutdown
 
@@ -144,9 +149,9 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
     if _state["initialized"]:
         return dist.get_rank()
     _limit_malloc_arenas()  # before RPC starts its thread pool
-    global _stop_code
+    global _stop_code, _stop_alone
     _stop_event.clear()
-    _stop_code = 0
+    _stop_code, _stop_alone = 0, False
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
@@ -180,6 +185,24 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
     return rank
 
 
+def mark_lost(rank: int) -> None:
+    """Controller side: ``rank`` died and the job goes on without it; shutdown no longer waits for it."""
+    _lost.add(rank)
+
+
+def lost_ranks() -> set[int]:
+    return set(_lost)
+
+
+def is_reachable(rank: int, timeout: float = 10.0) -> bool:
+    """Controller side: whether ``rank``'s process still answers RPC (a dead one fails at once: EOF)."""
+    try:
+        rpc.rpc_sync(worker_name(rank), _ping, timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
 def _bounded(fn: Callable[[], None], timeout: float) -> bool:
     """Run ``fn`` in a daemon thread; True if it finished without error within ``timeout``."""
     ok: list[bool] = []
@@ -197,14 +220,14 @@ def _bounded(fn: Callable[[], None], timeout: float) -> bool:
     return bool(ok)
 
 
-def _stop(code: int) -> None:
-    """RPC target: tell a worker rank's main thread to stop with ``code``."""
-    global _stop_code
+def _stop(code: int, alone: bool = False) -> None:
+    """RPC target: tell a worker rank's main thread to stop with ``code`` (``alone``: without the others)."""
+    global _stop_code, _stop_alone
     if code != 0:  # printed before the controller hears back, so it is always in the log
         rank = dist.get_rank()
         msg = f"torchrlhf: rank {rank} stopping with exit code {code} (the controller's main failed)"
         print(msg, file=sys.stderr, flush=True)
-    _stop_code = code
+    _stop_code, _stop_alone = code, alone
     _stop_event.set()
 
 
@@ -213,8 +236,10 @@ def _ping() -> None:
 
 
 def _broadcast_stop(code: int, timeout: float) -> None:
+    alone = bool(_lost)
     futs = [
-        rpc.rpc_async(worker_name(r), _stop, args=(code,), timeout=timeout) for r in range(1, dist.get_world_size())
+        rpc.rpc_async(worker_name(r), _stop, args=(code, alone), timeout=timeout)
+        for r in range(1, dist.get_world_size()) if r not in _lost
     ]
     for f in futs:
         try:
@@ -241,20 +266,26 @@ def shutdown(code: int = 0, *, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOU
     _finish(code, shutdown_timeout)
 
 
+def _forget_run() -> None:
+    """Close this process's workers and forget the run's registries (`_on_finish`)."""
+    for reset in _on_finish:
+        reset()
+
+
 def _finish(code: int, shutdown_timeout: float) -> None:
-    graceful = code == 0
+    graceful = code == 0 and not _lost and not _stop_alone
     done = _bounded(lambda: rpc.shutdown(graceful=graceful, timeout=shutdown_timeout), shutdown_timeout + 5)
     if not done:
         print(f"torchrlhf: RPC shutdown did not finish in {shutdown_timeout}s; exiting", file=sys.stderr)
         _hard_exit(code or 1)
-    for reset in _on_finish:
-        reset()
+    _forget_run()
     if dist.is_initialized():
         dist.destroy_process_group()
     if _state.get("store_file"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_state.pop("store_file"))
     _state["initialized"] = False
+    _lost.clear()
 
 
 def _serve(heartbeat_s: float, shutdown_timeout: float) -> int:
@@ -271,6 +302,9 @@ def _serve(heartbeat_s: float, shutdown_timeout: float) -> int:
                 _hard_exit(1)
     if _stop_code != 0:
         _hard_exit(_stop_code)
+    if _stop_alone:  # a rank was lost: close the roles (bounded), then leave without waiting for anyone
+        _bounded(_forget_run, shutdown_timeout)
+        _hard_exit(0)
     _finish(0, shutdown_timeout)
     return _stop_code
 
@@ -325,4 +359,5 @@ def launch(
     return result
 
 
-__all__ = ["init", "launch", "shutdown", "is_initialized", "interface_for", "worker_name"]
+__all__ = ["init", "launch", "shutdown", "is_initialized", "interface_for", "worker_name", "mark_lost",
+           "lost_ranks", "is_reachable"]

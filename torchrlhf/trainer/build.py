@@ -81,6 +81,16 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     return specs
 
 
+def may_lose_rollout_replicas(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> bool:
+    """Whether a rollout rank that dies is dropped and training goes on: asynchronous stream schedule, each
+    replica one rank (``rollout.tp_size`` 1; a TP group's survivors could not generate alone), no other role
+    on the rollout ranks (it would die with them), and ``async_training.tolerate_rollout_failures``."""
+    a = cfg.async_training
+    shared = any(set(r) & set(ranks["rollout"]) for role, r in ranks.items() if role != "rollout")
+    return (cfg.trainer.mode == "async" and a.schedule == "stream" and a.tolerate_rollout_failures
+            and cfg.rollout.tp_size == 1 and not shared)
+
+
 def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     """Create the worker groups: one `colocate` call per distinct rank set (in a fixed order on every run)."""
     specs = role_specs(cfg, world_size)
@@ -95,7 +105,8 @@ def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     if ranks["rollout"] != ranks["actor"]:
         sync = WeightSync(groups["actor"], groups["rollout"], dtype=cfg.actor.dtype,
                           bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-                          relay_capacity=cfg.async_training.max_staleness + 2)
+                          relay_capacity=cfg.async_training.max_staleness + 2,
+                          lose_rollout_replicas=may_lose_rollout_replicas(cfg, ranks))
     return Roles(**groups, weight_sync=sync)
 
 

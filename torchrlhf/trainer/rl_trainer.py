@@ -18,6 +18,7 @@ import torch
 
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
+from torchrlhf.runtime.group import WorkerError
 from torchrlhf.trainer.async_rollout import AsyncRollouts, DeterministicRollouts, StreamRollouts
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, AsyncConfig, RolloutConfig, TrainerConfig
@@ -104,7 +105,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(trainer.output_dir, keep_last=trainer.keep_last_checkpoints)
         self.async_cfg = async_training or AsyncConfig()
         self.async_rollouts: AsyncRollouts | None = None  # built by `fit` in async mode
-        self._busy_mark: tuple[float, list[float]] | None = None
+        self._busy_mark: tuple[float, dict[int, float]] | None = None  # (time, rollout rank -> busy seconds)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -219,12 +220,19 @@ class RLTrainer:
         """Split placement: the share of wall time since the last step that rollout ranks spent generating."""
         if self.roles.weight_sync is None:
             return {}
-        now = time.perf_counter()
-        busy = [float(b.get("generate", 0.0)) for b in self.roles.rollout.busy_seconds()]
+        now, rollout = time.perf_counter(), self.roles.rollout
+        ranks = rollout.live_ranks
+        try:
+            answers = rollout.busy_seconds()
+        except WorkerError as e:
+            if not (e.unreachable and self.roles.weight_sync.lose_rollout_replicas):
+                raise
+            return {}  # a rollout rank just died: the weight sync or the rollout thread drops it
+        busy = {r: float(b.get("generate", 0.0)) for r, b in zip(ranks, answers)}
         mark, self._busy_mark = self._busy_mark, (now, busy)
         if mark is None:
             return {}
-        fractions = [(b - b0) / max(now - mark[0], 1e-9) for b, b0 in zip(busy, mark[1])]
+        fractions = [(b - mark[1][r]) / max(now - mark[0], 1e-9) for r, b in busy.items() if r in mark[1]]
         return {"rollout/busy_fraction": sum(fractions) / len(fractions), "rollout/busy_fraction_min": min(fractions)}
 
     @contextlib.contextmanager
@@ -293,7 +301,9 @@ class RLTrainer:
                               stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
                               baseline=self._baseline_scores if self.algo.adv_estimator == "remax" else None,
                               max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,
-                              **common)
+                              lose_replicas=self.roles.weight_sync is not None
+                              and self.roles.weight_sync.lose_rollout_replicas,
+                              partial_rollout=a.partial_rollout, **common)
 
     def _take_async_rollouts(self, metrics: dict[str, float]) -> Batch:
         """The next batch the rollout thread has ready (generated and rule-scored while the actor trained)."""
@@ -487,8 +497,16 @@ def _at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.T
 def _staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
     """How many actor updates behind the trained weights each sample's generating weights are."""
     lag = (version - batch["weight_version"]).float()
-    return {"rollout/weight_version": float(version), "rollout/staleness/mean": lag.mean().item(),
-            "rollout/staleness/max": lag.max().item()}
+    out = {"rollout/weight_version": float(version), "rollout/staleness/mean": lag.mean().item(),
+           "rollout/staleness/max": lag.max().item()}
+    if "token_weight_versions" in batch:  # partial rollouts: the version of each response token
+        mask = batch["response_mask"].bool()
+        versions = batch["token_weight_versions"]
+        newest = versions.masked_fill(~mask, -1).max(-1).values
+        oldest = versions.masked_fill(~mask, 2**62).min(-1).values
+        out["rollout/partial/mixed_version_frac"] = (newest > oldest).float().mean().item()
+        out["rollout/partial/token_staleness_mean"] = _masked_mean((version - versions).float(), mask)
+    return out
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -236,6 +237,14 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
     if not 1 <= a.prompts_per_call <= cfg.data.train_batch_size:
         errors.append(f"async_training.prompts_per_call must be in [1, data.train_batch_size="
                       f"{cfg.data.train_batch_size}], got {a.prompts_per_call}")
+    if a.partial_rollout:
+        engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or "torchrlhf.generation.NativeEngine")
+        if a.schedule != "stream" or cfg.rollout.tp_size != 1:
+            errors.append("async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1 "
+                          "(the ranks of a TP group could not agree on when to swap weights mid-trajectory)")
+        if "between_steps" not in inspect.signature(engine.generate).parameters:
+            errors.append(f"async_training.partial_rollout: {engine.__name__}.generate cannot load weights between "
+                          "decode steps (no between_steps argument); the native engine can")
     if cfg.algorithm.filter_groups and a.schedule == "deterministic":
         errors.append("algorithm.filter_groups (DAPO dynamic sampling) needs async_training.schedule=stream: the "
                       "deterministic schedule trains exactly the sampler's t-th batch at step t")

@@ -14,7 +14,8 @@ adjacent rollout ranks.
 Asynchronous training (split placement): `receive_weights` with ``to_relay`` stores each new version in
 a `WeightRelay` while the engine generates, and each `generate` first loads the version its prompts ask
 for (``meta["relay_version"]``, chosen by the controller so the ranks of a TP group agree) at that
-trajectory boundary.
+trajectory boundary. With ``meta["partial_rollout"]`` (TP 1) the engine also loads each newer version
+the relay receives between two decode steps, inside the trajectory, and records the version per token.
 
 Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
 produced it.
@@ -40,6 +41,7 @@ from torchrlhf.workers.base import resolve_dtype
 
 ENGINE_ARGS_SET_BY_ROLE = ("model_or_path", "model_path", "tokenizer", "device", "dtype", "tp_mesh")
 RELAY_VERSION = "relay_version"  # prompts.meta key: the weight version to generate with (asynchronous training)
+PARTIAL_ROLLOUT = "partial_rollout"  # prompts.meta key: also load newer versions between decode steps
 
 
 class RolloutWorker(Worker):
@@ -123,9 +125,13 @@ class RolloutWorker(Worker):
                                                        optimizer=actor.optimizer)
             version = int(prompts.meta.get("weight_version", 0))
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
+            partial = bool(prompts.meta.get(PARTIAL_ROLLOUT))
             if RELAY_VERSION in prompts.meta:
-                self._load_from_relay(int(prompts.meta[RELAY_VERSION]))
-            out = self.engine.generate(prompts, sampling)
+                self._load_from_relay(int(prompts.meta[RELAY_VERSION]), keep_newer=partial)
+            if partial:
+                out = self.engine.generate(prompts, sampling, between_steps=self._load_newest)
+            else:
+                out = self.engine.generate(prompts, sampling)
             version = self.weight_version
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         return out
@@ -149,17 +155,28 @@ class RolloutWorker(Worker):
             return stats.as_dict()
         if self.relay is None:
             self.relay = WeightRelay(self.engine, capacity=relay_capacity)
-        stats = receive_weights(self.relay, process_group(sync_key), src, manifest, self.dtype, bucket_bytes)
-        self.relay.publish(version)
+        inbox = self.relay.inbox()
+        stats = receive_weights(inbox, process_group(sync_key), src, manifest, self.dtype, bucket_bytes)
+        self.relay.publish(version, inbox)
         return stats.as_dict()
 
-    def _load_from_relay(self, want: int) -> None:
-        """Bring the engine to version ``want`` before a trajectory starts (a local copy from the relay)."""
-        if want == self.weight_version:
+    def _load_from_relay(self, want: int, keep_newer: bool = False) -> None:
+        """Bring the engine to version ``want`` before a trajectory starts (a local copy from the relay).
+
+        ``keep_newer`` (partial rollouts): an engine that already loaded a newer version mid-trajectory keeps
+        it (the controller's ``want`` lags the relays by the time the trainer takes to publish)."""
+        if want == self.weight_version or (keep_newer and want < self.weight_version):
             return
         if self.relay is None:
             raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
         self.weight_version = self.relay.load(self.engine, want)
+
+    def _load_newest(self) -> int:
+        """Partial rollouts, between two decode steps: load the relay's newest version if it is newer."""
+        newest = self.relay.newest() if self.relay is not None else None
+        if newest is not None and newest > self.weight_version:
+            self.weight_version = self.relay.load(self.engine, newest)
+        return self.weight_version
 
     def close(self) -> None:
         """Stop an engine that runs processes of its own (vLLM) while the process group still exists."""
