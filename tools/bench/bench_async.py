@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous GRPO on a long-tailed workload: trained samples/s, rollout busy fraction, reward.
 
-Four ranks: the actor FSDP2-sharded on ranks 0-1, two rollout replicas on ranks 2-3 (split placement, the
-layout both modes share). Every prompt carries a response budget (``max_tokens``) drawn from a Pareto
+Four ranks by default: the actor FSDP2-sharded on ranks 0-1, two rollout replicas on ranks 2-3 (split
+placement, the layout both modes share; ``--ranks``/``--actor-ranks`` choose another). Every prompt carries a response budget (``max_tokens``) drawn from a Pareto
 distribution (shape ``--alpha``) between ``--min-tokens`` and ``--max-tokens``; the model is a small random
 Llama that rarely emits EOS, so each response runs to its budget and the step's slowest sample is set by
 the tail. Same model, prompts, budgets, batch sizes and steps on every side; each side is one
@@ -51,8 +51,7 @@ def write_prompts(path: Path, count: int, lo: int, hi: int, alpha: float, seed: 
 
 def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[str]) -> list[dict]:
     out = work / name
-    half = args.ranks // 2
-    actor, rollout = list(range(half)), list(range(half, args.ranks))
+    actor, rollout = list(range(args.actor_ranks)), list(range(args.actor_ranks, args.ranks))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs/grpo_arithmetic_cpu.yaml"),
            f"model_path={model}", f"data.train_files=[{data}]", "data.val_files=[]", "data.system_prompt=null",
@@ -85,10 +84,15 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--prompts-per-call", type=int, default=2, help="async_training.prompts_per_call")
-    p.add_argument("--ranks", type=int, default=4, choices=[2, 4], help="half actor, half rollout")
+    p.add_argument("--ranks", type=int, default=4, help="world size")
+    p.add_argument("--actor-ranks", type=int, help="the actor's ranks (FSDP2), the first ones; the rest are "
+                   "rollout replicas (default: half)")
     p.add_argument("--partial", action="store_true", help="also run each k with async_training.partial_rollout")
     p.add_argument("--keep", default=None, help="write the runs here instead of a temporary directory")
     args = p.parse_args()
+    args.actor_ranks = args.actor_ranks or args.ranks // 2
+    if not 1 <= args.actor_ranks < args.ranks:
+        p.error(f"--actor-ranks must be in [1, {args.ranks - 1}]")
 
     from torchrlhf.models import save_tiny_model
 
@@ -101,7 +105,8 @@ def main() -> None:
         budgets = write_prompts(data, args.prompts * (args.steps + 4) * 2, args.min_tokens, args.max_tokens,
                                 args.alpha, seed=0)
         mean_budget = sum(budgets) / len(budgets)
-        layout = "actor 0-1 FSDP2, rollout 2-3" if args.ranks == 4 else "actor 0, rollout 1"
+        a = args.actor_ranks
+        layout = (f"actor 0-{a - 1} FSDP2" if a > 1 else "actor 0") + f", rollout {a}-{args.ranks - 1}"
         print(f"GRPO, random Llama (hidden {args.hidden}, {args.layers} layers, SmolLM2 vocab), {args.ranks} CPU "
               f"ranks ({layout}), {args.prompts} prompts x {args.n} samples per step, "
               f"response budgets Pareto(alpha={args.alpha}) in [{args.min_tokens}, {args.max_tokens}] "
