@@ -320,6 +320,11 @@ case where members-only creation hangs), and the job ends cleanly."""
     assert g.unreachable_replicas() == [1]
     assert g.drop_replica(1) == [2] and g.drop_replica(1) == []  # once
     assert g.live_ranks == [1] and g.live_dp_ranks == [0]
+    try:  # a call to the dropped replica fails like a call to a dead process
+        g.call_dp(1, "where").wait()
+        raise AssertionError("a call to a dropped replica returned")
+    except WorkerError as e:
+        assert e.unreachable and "replica 1 was dropped" in str(e), e
     assert g.where() == [(1, [1, 2], 0, 2, 0, 2, True)]
     assert g.rank_zero(7) == (0, 7)
     out = g.scaled(Batch({"x": torch.arange(5.0)}, {"id": list("abcde")}), offset=1)

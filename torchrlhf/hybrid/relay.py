@@ -2,9 +2,11 @@
 
 With ``trainer.mode: async`` the actor does not push weights into the rollout engines, which are busy
 generating; it broadcasts each new version once into a `WeightRelay` in the CPU memory of every
-rollout rank (`hybrid.broadcast.receive_weights` fills it like an engine). The engine loads from its
-local relay at a trajectory boundary, i.e. between two generate calls, so neither side waits for the
-other: the actor only waits for the bytes to arrive, the engine only for a local copy.
+rollout rank (`hybrid.broadcast.receive_weights` fills one inbox per sync, like an engine, and the inbox
+is published as that version once complete). The engine loads from its local relay at a trajectory
+boundary, i.e. between two generate calls (with partial rollouts also between two decode steps), so
+neither side waits for the other: the actor only waits for the bytes to arrive, the engine only for a
+local copy.
 
 A relay keeps a few versions (``capacity``): the deterministic schedule asks for an exact older version
 while a newer one is already there. Loading a version forgets every older one.

@@ -515,10 +515,12 @@ class WorkerGroup:
         busy on its own (asynchronous training) instead of splitting one batch over all of them."""
         if not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"{self.name}.call_dp: dp_rank {dp_rank} not in [0, {self.dp_size})")
-        if dp_rank in self.lost_dp_ranks:
-            raise ValueError(f"{self.name}.call_dp: replica {dp_rank} is lost")
         getattr(self, method)  # the usual error for an unknown or unregistered method
         members = [i for i, d in enumerate(self.dp_ranks) if d == dp_rank]
+        if dp_rank in self.lost_dp_ranks:  # fails like a call to a dead process (it may have raced the drop)
+            gone = torch.futures.Future()
+            gone.set_exception(RuntimeError(f"replica {dp_rank} was dropped (`drop_replica`)"))
+            return GroupFuture(self.name, method, [self.ranks[members[0]]], [gone], lambda answers: answers[0])
         leader = self._leaders[dp_rank]
         futs = [
             rpc.rpc_async(self._workers[i], _invoke, args=(self.name, method, args, kwargs, i == leader),
