@@ -49,22 +49,25 @@ class DyingEngine(NativeEngine):
     ``die_at_generate``: at the start of its n-th generate call (1-based), i.e. with prompts in flight.
     ``die_in_first_sync``: when asked for its parameter layout, which a rollout rank does when it makes its
     weight relay inside the first asynchronous weight sync, i.e. in the middle of a broadcast.
+    ``die_in_greedy``: at its first greedy call (temperature 0: validation).
     """
 
     def __init__(self, *args, die_on_rank: int = -1, die_at_generate: int = 0, die_in_first_sync: bool = False,
-                 **kwargs):
+                 die_in_greedy: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._dies = torch.distributed.get_rank() == die_on_rank
         self._die_at_generate, self._die_in_first_sync, self._calls = die_at_generate, die_in_first_sync, 0
+        self._die_in_greedy = die_in_greedy
 
     def _die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts, sampling=None, **kwargs):
         self._calls += 1
-        if self._dies and self._calls == self._die_at_generate:
+        greedy = sampling is not None and sampling.temperature == 0
+        if self._dies and (self._calls == self._die_at_generate or (self._die_in_greedy and greedy)):
             self._die()
-        return super().generate(*args, **kwargs)
+        return super().generate(prompts, sampling, **kwargs)
 
     def param_shard_dims(self):
         if self._dies and self._die_in_first_sync:

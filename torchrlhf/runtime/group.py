@@ -483,6 +483,13 @@ class WorkerGroup:
         """Live replicas with a rank that no longer answers RPC (its process died)."""
         return sorted({self.replica_of(r) for r in self.live_ranks if not is_reachable(r)})
 
+    def drop_unreachable_replicas(self) -> list[int]:
+        """`drop_replica` every live replica whose rank no longer answers; returns the replicas dropped."""
+        dead = self.unreachable_replicas()
+        for d in dead:
+            self.drop_replica(d)
+        return dead
+
     def _call(self, m: _GroupMethod, args: tuple, kwargs: dict) -> GroupFuture:
         live = [i for i, d in enumerate(self.dp_ranks) if d not in self.lost_dp_ranks]  # group indices called
         n = len(live)

@@ -225,7 +225,7 @@ class RLTrainer:
         try:
             answers = rollout.busy_seconds()
         except WorkerError as e:
-            if not (e.unreachable and self.roles.weight_sync.lose_rollout_replicas):
+            if not (e.unreachable and self._may_lose_rollouts()):
                 raise
             return {}  # a rollout rank just died: the weight sync or the rollout thread drops it
         busy = {r: float(b.get("generate", 0.0)) for r, b in zip(ranks, answers)}
@@ -301,9 +301,8 @@ class RLTrainer:
                               stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
                               baseline=self._baseline_scores if self.algo.adv_estimator == "remax" else None,
                               max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,
-                              lose_replicas=self.roles.weight_sync is not None
-                              and self.roles.weight_sync.lose_rollout_replicas,
-                              partial_rollout=a.partial_rollout, **common)
+                              lose_replicas=self._may_lose_rollouts(), partial_rollout=a.partial_rollout,
+                              **common)
 
     def _take_async_rollouts(self, metrics: dict[str, float]) -> Batch:
         """The next batch the rollout thread has ready (generated and rule-scored while the actor trained)."""
@@ -325,9 +324,19 @@ class RLTrainer:
         prompts.meta["weight_version"] = self.weight_version
         if self.async_rollouts is not None:  # validation: the newest version the relays hold
             prompts.meta[RELAY_VERSION] = self.async_rollouts.published
-        gen = self.roles.rollout.generate(prompts)
+        while True:
+            try:
+                gen = self.roles.rollout.generate(prompts)
+                break
+            except WorkerError as e:  # a rollout rank died: again on the live replicas, where allowed
+                if not (e.unreachable and self._may_lose_rollouts() and self.roles.rollout.drop_unreachable_replicas()):
+                    raise
         gen.meta["temperature"] = sampling["temperature"] or 1.0
         return gen
+
+    def _may_lose_rollouts(self) -> bool:
+        """Whether a dead rollout replica is dropped instead of ending the run (`build.may_lose_rollout_replicas`)."""
+        return self.roles.weight_sync is not None and self.roles.weight_sync.lose_rollout_replicas
 
     def _greedy_baseline(self, gen: Batch) -> torch.Tensor:
         """ReMax: reward of the greedy response to the same prompt (one per sample)."""

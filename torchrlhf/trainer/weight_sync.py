@@ -48,18 +48,11 @@ class WeightSync:
                                                         self.relay_capacity if to_relay else 0),
                 )
             except WorkerError:
-                if not (self.lose_rollout_replicas and self._drop_dead_replicas()):
+                if not (self.lose_rollout_replicas and self.rollout.drop_unreachable_replicas()):
                     raise  # an actor rank failed, or nothing died: the job ends with the error
                 continue
             return {"weight_sync/bytes": sent["bytes"], "weight_sync/buckets": sent["buckets"],
                     "weight_sync/send_s": sent["seconds"]}
-
-    def _drop_dead_replicas(self) -> bool:
-        """Give up the rollout replicas whose ranks no longer answer; True if there were any."""
-        dead = self.rollout.unreachable_replicas()
-        for d in dead:
-            self.rollout.drop_replica(d)
-        return bool(dead)
 
     def _follow_lost_replicas(self) -> None:
         """After rollout replicas were lost, sync over a new group of the live ranks only."""
