@@ -40,7 +40,8 @@ class FakeRollouts:
 
     def __init__(self, dp_size: int, seed: int = 0, slow: float = 0.03) -> None:
         self.dp_size, self.rng, self.slow = dp_size, random.Random(seed), slow
-        self.ranks, self.lost_dp_ranks, self.dead = list(range(dp_size)), set(), set()  # one rank per replica
+        # one rank per replica: replica d on rank d + 1
+        self.ranks, self.lost_dp_ranks, self.dead = [d + 1 for d in range(dp_size)], set(), set()
         self.running: dict[int, int] = {}
         self.max_running = 0
         self.lock = threading.Lock()
@@ -82,14 +83,13 @@ class FakeRollouts:
     def live_dp_ranks(self) -> list[int]:
         return [d for d in range(self.dp_size) if d not in self.lost_dp_ranks]
 
-    live_ranks = live_dp_ranks
+    @property
+    def live_ranks(self) -> list[int]:
+        return [d + 1 for d in self.live_dp_ranks]
 
-    def unreachable_replicas(self) -> list[int]:
-        return sorted(self.dead - self.lost_dp_ranks)
-
-    def drop_replica(self, d: int) -> list[int]:
-        self.lost_dp_ranks.add(d)
-        return [d]
+    def drop_dead(self, called: list[int]) -> bool:
+        self.lost_dp_ranks |= self.dead
+        return bool(set(called) - set(self.live_ranks))
 
 
 class PromptSource:

@@ -409,7 +409,9 @@ class _Run:
         tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p)
         self.out_tok[slot_t, 0] = tok
         self.out_lp[slot_t, 0] = lp
-        self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[sid // n] for sid, _ in taken], device=e.device)
+        if self.between_steps is not None:
+            self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[sid // n] for sid, _ in taken],
+                                                   device=e.device)
         self.cur[slot_t] = tok
         lens = [len(self.prompt_tokens[sid // n]) for sid, _ in taken]
         self.pos[slot_t] = torch.tensor(lens, device=e.device)
@@ -512,7 +514,8 @@ class _Run:
         tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
         self.out_tok[rows, step] = tok
         self.out_lp[rows, step] = lp
-        self.out_ver[rows, step] = self.version
+        if self.between_steps is not None:
+            self.out_ver[rows, step] = self.version
         self.cur[:span] = tok
         live_t = self.live[:span]
         self.pos[:span] += live_t

@@ -483,12 +483,13 @@ class WorkerGroup:
         """Live replicas with a rank that no longer answers RPC (its process died)."""
         return sorted({self.replica_of(r) for r in self.live_ranks if not is_reachable(r)})
 
-    def drop_unreachable_replicas(self) -> list[int]:
-        """`drop_replica` every live replica whose rank no longer answers; returns the replicas dropped."""
-        dead = self.unreachable_replicas()
-        for d in dead:
+    def drop_dead(self, called: Sequence[int]) -> bool:
+        """After a call to ``called`` (global ranks) failed: `drop_replica` every live replica whose rank no
+        longer answers; True if a rank of ``called`` is now lost (dropped here or by another thread), i.e.
+        the call may go again to the live replicas."""
+        for d in self.unreachable_replicas():
             self.drop_replica(d)
-        return dead
+        return bool(set(called) - set(self.live_ranks))
 
     def _call(self, m: _GroupMethod, args: tuple, kwargs: dict) -> GroupFuture:
         live = [i for i, d in enumerate(self.dp_ranks) if d not in self.lost_dp_ranks]  # group indices called

@@ -211,7 +211,7 @@ class StreamRollouts(AsyncRollouts):
         between two takes (default: one batch) is an error, as ``algorithm.max_num_gen_batches`` is in sync.
         ``baseline`` (ReMax): after each call the same replica also generates the greedy response to its
         prompts with the same version; ``baseline(greedy)`` becomes the samples' ``reward_baselines``.
-        ``lose_replicas``: a replica whose rank died (`WorkerGroup.unreachable_replicas`) is dropped and its
+        ``lose_replicas``: a replica whose rank died (`WorkerGroup.drop_dead`) is dropped and its
         prompts requeued, instead of ending the run. ``partial_rollout``: replicas also load newer versions
         between decode steps; a group's version stays the one it started with (its oldest tokens')."""
         super().__init__(rollout, **kwargs)
@@ -346,11 +346,8 @@ class StreamRollouts(AsyncRollouts):
     def _lose(self, d: int, error: WorkerError, prompts: Batch) -> bool:
         """Replica ``d`` failed with ``error``: if its process is gone (and losing replicas is allowed), drop
         it and put its prompts back at the front of the queue; False if the error must end the run."""
-        if not (self.lose_replicas and error.unreachable):
-            return False
-        if d not in self.rollout.lost_dp_ranks and d not in self.rollout.unreachable_replicas():
-            return False  # it answers: a timeout, not a death
-        self.rollout.drop_replica(d)
+        if not (self.lose_replicas and error.unreachable and self.rollout.drop_dead([error.rank])):
+            return False  # not allowed, or it answers: a timeout, not a death
         with self._cond:
             self.counters["requeued_in_flight"] += len(prompts)
             self._pending.extendleft(prompts[i : i + 1] for i in reversed(range(len(prompts))))

@@ -225,9 +225,9 @@ class RLTrainer:
         try:
             answers = rollout.busy_seconds()
         except WorkerError as e:
-            if not (e.unreachable and self._may_lose_rollouts()):
+            if not self._dropped_dead_rollouts(e, ranks):
                 raise
-            return {}  # a rollout rank just died: the weight sync or the rollout thread drops it
+            return {}  # a rollout rank just died
         busy = {r: float(b.get("generate", 0.0)) for r, b in zip(ranks, answers)}
         mark, self._busy_mark = self._busy_mark, (now, busy)
         if mark is None:
@@ -325,11 +325,12 @@ class RLTrainer:
         if self.async_rollouts is not None:  # validation: the newest version the relays hold
             prompts.meta[RELAY_VERSION] = self.async_rollouts.published
         while True:
+            called = self.roles.rollout.live_ranks
             try:
                 gen = self.roles.rollout.generate(prompts)
                 break
             except WorkerError as e:  # a rollout rank died: again on the live replicas, where allowed
-                if not (e.unreachable and self._may_lose_rollouts() and self.roles.rollout.drop_unreachable_replicas()):
+                if not self._dropped_dead_rollouts(e, called):
                     raise
         gen.meta["temperature"] = sampling["temperature"] or 1.0
         return gen
@@ -337,6 +338,11 @@ class RLTrainer:
     def _may_lose_rollouts(self) -> bool:
         """Whether a dead rollout replica is dropped instead of ending the run (`build.may_lose_rollout_replicas`)."""
         return self.roles.weight_sync is not None and self.roles.weight_sync.lose_rollout_replicas
+
+    def _dropped_dead_rollouts(self, error: WorkerError, called: list[int]) -> bool:
+        """A rollout call to ``called`` failed with ``error``: True if it failed because one of them died and
+        was dropped (`WorkerGroup.drop_dead`), so it may go again to the live replicas."""
+        return error.unreachable and self._may_lose_rollouts() and self.roles.rollout.drop_dead(called)
 
     def _greedy_baseline(self, gen: Batch) -> torch.Tensor:
         """ReMax: reward of the greedy response to the same prompt (one per sample)."""

@@ -48,7 +48,7 @@ class WeightSync:
                                                         self.relay_capacity if to_relay else 0),
                 )
             except WorkerError:
-                if not (self.lose_rollout_replicas and self.rollout.drop_unreachable_replicas()):
+                if not (self.lose_rollout_replicas and self.rollout.drop_dead(self._members[1:])):
                     raise  # an actor rank failed, or nothing died: the job ends with the error
                 continue
             return {"weight_sync/bytes": sent["bytes"], "weight_sync/buckets": sent["buckets"],
