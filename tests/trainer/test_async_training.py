@@ -69,9 +69,9 @@ def test_async_reaches_the_sync_reward_with_bounded_staleness(tiny_model_dir, tm
             assert m["rollout/weight_version"] == step  # the trainer's version: one update per step
             assert sum(m[f"rollout/staleness/frac_{j}"] for j in range(k + 1)) == pytest.approx(1.0)
         assert max(m["rollout/staleness/mean"] for m in metrics) > 0  # it really ran ahead
-        # running calls count up to the moment of asking; clocks of different processes: 5 % slack
-        assert all(0 < m["rollout/busy_fraction"] <= 1.05 for m in metrics[1:]), [m["rollout/busy_fraction"]
-                                                                                   for m in metrics]
+        # each rank's busy seconds over its own clock's interval, running calls counted up to the asking
+        assert all(0 < m["rollout/busy_fraction"] <= 1.0 + 1e-6 for m in metrics[1:]), [
+            m["rollout/busy_fraction"] for m in metrics[1:]]
         assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [15, 30], name
     assert [m["rollout/staleness/max"] for m in runs["det1"][:3]] == [0, 1, 1]
     assert all(m["rollout/staleness/max"] == 0 for m in runs["sync"])

@@ -66,7 +66,7 @@ def bench(cfg, world: int, warmup: int) -> None:
     role_busy = 0.0
     for name, after in busy_after.items():  # per role: the slowest rank's busy time in the measured steps
         per_rank = [sum(a.get(meth, 0.0) - b.get(meth, 0.0) for meth in set(ROLE_PHASES.values()))
-                    for a, b in zip(after, busy_before[name])]
+                    for (_, a), (_, b) in zip(after, busy_before[name])]
         role_busy += max(per_rank)
     controller = total - role_wall
     print(f"  controller      {controller / n:8.2f} s   {100 * controller / total:5.1f}%  "

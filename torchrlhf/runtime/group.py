@@ -72,7 +72,9 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-_busy_s: dict[str, dict[str, float]] = {}  # worker name -> method -> seconds spent on this rank
+_busy_s: dict[str, dict[str, float]] = {}  # worker name -> method -> seconds spent on this rank, finished calls
+_busy_running: dict[int, tuple[str, str, float]] = {}  # thread -> (worker name, method, perf_counter at start)
+_busy_lock = threading.Lock()  # a call moves from running to finished atomically: no moment counts it twice or never
 
 
 def _construct(name: str, pg_key: str, ranks: list[int], cls: type, args: tuple, kwargs: dict) -> Any:
@@ -102,7 +104,8 @@ def _set_leader(name: str, leader: bool) -> None:
 
 def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
     """RPC target of every call: run the worker method; errors come back as `_Failure`."""
-    start = time.perf_counter()
+    with _busy_lock:
+        _busy_running[threading.get_ident()] = (name, method, time.perf_counter())
     stall.enter(name, method)
     try:
         out = getattr(_workers[name], method)(*args, **kwargs)
@@ -110,8 +113,10 @@ def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool
         return _Failure(traceback.format_exc())
     finally:
         stall.leave()
-        busy = _busy_s.setdefault(name, {})
-        busy[method] = busy.get(method, 0.0) + time.perf_counter() - start
+        with _busy_lock:
+            _, _, start = _busy_running.pop(threading.get_ident())
+            busy = _busy_s.setdefault(name, {})
+            busy[method] = busy.get(method, 0.0) + time.perf_counter() - start
     return out if want_result else None
 
 
@@ -130,14 +135,21 @@ def process_group(key: str) -> dist.ProcessGroup:
     return _process_groups[key]
 
 
-def busy_seconds(name: str) -> dict[str, float]:
-    """Seconds this rank has spent inside each method of worker ``name``, calls still running included up to
-    now: the controller's wall time of a call minus this is what dispatch, RPC and serialization cost."""
-    out = dict(_busy_s.get(name, {}))
-    for group, method, seconds in stall.running_calls():
-        if group == name:
-            out[method] = out.get(method, 0.0) + seconds
-    return out
+def busy_seconds(name: str) -> tuple[float, dict[str, float]]:
+    """This rank's clock (``time.perf_counter``) and the seconds it has spent inside each method of worker
+    ``name`` up to that moment, running calls included.
+
+    The controller's wall time of a call minus these seconds is what dispatch, RPC and serialization cost. The
+    clock comes with them so that a busy fraction divides by this process's own interval: the controller's
+    clock would not do, as a request delayed on its way makes the rank's interval longer than the controller's.
+    """
+    with _busy_lock:
+        now = time.perf_counter()
+        out = dict(_busy_s.get(name, {}))
+        for group, method, start in _busy_running.values():
+            if group == name:
+                out[method] = out.get(method, 0.0) + now - start
+    return now, out
 
 
 # ---------------------------------------------------------------------- controller side
@@ -167,6 +179,7 @@ def _reset() -> None:
         worker.close()
     _workers.clear()
     _busy_s.clear()
+    _busy_running.clear()
     _process_groups.clear()
     _names.clear()
 

@@ -53,13 +53,6 @@ def leave() -> None:
         _running.pop(threading.get_ident(), None)
 
 
-def running_calls() -> list[tuple[str, str, float]]:
-    """(group, method, seconds so far) of every call running on this rank."""
-    now = time.time()
-    with _lock:
-        return [(group, method, now - start) for group, method, start in _running.values()]
-
-
 def _blocked_in(frame: Any) -> str | None:
     """The ``torch.distributed`` call the stack ends in (the outermost frame of its innermost run of
     ``torch/distributed`` frames), with the line of ours that made it; None when it ends elsewhere."""

@@ -142,8 +142,8 @@ class Worker:
         """Release what outlives the Python object (child processes, ...): called once at runtime shutdown."""
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def busy_seconds(self) -> dict[str, float]:
-        """Seconds spent inside each method on this rank (for the controller/RPC overhead in benchmarks)."""
+    def busy_seconds(self) -> tuple[float, dict[str, float]]:
+        """This rank's clock and the seconds it has spent inside each method (`runtime.group.busy_seconds`)."""
         from torchrlhf.runtime.group import busy_seconds
 
         return busy_seconds(self.context.group_name)

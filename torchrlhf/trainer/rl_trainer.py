@@ -105,7 +105,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(trainer.output_dir, keep_last=trainer.keep_last_checkpoints)
         self.async_cfg = async_training or AsyncConfig()
         self.async_rollouts: AsyncRollouts | None = None  # built by `fit` in async mode
-        self._busy_mark: tuple[float, dict[int, float]] | None = None  # (time, rollout rank -> busy seconds)
+        self._busy_mark: dict[int, tuple[float, float]] = {}  # rollout rank -> (its clock, its busy seconds)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -220,7 +220,7 @@ class RLTrainer:
         """Split placement: the share of wall time since the last step that rollout ranks spent generating."""
         if self.roles.weight_sync is None:
             return {}
-        now, rollout = time.perf_counter(), self.roles.rollout
+        rollout = self.roles.rollout
         ranks = rollout.live_ranks
         try:
             answers = rollout.busy_seconds()
@@ -228,11 +228,11 @@ class RLTrainer:
             if not self._dropped_dead_rollouts(e, ranks):
                 raise
             return {}  # a rollout rank just died
-        busy = {r: float(b.get("generate", 0.0)) for r, b in zip(ranks, answers)}
-        mark, self._busy_mark = self._busy_mark, (now, busy)
-        if mark is None:
+        busy = {r: (clock, float(b.get("generate", 0.0))) for r, (clock, b) in zip(ranks, answers)}
+        mark, self._busy_mark = self._busy_mark, busy
+        fractions = [(b - mark[r][1]) / max(clock - mark[r][0], 1e-9) for r, (clock, b) in busy.items() if r in mark]
+        if not fractions:
             return {}
-        fractions = [(b - mark[1][r]) / max(now - mark[0], 1e-9) for r, b in busy.items() if r in mark[1]]
         return {"rollout/busy_fraction": sum(fractions) / len(fractions), "rollout/busy_fraction_min": min(fractions)}
 
     @contextlib.contextmanager
