@@ -9,7 +9,7 @@ from torch import nn
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
-from torchrlhf.generation.prepacked import PrepackedLinears
+from torchrlhf.generation.prepacked import PackedLinear, PrepackedLinears
 
 from gen_helpers import hf_greedy, left_padded, tiny_model
 
@@ -24,20 +24,33 @@ def prompts() -> Batch:
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (3, 5, 48)])
 def test_prepacked_linear_matches_f_linear(shape):
     torch.manual_seed(0)
-    linear, plain = nn.Linear(48, 80), nn.Linear(48, 80, bias=False)
-    packed = PrepackedLinears([linear, plain])
-    assert packed.refresh() == 2 and packed.refresh() == 0  # packed once, until a weight changes
+    model = nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 80, bias=False))
+    linear, plain = model[0].weight, model[1].weight
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    packs = PrepackedLinears(model)
+    assert [type(m) for m in model] == [PackedLinear, PackedLinear]
+    assert model[0].weight is linear and model[1].weight is plain  # the same Parameters, under the same names
+    assert set(dict(model.named_parameters())) == set(expected)
+    assert packs.refresh() == 2 and packs.refresh() == 0  # packed once, until a weight changes
     x = torch.randn(shape)
     with torch.no_grad():
-        torch.testing.assert_close(packed(linear, x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed(plain, x), F.linear(x, plain.weight), rtol=1e-5, atol=1e-5)
+        h = F.linear(x, expected["0.weight"], expected["0.bias"])
+        torch.testing.assert_close(model[0](x), h, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), F.linear(h, expected["1.weight"]), rtol=1e-5, atol=1e-5)
 
 
-def test_an_unpacked_module_falls_back_to_its_own_forward():
-    linear = nn.Linear(8, 4)
+def test_an_invalidated_module_computes_with_its_current_weight():
+    model = nn.Sequential(nn.Linear(8, 4))
+    packs = PrepackedLinears(model)
+    packs.refresh()
     x = torch.randn(2, 8)
     with torch.no_grad():
-        assert torch.equal(PrepackedLinears([])(linear, x), linear(x))
+        model[0].weight.mul_(2.0)
+        packs.invalidate(model[0].weight)
+        assert model[0].packed is None
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+        assert packs.refresh() == 1
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torchrlhf.generation.model import CompactDecoder
+from torchrlhf.generation.model import CachedDecoder
 
 
 def _span_bucket(span: int, max_span: int) -> int:
@@ -26,7 +26,7 @@ def _span_bucket(span: int, max_span: int) -> int:
 
 
 class GraphedDecode:
-    """``CompactDecoder.decode`` with the same signature, replayed from captured CUDA graphs.
+    """``CachedDecoder.decode`` with the same signature, replayed from captured CUDA graphs.
 
     Graphs are captured lazily, the first time a (span bucket, KV bucket) pair is
     needed, and share one memory pool (their intermediates are dead after each replay;
@@ -34,7 +34,7 @@ class GraphedDecode:
     of a static buffer, valid until the next call.
     """
 
-    def __init__(self, decoder: CompactDecoder, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int = 256):
+    def __init__(self, decoder: CachedDecoder, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int = 256):
         if k_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the KV cache on a CUDA device, got {k_cache.device}")
         self.decoder = decoder

@@ -29,7 +29,7 @@ from torchrlhf.generation.base import (
     validate_prompts,
 )
 from torchrlhf.generation.cuda_graphs import GraphedDecode
-from torchrlhf.generation.model import TP_SHARD_DIMS, CompactDecoder
+from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
 
@@ -71,8 +71,10 @@ class NativeEngine:
 
     Args:
         model_or_path: an HF causal LM (its parameter tensors are used as they are,
-            not copied; it must already be on ``device`` in ``dtype``) or a path to an
-            HF model directory (loaded with safetensors; the engine then owns the weights).
+            not copied; it must already be on ``device`` in ``dtype``; its attention
+            implementation becomes ``"torchrlhf_sdpa"``, which is SDPA outside the engine)
+            or a path to an HF model directory (loaded with safetensors; the engine then
+            owns the weights). Generation runs the model's own decoder layers.
         tokenizer: needed for stop strings and the EOS ids; without it EOS comes from
             the model's generation config and stop strings are refused.
         max_batch_size: KV-cache slots, i.e. samples decoded together.
@@ -144,7 +146,7 @@ class NativeEngine:
         self.tp_mesh = tp_mesh
         self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
         self.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
-        self.decoder = CompactDecoder(model, max_seq_len, self.device, self.dtype)
+        self.decoder = CachedDecoder(model, max_seq_len, self.device, self.dtype)
         self.dims = self.decoder.dims(self.tp_size)
         if self.tp_size > 1:
             from torch.distributed.tensor.parallel import parallelize_module
@@ -157,10 +159,7 @@ class NativeEngine:
         self._graphed: GraphedDecode | None = None
         self.prepacked: PrepackedLinears | None = None
         if cpu_prepack and self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype):
-            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-            embedding = model.model.embed_tokens.weight  # a tied lm_head's weight is also read as the embedding
-            unshared = [m for m in linears if m.weight is not embedding]
-            self.prepacked = self.decoder.prepacked = PrepackedLinears(linears, free_plain=unshared)
+            self.prepacked = PrepackedLinears(model, free_plain=True)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._allocate_cache()
@@ -253,7 +252,7 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ generate
     def decode_fn(self):
-        """The decode step to call: graph replay where enabled, else the eager `CompactDecoder.decode`."""
+        """The decode step to call: graph replay where enabled, else the eager `CachedDecoder.decode`."""
         if not self.use_cuda_graphs:
             return self.decoder.decode
         if self._graphed is None:

@@ -1,11 +1,18 @@
-"""A compact decoder forward over a Hugging Face model's own modules.
+"""The engine's forward: the HF model's own decoder layers, with an attention plan that keeps a KV cache.
 
-The engine does not use the HF forward (its cache, masks and per-step bookkeeping
-dominate decode time); it calls the HF projection/norm weights of the supported
-families directly (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norms) and
-keeps its own KV cache. Because it calls the HF ``nn.Linear`` modules, the same
-code runs tensor-parallel after `parallelize_module` turns them into DTensor
-colwise/rowwise modules: projections then return this rank's heads.
+Training and generation run one model definition. Each decoder layer (projections, q/k norms,
+RoPE, SwiGLU, residuals) is the HF family's own ``forward``; the only thing the engine adds is
+where keys and values live. Every model the library loads uses the attention implementation
+``"torchrlhf_sdpa"`` (`models/packed_attention.py`), which hands attention to the plan given as
+the forward's ``attention_plan=`` keyword: `PackedAttention` in training (shared prompts,
+packed rows), `CachedAttention` here (write this step's keys/values into the engine's cache,
+attend over the cached ones). What HF's model-level forward adds per step (its cache object,
+mask building, output containers) is left out: this module calls the embedding, the layers,
+the final norm and the head itself.
+
+Because the projections are the HF ``nn.Linear`` modules, the same code runs tensor-parallel
+after `parallelize_module` turns them into colwise/rowwise DTensor modules (projections then
+return this rank's heads), and on CPU after `PrepackedLinears` gives them oneDNN-packed weights.
 """
 
 from __future__ import annotations
@@ -16,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchrlhf.generation.prepacked import PrepackedLinears
-from torchrlhf.models.packed_attention import sliding_window
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sliding_window
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
 
-# The decoder families with the Llama block layout: what the TP plan and this forward both implement.
+# The decoder families with the Llama block layout: what the TP plan and the engine both support.
 SUPPORTED_MODEL_TYPES = TP_SUPPORTED_MODEL_TYPES
 
 # Which dim of each parameter is split across TP ranks in the generation layout
@@ -38,14 +44,11 @@ class ModelDims:
 
 
 def check_supported(config, max_seq_len: int) -> None:
-    """Raise if the HF config is outside what the compact forward implements."""
+    """Raise if the HF config is outside what the engine supports."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"NativeEngine supports model types {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}"
         )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"NativeEngine supports hidden_act='silu' (SwiGLU), got {act!r}")
     window = sliding_window(config)
     if window is not None and window < max_seq_len:
         raise ValueError(
@@ -53,18 +56,11 @@ def check_supported(config, max_seq_len: int) -> None:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm exactly (fp32 statistics, weight applied in the input dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def rope_tables(model: nn.Module, max_seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq_len, head_dim] from the model's own rotary module.
+    """cos/sin [max_seq_len, head_dim] from the model's own rotary module, computed once.
 
-    Using its ``inv_freq`` and ``attention_scaling`` picks up rope_theta and the
-    static scaling types (linear, llama3, yarn) exactly as HF computes them.
+    Its ``inv_freq`` and ``attention_scaling`` carry rope_theta and the static scaling types
+    (linear, llama3, yarn) exactly as HF computes them per forward.
     """
     rotary = model.model.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
@@ -78,33 +74,64 @@ def rope_tables(model: nn.Module, max_seq_len: int, device, dtype) -> tuple[torc
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D]; cos/sin broadcastable to [..., T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class CachedAttention:
+    """One engine forward's attention: store the new keys/values in cache slots, attend over the cache.
+
+    Prefill (``positions`` None): right-padded prompts, one per slot of ``slots``, written at positions
+    ``0..S-1`` and attended causally (padding writes junk that decode overwrites before it is read).
+    Decode: one token per slot ``0..span-1`` at ``positions``; attention reads cache positions
+    ``< kv_len`` through views, masked to each slot's own length, so nothing is gathered or copied.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, kv_len: int = 0) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.slots, self.positions, self.kv_len = slots, positions, kv_len
+        if positions is not None:
+            b = positions.shape[0]
+            self.rows = torch.arange(b, device=positions.device)
+            cols = torch.arange(kv_len, device=positions.device)
+            self.mask = (cols[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [b, H, T, D], k/v [b, Hkv, T, D] (HF's layout after RoPE) -> [b, T, H, D]."""
+        if self.positions is None:
+            s = q.shape[2]
+            self.k_cache[layer, self.slots, :s] = k.transpose(1, 2)
+            self.v_cache[layer, self.slots, :s] = v.transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2)
+        b, heads, _, head_dim = q.shape
+        span = b
+        kc, vc = self.k_cache[layer, :span], self.v_cache[layer, :span]
+        kc[self.rows, self.positions] = k[:, :, 0]
+        vc[self.rows, self.positions] = v[:, :, 0]
+        kv_heads = k.shape[1]
+        # Group query heads by their KV head so GQA needs no repeated KV: q [b, Hkv, G, D].
+        qg = q[:, :, 0].reshape(b, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, kc[:, : self.kv_len].transpose(1, 2), vc[:, : self.kv_len].transpose(1, 2),
+            attn_mask=self.mask, scale=scale,
+        )
+        return out.reshape(b, 1, heads, head_dim)
 
 
-class CompactDecoder:
-    """Prefill and decode over an HF causal LM's modules with an external KV cache.
+class CachedDecoder:
+    """Prefill and decode of an HF causal LM through its own layers, with the engine's KV cache.
 
-    The KV cache is two tensors ``[layers, slots, max_seq_len, kv_heads, head_dim]``
-    owned by the engine; this class only reads and writes the slots it is given.
+    The KV cache is two tensors ``[layers, slots, max_seq_len, kv_heads, head_dim]`` owned by the
+    engine; this class only reads and writes the slots it is given.
     """
 
     def __init__(self, model: nn.Module, max_seq_len: int, device, dtype) -> None:
-        self.model = model
         cfg = model.config
         check_supported(cfg, max_seq_len)
+        # The layers hand attention to the plan only under this implementation; elsewhere it is plain SDPA.
+        cfg._attn_implementation = ATTN_IMPLEMENTATION
+        self.model = model
         self.layers = list(model.model.layers)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eps = cfg.rms_norm_eps
-        self.qk_norm = cfg.model_type == "qwen3"
         self.cos, self.sin = rope_tables(model, max_seq_len, device, dtype)
-        self.prepacked: PrepackedLinears | None = None  # set by the engine on CPU fp32
-
-    def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return module(x) if self.prepacked is None else self.prepacked(module, x)
 
     def dims(self, tp_size: int) -> ModelDims:
         cfg = self.model.config
@@ -115,80 +142,37 @@ class CompactDecoder:
             )
         return ModelDims(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads // tp_size, head_dim=self.head_dim)
 
-    def _qkv(self, layer: nn.Module, h: torch.Tensor, positions: torch.Tensor):
-        """Projections + q/k norm + RoPE; h [B, T, D] -> q [B,T,H,hd], k/v [B,T,Hkv,hd]."""
-        attn = layer.self_attn
-        b, t, _ = h.shape
-        q = self._linear(attn.q_proj, h).view(b, t, -1, self.head_dim)
-        k = self._linear(attn.k_proj, h).view(b, t, -1, self.head_dim)
-        v = self._linear(attn.v_proj, h).view(b, t, -1, self.head_dim)
-        if self.qk_norm:
-            q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-        cos = self.cos[positions][..., None, :]
-        sin = self.sin[positions][..., None, :]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-        mlp = layer.mlp
-        gate, up = self._linear(mlp.gate_proj, h), self._linear(mlp.up_proj, h)
-        return x + self._linear(mlp.down_proj, F.silu(gate) * up)
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, plan: CachedAttention) -> torch.Tensor:
+        """tokens/positions [b, T] -> final hidden states [b, T, D] (before the final norm)."""
+        x = self.model.model.embed_tokens(tokens)
+        rope = (self.cos[positions], self.sin[positions])
+        for layer in self.layers:
+            x = layer(x, position_embeddings=rope, attention_plan=plan)
+        return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.model.model.norm.weight, self.eps)
-        return self._linear(self.model.lm_head, x).float()
+        return self.model.lm_head(self.model.model.norm(x)).float()
 
     def prefill(
         self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, k_cache, v_cache
     ) -> torch.Tensor:
         """Run right-padded prompts ``tokens`` [b, S] into cache ``slots`` [b].
 
-        Every slot's positions 0..S-1 are written; those past a prompt's length hold
-        junk that decode overwrites before it is ever attended to. Returns the
-        logits [b, V] at each prompt's last real token.
+        Returns the logits [b, V] at each prompt's last real token.
         """
         b, s = tokens.shape
-        positions = torch.arange(s, device=tokens.device)
-        x = self.model.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q, k, v = self._qkv(layer, h, positions)
-            k_cache[i, slots, :s] = k
-            v_cache[i, slots, :s] = v
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            )
-            x = x + self._linear(layer.self_attn.o_proj, o.transpose(1, 2).reshape(b, s, -1))
-            x = self._mlp(layer, x)
-        last = x[torch.arange(b, device=x.device), lengths - 1]
-        return self._logits(last)
+        positions = torch.arange(s, device=tokens.device).expand(b, s)
+        x = self._forward(tokens, positions, CachedAttention(k_cache, v_cache, slots=slots))
+        return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, span: int, kv_len: int, k_cache, v_cache
     ) -> torch.Tensor:
         """One step for slots 0..span-1: token [span] goes to ``positions`` [span].
 
-        Attention reads only cache positions < ``kv_len`` (the longest live
-        sequence + 1), through views, so nothing is gathered or copied. Returns
+        Attention reads only cache positions < ``kv_len`` (the longest live sequence + 1). Returns
         logits [span, V].
         """
-        b = tokens.shape[0]
-        rows = torch.arange(b, device=tokens.device)
-        mask = (torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
-        x = self.model.model.embed_tokens(tokens[:, None])
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q, k, v = self._qkv(layer, h, positions[:, None])
-            kc, vc = k_cache[i, :span], v_cache[i, :span]
-            kc[rows, positions] = k[:, 0]
-            vc[rows, positions] = v[:, 0]
-            kv_heads = k.shape[2]
-            # Group query heads by their KV head so GQA needs no repeated KV: q [b, Hkv, G, hd].
-            qg = q[:, 0].reshape(b, kv_heads, -1, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                qg, kc[:, :kv_len].transpose(1, 2), vc[:, :kv_len].transpose(1, 2), attn_mask=mask
-            )
-            x = x + self._linear(layer.self_attn.o_proj, o.reshape(b, 1, -1))
-            x = self._mlp(layer, x)
+        plan = CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len)
+        x = self._forward(tokens[:, None], positions[:, None], plan)
         return self._logits(x[:, 0])

@@ -13,6 +13,7 @@ door: the engine's own weights, written by ``update_weights``, which
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,32 +22,65 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-class PrepackedLinears:
-    """Packed copies of some ``nn.Linear`` weights, and the linear that uses them.
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` over the same weight and bias Parameters that computes through a packed copy of
+    the weight while it has one (`PrepackedLinears` gives and takes it), and like ``nn.Linear`` otherwise.
 
-    Args:
-        linears: the modules to pack (plain, non-DTensor ``nn.Linear`` on CPU, fp32).
-        free_plain: modules whose plain weight storage is freed once packed (weights the
-            engine owns and nothing else reads). Whoever writes such a weight gives it
-            its storage back first; the next `refresh` packs and frees it again.
+    Being the module the model calls, it needs no change to the model's forward; its parameters keep
+    their names and identities, so state dicts and weight updates see the model unchanged.
     """
 
-    def __init__(self, linears: list[nn.Linear], free_plain: list[nn.Linear] = ()) -> None:
-        self.linears = list(linears)
-        self.free_plain = set(free_plain)
-        self._packed: dict[nn.Linear, torch.Tensor] = {}
-        self._readers: dict[int, list[nn.Linear]] = {}  # id(weight) -> the modules that read it (tied weights: several)
-        for module in self.linears:
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        out.weight, out.bias = linear.weight, linear.bias
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class PrepackedLinears:
+    """Turns every ``nn.Linear`` of ``model`` into a `PackedLinear` and keeps their packed copies current.
+
+    Args:
+        model: modules on CPU in fp32, not DTensor-parallel; changed in place.
+        free_plain: whether a packed module's plain weight storage is freed (weights the engine owns
+            and nothing else reads: a weight that is also read elsewhere, like an embedding tied to
+            the head, keeps it). Whoever writes a freed weight gives it its storage back first; the
+            next `refresh` packs and frees it again.
+    """
+
+    def __init__(self, model: nn.Module, free_plain: bool = False) -> None:
+        self.modules: list[PackedLinear] = []
+        linear_weights = set()
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    packed = PackedLinear.wrap(child)
+                    setattr(parent, name, packed)
+                    self.modules.append(packed)
+                    linear_weights.add(id(child.weight))
+        # A weight a non-linear module also reads (an embedding tied to the head) keeps its plain storage.
+        read_elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
+                          for p in m.parameters(recurse=False)}
+        self.free_plain = {m for m in self.modules if free_plain and id(m.weight) not in read_elsewhere}
+        self._readers: dict[int, list[PackedLinear]] = {}  # id(weight) -> the modules reading it (tied: several)
+        for module in self.modules:
             self._readers.setdefault(id(module.weight), []).append(module)
 
     @torch.no_grad()
     def refresh(self) -> int:
         """Pack every module that has no packed copy; returns how many were packed."""
         packed = 0
-        for module in self.linears:
-            if module in self._packed:
+        for module in self.modules:
+            if module.packed is not None:
                 continue
-            self._packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
             if module in self.free_plain:
                 module.weight.untyped_storage().resize_(0)
             packed += 1
@@ -55,14 +89,9 @@ class PrepackedLinears:
     def invalidate(self, weight: torch.Tensor) -> None:
         """Drop the packed copy of every module whose weight is ``weight`` (it was just written)."""
         for module in self._readers.get(id(weight), ()):
-            self._packed.pop(module, None)
+            module.packed = None
 
     def clear(self) -> None:
         """Drop the packed copies (``release``); the next `refresh` packs everything again."""
-        self._packed.clear()
-
-    def __call__(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed.get(module)
-        if packed is None:
-            return module(x)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+        for module in self.modules:
+            module.packed = None

@@ -42,13 +42,13 @@ class ValueModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: torch.Tensor | None = None,
-        packed: PackedAttention | None = None,
+        attention_plan: PackedAttention | None = None,
     ) -> torch.Tensor:
         """Per-token scalars [B, T] (the head's dtype), or [B, N] at positions ``logits_to_keep`` [N].
 
-        ``packed`` is the shared-prefix attention plan (`models.packed_attention`), as for the causal LM.
+        ``attention_plan`` is the shared-prefix attention plan (`models.packed_attention`), as for the causal LM.
         """
-        kwargs = {} if packed is None else {"packed": packed}
+        kwargs = {} if attention_plan is None else {"attention_plan": attention_plan}
         hidden = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state

@@ -3,14 +3,18 @@
 Shared-prefix training (`workers/shared_prefix.py`) runs a group's prompt once and
 its samples' responses as separate packed rows that must read the prompt's keys
 and values. Rather than a second model definition, it plugs into transformers'
-attention registry: every model loaded for training uses the attention
+attention registry: every model the library loads uses the attention
 implementation ``"torchrlhf_sdpa"``, which is plain SDPA (same mask, same kernel)
-unless the forward is given a `PackedAttention` through the ``packed=`` keyword,
-which transformers passes unchanged from ``model(...)`` down to each attention
-call. FSDP2 and TP hooks, activation checkpointing and HF weights stay as they are.
+unless the forward is given an `AttentionPlan` through the ``attention_plan=``
+keyword, which transformers passes unchanged from ``model(...)`` (or a decoder
+layer's call) down to each attention call: a `PackedAttention` here, the
+generation engine's KV-cache plan there (`generation/model.py`). FSDP2 and TP
+hooks, activation checkpointing and HF weights stay as they are.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -121,12 +125,21 @@ def sliding_window(config) -> int | None:
     return window if uses and window else None
 
 
+class AttentionPlan(Protocol):
+    """What a forward's ``attention_plan=`` does at each layer: `PackedAttention` (training),
+    `generation.model.CachedAttention` (the engine's KV cache)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [b, H, T, D], k/v [b, Hkv, T, D] after RoPE -> the attention output [b, T, H, D]."""
+        ...
+
+
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-               packed: PackedAttention | None = None, **kwargs):
-    if packed is None:
+               attention_plan: AttentionPlan | None = None, **kwargs):
+    if attention_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return packed.attend(module.layer_idx, query, key, value, scaling), None
+    return attention_plan.attend(module.layer_idx, query, key, value, scaling), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)

@@ -144,7 +144,7 @@ def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device) -> Pr
     """
     input_ids, position_ids, attention = plan.prefix_inputs(device)
     none = torch.zeros(0, dtype=torch.long, device=device)
-    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, packed=attention)
+    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, attention_plan=attention)
     return PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
 
 
@@ -158,7 +158,7 @@ def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, devic
 def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     """``model``'s output at the row's kept positions, ``[N, ...]`` (logits for an LM, scalars for a value model)."""
     out = model(input_ids=row.input_ids, position_ids=row.position_ids, logits_to_keep=row.keep,
-                packed=row.attention)
+                attention_plan=row.attention)
     return getattr(out, "logits", out)[0]
 
 
