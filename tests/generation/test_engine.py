@@ -22,6 +22,17 @@ def test_greedy_equals_hf_generate(family):
     assert out["finish_reason"] == ["length"] * len(LENGTHS)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generation_runs_the_models_own_layers(family):
+    """Whatever the family's layer computes, generation computes: a gelu MLP and attention bias, which no
+    second copy of the layer math would know, still give exactly HF's greedy tokens."""
+    model = tiny_model(family, hidden_act="gelu_pytorch_tanh", attention_bias=True)
+    batch = prompt_batch()
+    out = NativeEngine(model, max_batch_size=2, max_seq_len=64).generate(
+        batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert torch.equal(out["responses"], hf_greedy(model, batch, 12))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_logprobs_match_training_forward(temperature):
     model = tiny_model("qwen2")
