@@ -69,9 +69,10 @@ def test_async_reaches_the_sync_reward_with_bounded_staleness(tiny_model_dir, tm
             assert m["rollout/weight_version"] == step  # the trainer's version: one update per step
             assert sum(m[f"rollout/staleness/frac_{j}"] for j in range(k + 1)) == pytest.approx(1.0)
         assert max(m["rollout/staleness/mean"] for m in metrics) > 0  # it really ran ahead
-        # each rank's busy seconds over its own clock's interval, running calls counted up to the asking
-        assert all(0 < m["rollout/busy_fraction"] <= 1.0 + 1e-6 for m in metrics[1:]), [
-            m["rollout/busy_fraction"] for m in metrics[1:]]
+        # each rank's busy seconds over its own clock's interval, running calls counted up to the asking; a
+        # step during which the rollout ranks waited on a full buffer the whole time is 0
+        busy = [m["rollout/busy_fraction"] for m in metrics[1:]]
+        assert all(0 <= b <= 1.0 + 1e-6 for b in busy) and sum(busy) > 0, (name, busy)
         assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [15, 30], name
     assert [m["rollout/staleness/max"] for m in runs["det1"][:3]] == [0, 1, 1]
     assert all(m["rollout/staleness/max"] == 0 for m in runs["sync"])
