@@ -353,6 +353,32 @@ def test_a_lost_replica_ends_the_run_unless_allowed_and_dead(lose_replicas, time
         driver.stop()
 
 
+@pytest.mark.parametrize("lose_replicas", [True, False])
+def test_deterministic_generates_a_dead_replicas_batch_again_on_the_survivors(lose_replicas):
+    """Replica 1 dies in its 3rd call (batch 2): the whole batch goes again to replica 0, with the scheduled
+    version, and every later batch runs there; not allowed, the run ends with the error."""
+    group = Dying(dp_size=2, slow=0.005)
+    driver = DeterministicRollouts(group, lose_replicas=lose_replicas, **_common(1))
+    driver.start()
+    try:
+        if not lose_replicas:
+            with pytest.raises(RuntimeError, match="rank 2 did not answer"):
+                for step in range(6):
+                    driver.take(step)
+                    driver.publish(step + 1)
+            return
+        for step in range(6):
+            batch, metrics = driver.take(step)
+            assert batch["index"][::N] == list(range(step * B, (step + 1) * B))  # the sampler's step-th batch
+            assert batch["weight_version"].tolist() == [max(0, step - 1)] * (B * N)
+            driver.publish(step + 1)
+    finally:
+        driver.stop()
+    assert group.lost_dp_ranks == {1} and group.calls_to_1 == 3  # never called again once lost
+    assert metrics["async/lost_rollout_ranks"] == 1.0 and metrics["async/requeued_in_flight"] == float(B)
+    assert group.max_running == 1  # replica 0 finished its share before the batch went to it again
+
+
 def test_deterministic_checkpoint_pause_first_generates_what_the_new_version_allows():
     """A checkpoint right after a publish (the race that once hung a run): the pause waits for the batch
     the new version allows, so the saved state holds it and a resume continues exactly."""

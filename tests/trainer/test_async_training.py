@@ -145,18 +145,21 @@ def test_remax_runs_async_with_greedy_baselines(tiny_model_dir, tmp_path):
     assert len(metrics) == 3 and all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)
 
 
-@pytest.mark.parametrize("death", ["generate", "sync", "validation"])
+@pytest.mark.parametrize("death", ["generate", "sync", "validation", "deterministic"])
 def test_a_dead_rollout_rank_is_dropped_and_training_goes_on(tiny_model_dir, tmp_path, death):
-    """Rank 2 (one of two rollout replicas) is SIGKILLed: with prompts in flight (its 3rd generate call),
-    inside the first weight sync into the relays, or in the validation after step 2 (generated again on
-    rank 1). The run trains all its steps on rank 1 alone and ends cleanly; rank 2's prompts in flight are
-    generated again. Each rank is its own process (as under srun, or one torchrun per node): a single
-    torchrun agent would stop every rank when one dies."""
+    """Rank 2 (one of two rollout replicas) is SIGKILLed: with prompts in flight (its 3rd generate call;
+    with the deterministic schedule too, whose batch then goes again to rank 1 whole), inside the first
+    weight sync into the relays, or in the validation after step 2 (generated again on rank 1). The run
+    trains all its steps on rank 1 alone and ends cleanly; rank 2's prompts in flight are generated again.
+    Each rank is its own process (as under srun, or one torchrun per node): a single torchrun agent would
+    stop every rank when one dies."""
+    in_generate = death in ("generate", "deterministic")
     engine = {**BASE["rollout"]["engine"], "_component_": "custom_components.DyingEngine", "die_on_rank": 2,
-              "die_at_generate": 3 if death == "generate" else 0, "die_in_first_sync": death == "sync",
+              "die_at_generate": 3 if in_generate else 0, "die_in_first_sync": death == "sync",
               "die_in_greedy": death == "validation"}
+    schedule = "deterministic" if death == "deterministic" else "stream"
     cfg, out = _config(tmp_path, tiny_model_dir, f"dying_{death}", 5, max_staleness=1, rollout={"engine": engine},
-                       test_freq=2 if death == "validation" else 0)
+                       test_freq=2 if death == "validation" else 0, schedule=schedule)
     procs = run_recipe_per_rank(cfg, nproc=3)
     assert procs[2].returncode == -9  # killed
     assert_ok(procs[0])
@@ -165,7 +168,7 @@ def test_a_dead_rollout_rank_is_dropped_and_training_goes_on(tiny_model_dir, tmp
     metrics = metrics_of(out)
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2, 3, 4]  # every step updated the actor
     assert metrics[-1]["async/lost_rollout_ranks"] == 1.0
-    if death == "generate":
+    if in_generate:
         assert metrics[-1]["async/requeued_in_flight"] >= 1.0
     if death == "validation":
         assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [2, 4, 5]

@@ -294,15 +294,14 @@ class RLTrainer:
         common = dict(next_prompts=self.train_prompts.next_batch, score=self._score_rules,
                       sampling=self.rollout.sampling_params(), batch_size=self.train_prompts.batch_size,
                       n=self.rollout.n, max_staleness=a.max_staleness, pad_id=self.train_prompts.pad_id,
-                      seed=self.cfg.seed)
+                      seed=self.cfg.seed, lose_replicas=self._may_lose_rollouts())
         if a.schedule == "deterministic":
             return DeterministicRollouts(self.roles.rollout, warmup=self.cfg.critic_warmup, **common)
         return StreamRollouts(self.roles.rollout, prompts_per_call=a.prompts_per_call,
                               stale_policy=a.stale_policy, filter_groups=self.algo.filter_groups,
                               baseline=self._baseline_scores if self.algo.adv_estimator == "remax" else None,
                               max_filtered=max(1, self.algo.max_num_gen_batches) * self.train_prompts.batch_size,
-                              lose_replicas=self._may_lose_rollouts(), partial_rollout=a.partial_rollout,
-                              **common)
+                              partial_rollout=a.partial_rollout, **common)
 
     def _take_async_rollouts(self, metrics: dict[str, float]) -> Batch:
         """The next batch the rollout thread has ready (generated and rule-scored while the actor trained)."""
