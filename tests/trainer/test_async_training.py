@@ -175,6 +175,30 @@ def test_a_dead_rollout_rank_is_dropped_and_training_goes_on(tiny_model_dir, tmp
     assert all(m["rollout/staleness/max"] <= 1 for m in metrics)
 
 
+def test_a_dead_rank_of_a_tensor_parallel_rollout_replica_drops_the_replica(tiny_model_dir, tmp_path):
+    """Two rollout replicas of TP 2 (ranks 1-2, 3-4); rank 4 is SIGKILLed in its 3rd generate call. Its
+    peer, rank 3, cannot generate alone: the replica is dropped, rank 3 idles, training goes on with ranks
+    1-2, and every live rank, rank 3 included, exits 0."""
+    engine = {**BASE["rollout"]["engine"], "_component_": "custom_components.DyingEngine", "die_on_rank": 4,
+              "die_at_generate": 3}
+    out = tmp_path / "tp_death"
+    trainer = {"total_steps": 5, "mode": "async", "output_dir": str(out), "loggers": ["jsonl"], "test_freq": 0,
+               "save_freq": 0}
+    cfg = write_config(tmp_path / "tp_death.yaml", tiny_model_dir, trainer=trainer,
+                       async_training={"max_staleness": 1}, actor=SPLIT["actor"],
+                       placement={"actor": [0], "rollout": [1, 2, 3, 4]}, rollout={"engine": engine, "tp_size": 2})
+    procs = run_recipe_per_rank(cfg, nproc=5)
+    assert procs[4].returncode == -9  # killed
+    assert_ok(procs[0])
+    for rank in (1, 2, 3):
+        assert procs[rank].returncode == 0, (rank, procs[rank].stderr[-3000:])
+    assert ("LOST group 'rollout' replica 1 (ranks [3, 4]): ranks [4] no longer answer, ranks [3] stay idle"
+            in procs[0].stderr)
+    metrics = metrics_of(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2, 3, 4]  # every step updated the actor
+    assert metrics[-1]["async/lost_rollout_ranks"] == 2.0 and metrics[-1]["async/requeued_in_flight"] >= 1.0
+
+
 def test_partial_rollouts_record_the_version_of_every_token(tiny_model_dir, tmp_path):
     """``partial_rollout``: the engines also load new versions between decode steps. Each step logs the
     share of samples whose tokens span versions and the per-token staleness, which stays within k. Decode steps are slowed down (0.1 s) so that generation is the

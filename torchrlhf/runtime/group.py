@@ -477,7 +477,9 @@ class WorkerGroup:
 
     def drop_replica(self, dp_rank: int) -> list[int]:
         """Give up replica ``dp_rank`` (a rank of it died): later calls go to the other replicas only, and the
-        runtime's shutdown no longer waits for its ranks. Returns the ranks given up (none if already)."""
+        runtime's shutdown no longer waits for its dead ranks. Its ranks still alive (the TP peers of a dead
+        rank, which cannot work alone) stay idle, and shut down with everyone else. Returns the ranks given
+        up (none if already)."""
         with self._lost_lock:
             if dp_rank in self.lost_dp_ranks:
                 return []
@@ -485,10 +487,14 @@ class WorkerGroup:
                 raise RuntimeError(f"group {self.name!r}: its last live replica ({dp_rank}) is lost")
             self.lost_dp_ranks.add(dp_rank)
         dropped = [r for r, d in zip(self.ranks, self.dp_ranks) if d == dp_rank]
-        for r in dropped:
+        dead = [r for r in dropped if not is_reachable(r)]
+        for r in dead:
             mark_lost(r)
-        msg = (f"torchrlhf: LOST group {self.name!r} replica {dp_rank} (ranks {dropped}): its process no longer "
-               f"answers; going on with replicas {self.live_dp_ranks}")
+        idle = sorted(set(dropped) - set(dead))
+        why = (f"its process no longer answers" if not idle else
+               f"ranks {dead} no longer answer, ranks {idle} stay idle until shutdown")
+        msg = f"torchrlhf: LOST group {self.name!r} replica {dp_rank} (ranks {dropped}): {why}; going on with " \
+              f"replicas {self.live_dp_ranks}"
         log.error(msg)
         return dropped
 

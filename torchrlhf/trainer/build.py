@@ -83,12 +83,12 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
 
 def may_lose_rollout_replicas(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> bool:
     """Whether a rollout rank that dies is dropped and training goes on: asynchronous training (either
-    schedule), each replica one rank (``rollout.tp_size`` 1; a TP group's survivors could not generate
-    alone), no other role on the rollout ranks (it would die with them), and
-    ``async_training.tolerate_rollout_failures``."""
+    schedule), no other role on the rollout ranks (it would die with them), and
+    ``async_training.tolerate_rollout_failures``. With ``rollout.tp_size`` > 1 its whole replica is dropped
+    (its TP peers cannot generate alone)."""
     a = cfg.async_training
     shared = any(set(r) & set(ranks["rollout"]) for role, r in ranks.items() if role != "rollout")
-    return cfg.trainer.mode == "async" and a.tolerate_rollout_failures and cfg.rollout.tp_size == 1 and not shared
+    return cfg.trainer.mode == "async" and a.tolerate_rollout_failures and not shared
 
 
 def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:

@@ -111,9 +111,9 @@ class AsyncConfig:
     generated with exactly weight version t - max_staleness: bit-for-bit reproducible, resumable).
     ``stale_policy``: a stream group found too stale when the trainer takes it is ``requeue``-d (its
     prompt generated again) or ``drop``-ped.
-    ``tolerate_rollout_failures``: with ``rollout.tp_size`` 1, a rollout rank whose process dies is
-    dropped, its prompts in flight are generated again elsewhere and training goes on (logged as an
-    error; ``async/lost_rollout_ranks``). The deterministic schedule then generates the batch again with
+    ``tolerate_rollout_failures``: a rollout rank whose process dies is dropped with its replica (its TP
+    peers stay idle), its prompts in flight are generated again elsewhere and training goes on (logged as
+    an error; ``async/lost_rollout_ranks`` counts the replica's ranks). The deterministic schedule then generates the batch again with
     the same version, but the run no longer reproduces an uninterrupted one bit for bit. Otherwise, or for
     any other rank, the job ends.
     ``partial_rollout``: the engine also loads newer weights between two decode steps, inside a trajectory,
