@@ -300,9 +300,10 @@ class Dying(FakeRollouts):
     """Replica 1's process dies during its 3rd call; later calls to it would fail the same way. With
     ``timeout``, its call fails the same way but the rank still answers (a timeout, not a death)."""
 
-    def __init__(self, *args, timeout: bool = False, **kwargs) -> None:
+    def __init__(self, *args, timeout: bool = False, peer_error: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.timeout, self.calls_to_1, self.prompts_lost = timeout, 0, []
+        self.peer_error = peer_error  # the failure comes as an exception from a live TP peer of the dead rank
 
     def call_dp(self, d, method, prompts):
         if d == 1:
@@ -312,15 +313,18 @@ class Dying(FakeRollouts):
                     self.dead.add(1)
                 self.prompts_lost += prompts["index"]
                 fut = FakeFuture()
-                error = WorkerError("rollout", method, 2, "rank 2 did not answer", unreachable=True)
+                error = (WorkerError("rollout", method, 2, "gloo: connection closed by peer") if self.peer_error
+                         else WorkerError("rollout", method, 2, "rank 2 did not answer", unreachable=True))
                 fut.wait = lambda: (_ for _ in ()).throw(error)
                 fut._event.set()
                 return fut
         return super().call_dp(d, method, prompts)
 
 
-def test_stream_drops_a_dead_replica_and_requeues_its_prompts():
-    group = Dying(dp_size=3, slow=0.005)
+@pytest.mark.parametrize("peer_error", [False, True])
+def test_stream_drops_a_dead_replica_and_requeues_its_prompts(peer_error):
+    """The replica's call fails as the dead rank's (no answer) or, with TP, as its live peer's exception."""
+    group = Dying(dp_size=3, slow=0.005, peer_error=peer_error)
     driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", lose_replicas=True, **_common(1))
     driver.start()
     trained: list[int] = []

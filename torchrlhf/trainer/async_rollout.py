@@ -194,9 +194,11 @@ class AsyncRollouts:
         return self.score(gen)
 
     def _dropped_dead(self, error: WorkerError) -> bool:
-        """A generate call failed with ``error``: True if its rank died and its replica is now dropped (losing
-        replicas is allowed); False if the error must end the run (it raised, or it answers: a timeout)."""
-        return self.lose_replicas and error.unreachable and self.rollout.drop_dead([error.rank])
+        """A generate call failed with ``error``: True if a rank of its replica died and the replica is now
+        dropped (losing replicas is allowed); False if the error must end the run (every rank still answers:
+        the method raised, or a call timed out). The error need not come from the dead rank: a TP peer's
+        collective can fail first."""
+        return self.lose_replicas and self.rollout.drop_dead([error.rank])
 
     def _loop(self) -> None:
         raise NotImplementedError

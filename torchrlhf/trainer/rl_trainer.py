@@ -224,8 +224,8 @@ class RLTrainer:
         ranks = rollout.live_ranks
         try:
             answers = rollout.busy_seconds()
-        except WorkerError as e:
-            if not self._dropped_dead_rollouts(e, ranks):
+        except WorkerError:
+            if not self._dropped_dead_rollouts(ranks):
                 raise
             return {}  # a rollout rank just died
         busy = {r: (clock, float(b.get("generate", 0.0))) for r, (clock, b) in zip(ranks, answers)}
@@ -328,8 +328,8 @@ class RLTrainer:
             try:
                 gen = self.roles.rollout.generate(prompts)
                 break
-            except WorkerError as e:  # a rollout rank died: again on the live replicas, where allowed
-                if not self._dropped_dead_rollouts(e, called):
+            except WorkerError:  # a rollout rank died: again on the live replicas, where allowed
+                if not self._dropped_dead_rollouts(called):
                     raise
         gen.meta["temperature"] = sampling["temperature"] or 1.0
         return gen
@@ -338,10 +338,11 @@ class RLTrainer:
         """Whether a dead rollout replica is dropped instead of ending the run (`build.may_lose_rollout_replicas`)."""
         return self.roles.weight_sync is not None and self.roles.weight_sync.lose_rollout_replicas
 
-    def _dropped_dead_rollouts(self, error: WorkerError, called: list[int]) -> bool:
-        """A rollout call to ``called`` failed with ``error``: True if it failed because one of them died and
-        was dropped (`WorkerGroup.drop_dead`), so it may go again to the live replicas."""
-        return error.unreachable and self._may_lose_rollouts() and self.roles.rollout.drop_dead(called)
+    def _dropped_dead_rollouts(self, called: list[int]) -> bool:
+        """A rollout call to ``called`` failed: True if one of its replicas lost a rank and was
+        dropped (`WorkerGroup.drop_dead`), so it may go again to the live replicas. The error need not come
+        from the dead rank: a TP peer's collective can fail first."""
+        return self._may_lose_rollouts() and self.roles.rollout.drop_dead(called)
 
     def _greedy_baseline(self, gen: Batch) -> torch.Tensor:
         """ReMax: reward of the greedy response to the same prompt (one per sample)."""
