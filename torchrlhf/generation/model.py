@@ -102,8 +102,7 @@ class CachedAttention:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         b, heads, _, head_dim = q.shape
-        span = b
-        kc, vc = self.k_cache[layer, :span], self.v_cache[layer, :span]
+        kc, vc = self.k_cache[layer, :b], self.v_cache[layer, :b]
         kc[self.rows, self.positions] = k[:, :, 0]
         vc[self.rows, self.positions] = v[:, :, 0]
         kv_heads = k.shape[1]

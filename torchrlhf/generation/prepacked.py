@@ -57,14 +57,12 @@ class PrepackedLinears:
 
     def __init__(self, model: nn.Module, free_plain: bool = False) -> None:
         self.modules: list[PackedLinear] = []
-        linear_weights = set()
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     packed = PackedLinear.wrap(child)
                     setattr(parent, name, packed)
                     self.modules.append(packed)
-                    linear_weights.add(id(child.weight))
         # A weight a non-linear module also reads (an embedding tied to the head) keeps its plain storage.
         read_elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
                           for p in m.parameters(recurse=False)}

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,11 +72,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-_busy_s: dict[str, dict[str, float]] = {}  # worker name -> method -> seconds spent on this rank, finished calls
-_busy_running: dict[int, tuple[str, str, float]] = {}  # thread -> (worker name, method, perf_counter at start)
-_busy_lock = threading.Lock()  # a call moves from running to finished atomically: no moment counts it twice or never
-
-
 def _construct(name: str, pg_key: str, ranks: list[int], cls: type, args: tuple, kwargs: dict) -> Any:
     """RPC target: build the worker with its context set; returns an RRef, or a `_Failure`."""
     ctx = WorkerContext(name, list(ranks), dist.get_rank(), _process_groups[pg_key], _device())
@@ -104,8 +99,6 @@ def _set_leader(name: str, leader: bool) -> None:
 
 def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
     """RPC target of every call: run the worker method; errors come back as `_Failure`."""
-    with _busy_lock:
-        _busy_running[threading.get_ident()] = (name, method, time.perf_counter())
     stall.enter(name, method)
     try:
         out = getattr(_workers[name], method)(*args, **kwargs)
@@ -113,10 +106,6 @@ def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool
         return _Failure(traceback.format_exc())
     finally:
         stall.leave()
-        with _busy_lock:
-            _, _, start = _busy_running.pop(threading.get_ident())
-            busy = _busy_s.setdefault(name, {})
-            busy[method] = busy.get(method, 0.0) + time.perf_counter() - start
     return out if want_result else None
 
 
@@ -136,20 +125,8 @@ def process_group(key: str) -> dist.ProcessGroup:
 
 
 def busy_seconds(name: str) -> tuple[float, dict[str, float]]:
-    """This rank's clock (``time.perf_counter``) and the seconds it has spent inside each method of worker
-    ``name`` up to that moment, running calls included.
-
-    The controller's wall time of a call minus these seconds is what dispatch, RPC and serialization cost. The
-    clock comes with them so that a busy fraction divides by this process's own interval: the controller's
-    clock would not do, as a request delayed on its way makes the rank's interval longer than the controller's.
-    """
-    with _busy_lock:
-        now = time.perf_counter()
-        out = dict(_busy_s.get(name, {}))
-        for group, method, start in _busy_running.values():
-            if group == name:
-                out[method] = out.get(method, 0.0) + now - start
-    return now, out
+    """This rank's clock and the seconds it has spent inside each method of worker ``name`` (`stall.busy_seconds`)."""
+    return stall.busy_seconds(name)
 
 
 # ---------------------------------------------------------------------- controller side
@@ -178,8 +155,7 @@ def _reset() -> None:
     for worker in reversed(list(_workers.values())):  # the reverse of construction: users before what they use
         worker.close()
     _workers.clear()
-    _busy_s.clear()
-    _busy_running.clear()
+    stall.forget_busy()
     _process_groups.clear()
     _names.clear()
 
@@ -475,11 +451,11 @@ class WorkerGroup:
         """The data-parallel replica global ``rank`` belongs to."""
         return self.dp_ranks[self.ranks.index(rank)]
 
-    def drop_replica(self, dp_rank: int) -> list[int]:
+    def drop_replica(self, dp_rank: int, known_dead: Collection[int] | None = None) -> list[int]:
         """Give up replica ``dp_rank`` (a rank of it died): later calls go to the other replicas only, and the
         runtime's shutdown no longer waits for its dead ranks. Its ranks still alive (the TP peers of a dead
-        rank, which cannot work alone) stay idle, and shut down with everyone else. Returns the ranks given
-        up (none if already)."""
+        rank, which cannot work alone) stay idle, and shut down with everyone else. ``known_dead``: ranks
+        known not to answer (default: ask each rank of the replica). Returns the ranks given up (none if already)."""
         with self._lost_lock:
             if dp_rank in self.lost_dp_ranks:
                 return []
@@ -487,27 +463,31 @@ class WorkerGroup:
                 raise RuntimeError(f"group {self.name!r}: its last live replica ({dp_rank}) is lost")
             self.lost_dp_ranks.add(dp_rank)
         dropped = [r for r, d in zip(self.ranks, self.dp_ranks) if d == dp_rank]
-        dead = [r for r in dropped if not is_reachable(r)]
+        dead = [r for r in dropped if (r in known_dead if known_dead is not None else not is_reachable(r))]
         for r in dead:
             mark_lost(r)
         idle = sorted(set(dropped) - set(dead))
-        why = (f"its process no longer answers" if not idle else
+        why = ("its process no longer answers" if not idle else
                f"ranks {dead} no longer answer, ranks {idle} stay idle until shutdown")
         msg = f"torchrlhf: LOST group {self.name!r} replica {dp_rank} (ranks {dropped}): {why}; going on with " \
               f"replicas {self.live_dp_ranks}"
         log.error(msg)
         return dropped
 
+    def _unreachable_ranks(self) -> list[int]:
+        return [r for r in self.live_ranks if not is_reachable(r)]
+
     def unreachable_replicas(self) -> list[int]:
         """Live replicas with a rank that no longer answers RPC (its process died)."""
-        return sorted({self.replica_of(r) for r in self.live_ranks if not is_reachable(r)})
+        return sorted({self.replica_of(r) for r in self._unreachable_ranks()})
 
     def drop_dead(self, called: Sequence[int]) -> bool:
         """After a call to ``called`` (global ranks) failed: `drop_replica` every live replica whose rank no
         longer answers; True if a rank of ``called`` is now lost (dropped here or by another thread), i.e.
         the call may go again to the live replicas."""
-        for d in self.unreachable_replicas():
-            self.drop_replica(d)
+        dead = self._unreachable_ranks()  # each live rank asked once
+        for d in sorted({self.replica_of(r) for r in dead}):
+            self.drop_replica(d, dead)
         return bool(set(called) - set(self.live_ranks))
 
     def _call(self, m: _GroupMethod, args: tuple, kwargs: dict) -> GroupFuture:

@@ -1,7 +1,7 @@
 """The stall doctor: when a worker call runs too long, say who waits on whom, with every rank's stack.
 
 Worker side: each rank records the calls it is running (group, method, start) as `_invoke` enters and
-leaves them. `status` is an RPC target that a free RPC thread answers even while those calls are stuck in
+leaves them, and the seconds each method has taken (`busy_seconds`). `status` is an RPC target that a free RPC thread answers even while those calls are stuck in
 a collective (gloo and NCCL waits release the GIL): every running call, how long it has run, the
 `torch.distributed` call it is blocked in (if any) and its Python stack.
 
@@ -22,8 +22,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-_running: dict[int, tuple[str, str, float]] = {}  # thread id -> (group, method, wall-clock start)
-_lock = threading.Lock()
+_running: dict[int, tuple[str, str, float]] = {}  # thread id -> (group, method, perf_counter at start)
+_finished: dict[str, dict[str, float]] = {}  # group -> method -> seconds of the calls that ended
+_lock = threading.Lock()  # a call moves from running to finished atomically: no moment counts it twice or never
 _timeout: float | None = None
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 
@@ -45,12 +46,37 @@ def stall_timeout() -> float | None:
 # ---------------------------------------------------------------------- worker side
 def enter(group: str, method: str) -> None:
     with _lock:
-        _running[threading.get_ident()] = (group, method, time.time())
+        _running[threading.get_ident()] = (group, method, time.perf_counter())
 
 
 def leave() -> None:
     with _lock:
-        _running.pop(threading.get_ident(), None)
+        group, method, start = _running.pop(threading.get_ident())
+        seconds = _finished.setdefault(group, {})
+        seconds[method] = seconds.get(method, 0.0) + time.perf_counter() - start
+
+
+def busy_seconds(group: str) -> tuple[float, dict[str, float]]:
+    """This rank's clock (``time.perf_counter``) and the seconds it has spent inside each method of worker
+    ``group`` up to that moment, running calls included.
+
+    The controller's wall time of a call minus these seconds is what dispatch, RPC and serialization cost. The
+    clock comes with them so that a busy fraction divides by this process's own interval: the controller's
+    clock would not do, as a request delayed on its way makes the rank's interval longer than the controller's.
+    """
+    with _lock:
+        now = time.perf_counter()
+        out = dict(_finished.get(group, {}))
+        for name, method, start in _running.values():
+            if name == group:
+                out[method] = out.get(method, 0.0) + now - start
+    return now, out
+
+
+def forget_busy() -> None:
+    """At runtime shutdown: the next run counts from zero."""
+    with _lock:
+        _finished.clear()
 
 
 def _blocked_in(frame: Any) -> str | None:
@@ -71,7 +97,7 @@ def _blocked_in(frame: Any) -> str | None:
 def status() -> dict[str, Any]:
     """RPC target: this rank's running calls, each with seconds, the collective it waits in, its stack."""
     frames = sys._current_frames()
-    now = time.time()
+    now = time.perf_counter()
     with _lock:
         running = list(_running.items())
     calls = []

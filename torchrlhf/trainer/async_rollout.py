@@ -200,6 +200,11 @@ class AsyncRollouts:
         collective can fail first."""
         return self.lose_replicas and self.rollout.drop_dead([error.rank])
 
+    def _loss_metrics(self) -> dict[str, float]:
+        """Rollout ranks no longer generating (a dead rank's whole replica) and prompts generated again."""
+        return {"async/lost_rollout_ranks": float(len(self.rollout.ranks) - len(self.rollout.live_ranks)),
+                "async/requeued_in_flight": float(self.counters["requeued_in_flight"])}
+
     def _loop(self) -> None:
         raise NotImplementedError
 
@@ -251,7 +256,7 @@ class StreamRollouts(AsyncRollouts):
         if self.filter_groups:
             metrics["train/dropped_groups"] = float(filtered)
         metrics["async/buffered_groups"] = float(len(self._ready))
-        metrics["async/lost_rollout_ranks"] = float(len(self.rollout.ranks) - len(self.rollout.live_ranks))
+        metrics.update(self._loss_metrics())
         for key in taken[0].metrics:
             metrics[key] = sum(r.metrics.get(key, 0.0) for r in taken) / len(taken)
         return concat_generations([r.batch for r in taken], self.pad_id), metrics
@@ -400,10 +405,8 @@ class DeterministicRollouts(AsyncRollouts):
             self._wait(lambda: step in self._ready)
             r = self._ready.pop(step)
             self._cond.notify_all()
-        lost = float(len(self.rollout.ranks) - len(self.rollout.live_ranks))
         return r.batch, {**r.metrics, "async/buffered_groups": float(len(self._ready) * self.batch_size),
-                         "async/lost_rollout_ranks": lost,
-                         "async/requeued_in_flight": float(self.counters["requeued_in_flight"])}
+                         **self._loss_metrics()}
 
     def _version(self, index: int) -> int:
         """The version batch ``index`` is generated with: the actor's after step ``index - k`` (no update
