@@ -154,3 +154,46 @@ def test_notebook_mode_single_process() -> None:
     cmd = [sys.executable, "-c", NOTEBOOK]
     p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "NOTEBOOK OK" in p.stdout, p.stdout + p.stderr
+
+
+TUNING = r"""
+import ctypes, os, torch
+from torchrlhf.runtime import launch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def mmapped_while_holding(nbytes):
+    t = torch.empty(nbytes // 4, dtype=torch.float32)
+    held = libc.mallinfo2().hblkhd
+    del t
+    return held
+
+def threads():
+    return {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+
+print("BEFORE", mmapped_while_holding(64 << 20))
+
+def main():
+    print("DURING", mmapped_while_holding(64 << 20), sorted(threads()))
+
+launch(main)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and /proc are Linux's")
+def test_launch_keeps_big_blocks_in_the_heap_and_runs_no_polling_rpc_thread() -> None:
+    """A 64 MB tensor is mmapped by default glibc; under `launch` it comes from the heap, and RPC runs no
+    shared-memory reactor (the thread that busy-polls a core)."""
+    p = subprocess.run([sys.executable, "-c", TUNING], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    before = int(re.search(r"BEFORE (\d+)", p.stdout).group(1))
+    during, names = re.search(r"DURING (\d+) (.*)", p.stdout).groups()
+    assert before >= 64 << 20, p.stdout  # glibc's default: a block this big is its own mapping
+    assert int(during) < 64 << 20, p.stdout
+    assert "TP_SHM_reactor" not in names and "TP_UV_loop" in names, names

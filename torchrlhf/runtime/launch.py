@@ -121,14 +121,20 @@ def _bind_to_master_interface(master_addr: str) -> None:
 
 
 # ---------------------------------------------------------------------- init / shutdown
-def _limit_malloc_arenas(limit: int = 1) -> None:
-    """Cap glibc's malloc arenas (unless the user set ``MALLOC_ARENA_MAX``).
+def _tune_malloc() -> None:
+    """Make glibc's malloc keep and reuse freed memory, like a caching allocator (Linux/glibc only).
 
-    RPC runs each call on one of a pool of threads, and glibc gives threads their own arenas:
-    memory a step freed in one arena is not reused by the next step's thread, so a rank's RSS grew
-    by ~1 GB per step on SmolLM2 (3.5 -> 7.3 GB in 4 steps; 3.65 GB flat with one arena, and faster).
+    - One arena: RPC runs each call on one of a pool of threads, and glibc gives threads their own
+      arenas, so memory a step freed in one arena was not reused by the next step's thread (a rank's
+      RSS grew by ~1 GB per step on SmolLM2: 3.5 -> 7.3 GB in 4 steps; 3.65 GB flat with one arena).
+    - No mmap, no trimming: glibc serves large blocks (above a threshold of at most 32 MB:
+      vocabulary-sized logits and gradients) from fresh mmap pages and unmaps them on free, so each
+      micro-batch faulted them in again: 45 % of an actor's CPU time went to the kernel in
+      ``bench_async.py``. Kept in the heap, they are reused; RSS stays at its peak between steps.
+
+    Each setting is left alone when its ``MALLOC_*_`` environment variable is set.
     """
-    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
@@ -136,8 +142,12 @@ def _limit_malloc_arenas(limit: int = 1) -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (e.g. musl): nothing to tune
         return
-    M_ARENA_MAX = -8
-    libc.mallopt(M_ARENA_MAX, limit)
+    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+    settings = [("MALLOC_ARENA_MAX", M_ARENA_MAX, 1), ("MALLOC_MMAP_MAX_", M_MMAP_MAX, 0),
+                ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD, -1)]  # -1: never trim
+    for env, option, value in settings:
+        if env not in os.environ:
+            libc.mallopt(option, value)
 
 
 def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 16) -> int:
@@ -148,7 +158,7 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
     """
     if _state["initialized"]:
         return dist.get_rank()
-    _limit_malloc_arenas()  # before RPC starts its thread pool
+    _tune_malloc()  # before RPC starts its thread pool
     global _stop_code, _stop_alone
     _stop_event.clear()
     _stop_code, _stop_alone = 0, False
@@ -176,7 +186,10 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
         init_method = f"file://{path}"
         _state["store_file"] = path
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method
+        num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method,
+        # TCP (libuv) only: the shared-memory transport's reactor thread busy-polls a core in every
+        # process (a third of a 2-core machine in a one-process run); control calls are ms to s long.
+        _transports=["uv"],
     )
     with warnings.catch_warnings():  # torch's own init_rpc trips its gloo deprecation warning
         warnings.filterwarnings("ignore", message="You are using a Backend")
