@@ -139,7 +139,7 @@ def main(k):
         g.boom()
     except WorkerError as e:
         assert "KeyError: 'nope'" in str(e) and "rank 0" in str(e)
-    from torchrlhf.runtime.group import busy_seconds  # the worker side of this (notebook) process
+    from torchrlhf.runtime.stall import busy_seconds  # the worker side of this (notebook) process
     _, busy = busy_seconds("echo")
     assert set(busy) == {"where", "double", "boom"} and all(0 < t < 5 for t in busy.values()), busy
     return k

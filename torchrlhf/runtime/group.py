@@ -124,11 +124,6 @@ def process_group(key: str) -> dist.ProcessGroup:
     return _process_groups[key]
 
 
-def busy_seconds(name: str) -> tuple[float, dict[str, float]]:
-    """This rank's clock and the seconds it has spent inside each method of worker ``name`` (`stall.busy_seconds`)."""
-    return stall.busy_seconds(name)
-
-
 # ---------------------------------------------------------------------- controller side
 class WorkerError(RuntimeError):
     """A worker method failed (or its rank died); names group, method and rank.
@@ -463,7 +458,9 @@ class WorkerGroup:
                 raise RuntimeError(f"group {self.name!r}: its last live replica ({dp_rank}) is lost")
             self.lost_dp_ranks.add(dp_rank)
         dropped = [r for r, d in zip(self.ranks, self.dp_ranks) if d == dp_rank]
-        dead = [r for r in dropped if (r in known_dead if known_dead is not None else not is_reachable(r))]
+        if known_dead is None:
+            known_dead = [r for r in dropped if not is_reachable(r)]
+        dead = [r for r in dropped if r in known_dead]
         for r in dead:
             mark_lost(r)
         idle = sorted(set(dropped) - set(dead))

@@ -1,9 +1,10 @@
 """The stall doctor: when a worker call runs too long, say who waits on whom, with every rank's stack.
 
 Worker side: each rank records the calls it is running (group, method, start) as `_invoke` enters and
-leaves them, and the seconds each method has taken (`busy_seconds`). `status` is an RPC target that a free RPC thread answers even while those calls are stuck in
-a collective (gloo and NCCL waits release the GIL): every running call, how long it has run, the
-`torch.distributed` call it is blocked in (if any) and its Python stack.
+leaves them, and the seconds each method has taken (`busy_seconds`). `status` is an RPC target that a
+free RPC thread answers even while those calls are stuck in a collective (gloo and NCCL waits release
+the GIL): every running call, how long it has run, the `torch.distributed` call it is blocked in (if any)
+and its Python stack.
 
 Controller side: `GroupFuture.wait` gives a call ``stall_timeout`` seconds (`set_stall_timeout`, from
 ``trainer.stall_timeout_s``); past it, `report` asks every rank for its status and `StallError` carries

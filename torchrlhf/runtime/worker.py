@@ -143,10 +143,10 @@ class Worker:
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def busy_seconds(self) -> tuple[float, dict[str, float]]:
-        """This rank's clock and the seconds it has spent inside each method (`runtime.group.busy_seconds`)."""
-        from torchrlhf.runtime.group import busy_seconds
+        """This rank's clock and the seconds it has spent inside each method (`runtime.stall.busy_seconds`)."""
+        from torchrlhf.runtime import stall
 
-        return busy_seconds(self.context.group_name)
+        return stall.busy_seconds(self.context.group_name)
 
     def device_mesh(self, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
         """A DeviceMesh over this group's ranks (row-major over ``self.ranks``), e.g. ``(dp, tp)``.
