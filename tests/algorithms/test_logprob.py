@@ -1,110 +1,123 @@
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from torchrlhf.algorithms import entropy_from_logits, log_probs_from_logits
+from torchrlhf.algorithms import log_probs_from_hidden
 
-
-def test_log_probs_by_hand():
-    # logits [0, ln 3] -> softmax [1/4, 3/4]
-    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
-    out = log_probs_from_logits(logits, torch.tensor([[0, 1]]))
-    torch.testing.assert_close(out, torch.tensor([[math.log(0.25), math.log(0.75)]]))
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from dist_helpers import run_ranks  # noqa: E402
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024])
-def test_log_probs_match_log_softmax_values_and_grads(chunk_size):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 11, generator=g, requires_grad=True)
-    labels = torch.randint(0, 11, (2, 5), generator=g)
-    weights = torch.randn(2, 5, generator=g)
-    ref = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
-    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
-    out = log_probs_from_logits(logits, labels, chunk_size=chunk_size)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref.float())
-    (grad,) = torch.autograd.grad((out * weights).sum(), logits)
-    torch.testing.assert_close(grad, ref_grad.float())
+def test_log_probs_and_entropy_by_hand():
+    # hidden [1, 0] through rows [0, 0] and [ln 3, 0]: logits [0, ln 3] -> softmax [1/4, 3/4]
+    hidden = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    weight = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    lp, h = log_probs_from_hidden(hidden, weight, torch.tensor([0, 1]))
+    torch.testing.assert_close(lp, torch.tensor([math.log(0.25), math.log(0.75)]))
+    want = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(h, torch.tensor([want, want]))
+    # T = 2 halves the logits: softmax [1, sqrt 3] / (1 + sqrt 3)
+    lp, _ = log_probs_from_hidden(hidden, weight, torch.tensor([0, 1]), temperature=2.0)
+    r3 = math.sqrt(3.0)
+    torch.testing.assert_close(lp, torch.tensor([-math.log(1 + r3), math.log(r3 / (1 + r3))]))
 
 
-def test_log_probs_bf16():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 4, 9, generator=g).bfloat16().requires_grad_()
-    labels = torch.randint(0, 9, (3, 4), generator=g)
-    out = log_probs_from_logits(logits, labels, chunk_size=5)
-    ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(out, ref)  # upcast before the reduction: as exact as float32 on bf16 values
-    out.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16
-
-
-def test_log_probs_saves_no_vocab_sized_float_copy():
-    logits = torch.randn(2, 6, 50, dtype=torch.bfloat16, requires_grad=True)
-    out = log_probs_from_logits(logits, torch.zeros(2, 6, dtype=torch.long), chunk_size=4)
-    saved = [t for t in out.grad_fn.next_functions[0][0].saved_tensors if t.numel() >= logits.numel()]
-    assert all(t.dtype == torch.bfloat16 for t in saved)  # only the logits themselves, not a float log-softmax
-
-
-def test_log_probs_shape_error():
-    with pytest.raises(ValueError, match="labels"):
-        log_probs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
-
-
-def test_entropy_by_hand_and_reference():
-    # uniform over 4 -> ln 4; one-hot-ish (huge logit) -> ~0
-    torch.testing.assert_close(entropy_from_logits(torch.zeros(1, 4)), torch.tensor([math.log(4.0)]))
-    assert entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]])).item() == pytest.approx(0.0, abs=1e-6)
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 3, 7, generator=g, requires_grad=True)
-    ref = torch.zeros(2, 3, dtype=torch.float64)
-    for i in range(2):  # -sum p log p, one distribution at a time
-        for t in range(3):
-            p = torch.softmax(logits[i, t].double(), -1)
-            ref[i, t] = -(p * p.log()).sum()
-    out = entropy_from_logits(logits)
-    torch.testing.assert_close(out, ref.float())
-    (grad,) = torch.autograd.grad(out.sum(), logits)
-    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
-    torch.testing.assert_close(grad, ref_grad.float())
-    out16 = entropy_from_logits(logits.detach().bfloat16())
-    assert out16.dtype == torch.float32 and torch.isfinite(out16).all()
-
-
-def _dense(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
-    """The reference: a float64 log-softmax of the scaled logits, and -sum p log p."""
-    log_p = torch.log_softmax(logits.double() / temperature, -1)
+def _dense(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """The reference: float64 logits for every position, a full log-softmax, -sum p log p."""
+    log_p = torch.log_softmax(hidden.double() @ weight.double().t() / temperature, -1)
     return log_p.gather(-1, labels[..., None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def _inputs(seed: int, shape=(3, 5), dim: int = 6, vocab: int = 13):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, dim, generator=g).requires_grad_()
+    weight = torch.randn(vocab, dim, generator=g).requires_grad_()
+    labels = torch.randint(0, vocab, shape, generator=g)
+    return hidden, weight, labels, torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
 @pytest.mark.parametrize("chunk_size", [1, 4, 1024])
-def test_temperature_is_applied_inside_values_and_grads(temperature, chunk_size):
-    g = torch.Generator().manual_seed(3)
-    logits = (3 * torch.randn(3, 5, 13, generator=g)).requires_grad_()
-    labels = torch.randint(0, 13, (3, 5), generator=g)
-    w_lp, w_h = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
-    ref_lp, ref_h = _dense(logits, labels, temperature)
-    (ref_grad,) = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), logits)
-    lp = log_probs_from_logits(logits, labels, temperature, chunk_size=chunk_size)
-    h = entropy_from_logits(logits, temperature, chunk_size=chunk_size)
+def test_values_and_grads_match_the_dense_computation(temperature, chunk_size):
+    hidden, weight, labels, w_lp, w_h = _inputs(3)
+    ref_lp, ref_h = _dense(hidden, weight, labels, temperature)
+    ref_grads = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), (hidden, weight))
+    lp, h = log_probs_from_hidden(hidden, weight, labels, temperature, chunk_size=chunk_size)
+    assert lp.dtype == h.dtype == torch.float32 and lp.shape == labels.shape
     torch.testing.assert_close(lp, ref_lp.float())
     torch.testing.assert_close(h, ref_h.float())
-    (grad,) = torch.autograd.grad((lp * w_lp + h * w_h).sum(), logits)
-    torch.testing.assert_close(grad, ref_grad.float())
+    grads = torch.autograd.grad((lp * w_lp + h * w_h).sum(), (hidden, weight))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want.float())
 
 
-def test_entropy_saves_no_vocab_sized_float_copy():
-    logits = torch.randn(2, 6, 50, dtype=torch.bfloat16, requires_grad=True)
-    out = entropy_from_logits(logits, 0.7, chunk_size=4)
-    saved = [t for t in out.grad_fn.next_functions[0][0].saved_tensors if t.numel() >= logits.numel()]
-    assert saved and all(t.dtype == torch.bfloat16 for t in saved)
-    out.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+def test_log_prob_gradient_alone_when_the_entropy_is_unused():
+    hidden, weight, labels, w_lp, _ = _inputs(4)
+    ref_lp, _ = _dense(hidden, weight, labels, 0.8)
+    ref_grads = torch.autograd.grad((ref_lp * w_lp).sum(), (hidden, weight))
+    lp, _ = log_probs_from_hidden(hidden, weight, labels, 0.8, chunk_size=2)
+    grads = torch.autograd.grad((lp * w_lp).sum(), (hidden, weight))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want.float())
 
 
-def test_bad_temperature_or_chunk_is_refused():
+def test_keeps_no_vocabulary_sized_tensor_for_backward():
+    hidden, weight, labels, _, _ = _inputs(5, shape=(4, 8), vocab=64)
+    lp, _ = log_probs_from_hidden(hidden, weight, labels, chunk_size=3)
+    saved = lp.grad_fn.next_functions[0][0].saved_tensors
+    n = labels.numel()
+    assert {tuple(t.shape) for t in saved} == {(n, 6), (64, 6), (n,)}  # hidden, weight, labels / lse / entropy
+
+
+def test_bf16_inputs_reduce_in_float32():
+    hidden, weight, labels, _, _ = _inputs(6)
+    h16, w16 = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
+    lp, h = log_probs_from_hidden(h16, w16, labels)
+    ref_lp, ref_h = _dense(h16.detach(), w16.detach(), labels, 1.0)
+    # the bf16 matmul rounds the logits (|z| < 20 here: steps of 0.125 at most); the reductions are float32
+    torch.testing.assert_close(lp, ref_lp.float(), atol=0.1, rtol=0.02)
+    torch.testing.assert_close(h, ref_h.float(), atol=0.1, rtol=0.02)
+    (lp.sum() + h.sum()).backward()
+    assert h16.grad.dtype == w16.grad.dtype == torch.bfloat16 and torch.isfinite(w16.grad.float()).all()
+
+
+def test_bad_inputs_are_refused():
+    hidden, weight, labels = torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not match labels"):
+        log_probs_from_hidden(hidden, weight, labels[:, :2])
+    with pytest.raises(ValueError, match="hidden size"):
+        log_probs_from_hidden(hidden, torch.zeros(5, 3), labels)
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        log_probs_from_logits(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), 0.0)
+        log_probs_from_hidden(hidden, weight, labels, 0.0)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
-        entropy_from_logits(torch.zeros(1, 3), chunk_size=0)
+        log_probs_from_hidden(hidden, weight, labels, chunk_size=0)
+
+
+def _vocab_parallel(rank: int, world_size: int, out: str) -> None:
+    hidden, weight, labels, w_lp, w_h = _inputs(7, vocab=13)  # 13 rows over 2 ranks: 7 + 6
+    rows = torch.arange(13).chunk(world_size)[rank]
+    local = weight.detach()[rows].requires_grad_()
+    lp, h = log_probs_from_hidden(hidden, local, labels, 0.9, chunk_size=4, group=dist.group.WORLD,
+                                  vocab_start=int(rows[0]))
+    grad_hidden, grad_local = torch.autograd.grad((lp * w_lp + h * w_h).sum(), (hidden, local))
+    parts = [None] * world_size
+    dist.all_gather_object(parts, grad_local)
+    if rank == 0:
+        torch.save({"lp": lp, "h": h, "grad_hidden": grad_hidden, "grad_weight": torch.cat(parts)}, out)
+
+
+def test_vocabulary_split_over_two_ranks_matches_the_dense_computation(tmp_path):
+    out = tmp_path / "vp.pt"
+    run_ranks(_vocab_parallel, 2, str(out))
+    got = torch.load(out, weights_only=True)
+    hidden, weight, labels, w_lp, w_h = _inputs(7, vocab=13)
+    ref_lp, ref_h = _dense(hidden, weight, labels, 0.9)
+    grad_hidden, grad_weight = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), (hidden, weight))
+    torch.testing.assert_close(got["lp"], ref_lp.float())
+    torch.testing.assert_close(got["h"], ref_h.float())
+    torch.testing.assert_close(got["grad_hidden"], grad_hidden.float())
+    torch.testing.assert_close(got["grad_weight"], grad_weight.float())

@@ -1,10 +1,12 @@
-"""Token log-probs + entropy from logits: the chunked functions vs the textbook dense computation.
+"""Token log-probs + entropy from hidden states: the fused head vs the textbook dense computation.
 
-The actor's loss needs ``log softmax(logits / T)[label]`` with a gradient, and the entropy (a metric, no
-gradient, unless there is an entropy bonus). The textbook way scales the logits (a [N, V] copy kept for
-backward) and forms full [N, V] softmax temporaries; `torchrlhf.algorithms.logprob` takes ``T`` inside and
-works ``chunk_size`` rows at a time. Each side runs in its own subprocess (its peak RSS is its own), on
-the same float32 logits: N response positions x SmolLM2's 49 152-token vocabulary.
+The actor's loss needs ``log softmax(h W^T / T)[label]`` with a gradient to ``h`` and ``W``, and the
+entropy (a metric, no gradient, unless there is an entropy bonus). The textbook way projects every
+position to float32 logits (an [N, V] tensor kept for backward, plus its scaled copy, softmax
+temporaries and an [N, V] gradient); `torchrlhf.algorithms.log_probs_from_hidden` projects
+``chunk_size`` rows at a time and recomputes them in backward. Each side runs in its own subprocess
+(its peak RSS is its own), on the same float32 inputs: N response positions, SmolLM2's 576-wide hidden
+states and 49 152-token vocabulary.
 
     python tools/bench/bench_logprob.py [--positions 768 --temperature 1.0 0.7 --entropy-grad]
 """
@@ -23,23 +25,24 @@ import time
 import torch
 
 VOCAB = 49152
-SIDES = ("dense", "chunked")
+HIDDEN = 576
+SIDES = ("dense", "fused")
 
 
-def step(side: str, logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool) -> None:
+def step(side: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
+         entropy_grad: bool) -> None:
     if side == "dense":
-        z = logits.float() / temperature
+        z = (hidden @ weight.t()) / temperature
         log_p = torch.log_softmax(z, -1)
         lp = log_p.gather(-1, labels[:, None]).squeeze(-1)
         with torch.set_grad_enabled(entropy_grad):
             p = torch.softmax(z, -1)
             h = -(p * torch.log_softmax(z, -1)).sum(-1)
     else:
-        from torchrlhf.algorithms import entropy_from_logits, log_probs_from_logits
+        from torchrlhf.algorithms import log_probs_from_hidden
 
-        lp = log_probs_from_logits(logits, labels, temperature)
-        with torch.set_grad_enabled(entropy_grad):
-            h = entropy_from_logits(logits, temperature)
+        lp, h = log_probs_from_hidden(hidden, weight, labels, temperature)
+        h = h if entropy_grad else h.detach()
     loss = lp.sum() + (0.01 * h.sum() if entropy_grad else 0.0)
     loss.backward()
 
@@ -52,17 +55,18 @@ def _rss_mb() -> float:
 def measure(side: str, args: argparse.Namespace, temperature: float) -> dict:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.positions, VOCAB, generator=g).requires_grad_()
+    hidden = torch.randn(args.positions, HIDDEN, generator=g).requires_grad_()
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.05).requires_grad_()
     labels = torch.randint(0, VOCAB, (args.positions,), generator=g)
-    base = _rss_mb()  # logits and labels allocated; the peak above this is the step's own
-    step(side, logits, labels, temperature, args.entropy_grad)  # warm-up
-    logits.grad = None
+    weight.grad = torch.zeros_like(weight)  # the parameter's gradient exists in training either way
+    base = _rss_mb()  # inputs and the weight gradient allocated; the peak above this is the step's own
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps + 1):  # the first is a warm-up
         start = time.perf_counter()
-        step(side, logits, labels, temperature, args.entropy_grad)
-        times.append(time.perf_counter() - start)
-        logits.grad = None
+        step(side, hidden, weight, labels, temperature, args.entropy_grad)
+        if i:
+            times.append(time.perf_counter() - start)
+        hidden.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"s": statistics.median(times), "peak_over_mb": peak - base}
 
@@ -80,9 +84,10 @@ def main() -> None:
         print(json.dumps(measure(args.one[0], args, float(args.one[1]))))
         return
     logits_mb = args.positions * VOCAB * 4 / 2**20
-    print(f"log-probs + entropy{' (with gradient)' if args.entropy_grad else ''} over {args.positions} x {VOCAB} "
-          f"float32 logits ({logits_mb:.0f} MB), median of {args.steps}, {args.threads} threads")
-    print(f"{'T':>4} {'side':<8} {'s/step':>7} {'vs dense':>9} {'peak MB':>8}")  # peak RSS above the allocated logits
+    print(f"log-probs + entropy{' (with gradient)' if args.entropy_grad else ''} for {args.positions} positions "
+          f"x {VOCAB} vocab x {HIDDEN} hidden, float32 (dense logits {logits_mb:.0f} MB), forward + backward, "
+          f"median of {args.steps}, {args.threads} threads")
+    print(f"{'T':>4} {'side':<8} {'s/step':>7} {'vs dense':>9} {'peak MB':>8}")  # peak RSS above the inputs
     for temperature in args.temperature:
         results = {}
         for side in SIDES:

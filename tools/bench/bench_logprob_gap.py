@@ -1,7 +1,8 @@
 """Sampled-token log-prob gap between each rollout engine and a training forward, per engine and dtype.
 
-SmolLM2-135M-Instruct: each engine samples (temperature 1) in its dtype; an HF transformers forward in
-fp32 on the same weights (the training-side reference) scores the same tokens, log_softmax(logits / T).
+SmolLM2-135M-Instruct: each engine samples (temperature 1) in its dtype; the actor's own training forward
+(`ActorWorker.compute_log_prob`, fp32, shared-prefix with the fused head) scores the same tokens on the same
+weights.
 Prints the max and mean absolute gap over response tokens: what `training/rollout_probs_diff_*` shows in
 a run, before any update.
 
@@ -16,7 +17,8 @@ import torch
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine, vllm_available
-from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
+from torchrlhf.models import load_tokenizer, smollm2_model_dir
+from torchrlhf.workers import ActorWorker
 
 PROMPTS = ["What is 17 times 23?", "Write a haiku about rain.", "Name three prime numbers.",
            "Explain gravity in one sentence."]
@@ -36,10 +38,10 @@ def main() -> None:
     enc = tok([PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)], return_tensors="pt", padding=True)
     prompts = Batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     sampling = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
-    reference = load_causal_lm(path, dtype=torch.float32).eval()
+    actor = ActorWorker(path, freeze=True)  # one process: the plain fp32 module, the recipe's training forward
     engines = {"native": NativeEngine, **({"vllm": VLLMEngine} if vllm_available()[0] else {})}
     print(f"SmolLM2-135M, {args.prompts} prompts x {args.n} samples x <= {args.max_tokens} tokens, T=1; "
-          "reference: HF forward in float32")
+          "reference: the actor's training forward in float32")
     print(f"{'engine':<8} {'dtype':<9} {'max gap':>9} {'mean gap':>9} {'tokens':>7}")
     for name, cls in engines.items():
         for dtype in (torch.float32, torch.bfloat16):
@@ -48,10 +50,7 @@ def main() -> None:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
             with torch.no_grad():
-                logits = reference(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
-                                   position_ids=out["position_ids"]).logits
-            logits = logits[:, out["prompts"].shape[1] - 1 : -1].float()
-            ref = torch.log_softmax(logits, -1).gather(-1, out["responses"][..., None])[..., 0]
+                ref = actor.compute_log_prob(Batch(out.tensors, meta={"temperature": 1.0}))["old_log_probs"]
             mask = out["response_mask"].bool()
             gap = (out["rollout_log_probs"] - ref).abs()[mask]
             print(f"{name:<8} {str(dtype).split('.')[-1]:<9} {gap.max():>9.2e} {gap.mean():>9.2e} {int(mask.sum()):>7}",

@@ -6,10 +6,9 @@ to ``--response-len`` tokens, for each group size in ``--n``. Three sides train 
 the same batch, one optimizer step per update, micro-batches of ``--micro`` samples:
 
 - ``plain HF``: the textbook loop (padded rows, logits at every position, full log-softmax);
-- ``dense``: ``ActorWorker(shared_prefix=False)`` (padding columns trimmed, logits from the
-  last prompt token on, chunked log-probs);
-- ``shared``: ``ActorWorker(shared_prefix=True)`` (each prompt once, packed suffixes,
-  logits only at response positions).
+- ``dense``: ``ActorWorker(shared_prefix=False)`` (padding columns trimmed, the head scoring
+  response positions only, fused with the log-softmax: no logits);
+- ``shared``: ``ActorWorker(shared_prefix=True)`` (each prompt once, packed suffixes, the same head).
 
 Each (side, n) runs in its own subprocess, so its peak RSS above the loaded model is
 its own. Tokens computed per step are printed beside the ideal shared/dense ratio

@@ -10,7 +10,7 @@ from torchrlhf.algorithms.kl import (
     apply_kl_penalty,
     kl_penalty,
 )
-from torchrlhf.algorithms.logprob import entropy_from_logits, log_probs_from_logits
+from torchrlhf.algorithms.logprob import log_probs_from_hidden
 from torchrlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss
 from torchrlhf.algorithms.registry import Registry
@@ -35,11 +35,10 @@ __all__ = [
     "compute_advantage",
     "compute_policy_loss",
     "compute_value_loss",
-    "entropy_from_logits",
     "filter_groups",
     "group_ids",
     "kl_penalty",
-    "log_probs_from_logits",
+    "log_probs_from_hidden",
     "masked_mean",
     "masked_sum",
     "masked_var",

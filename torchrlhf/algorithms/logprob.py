@@ -1,111 +1,135 @@
-"""Token log-probs and entropy from logits without materialising extra [B, T, V] tensors.
+"""Token log-probs and entropy from hidden states: the vocabulary projection fused with the log-softmax.
 
-Both work over ``chunk_size`` positions at a time (batch and sequence flattened) and take the sampling
-``temperature`` inside, so a caller never makes a scaled or float32 copy of the logits: the only
-vocabulary-sized tensor kept for backward is the logits themselves, and the peak extra memory is one
-[chunk_size, V] float32 block.
+The actor needs ``log softmax(h W^T / T)[label]`` (and the entropy of that distribution) at response
+positions only. Materialising the logits costs an ``[N, V]`` tensor kept for backward plus its gradient;
+here the projection runs ``chunk_size`` rows at a time, in float32 after the matmul, and only the hidden
+states, the weight and three numbers per row are kept. Backward recomputes each chunk's logits: one more
+matmul, which on CPU costs less than writing and re-reading the ``[N, V]`` tensors it replaces
+(`tools/bench/bench_logprob.py`).
+
+With tensor parallelism the weight is split by vocabulary rows: each rank passes its rows, the first
+row's vocabulary index and the TP process group; maxima and sums over the vocabulary are all-reduced,
+so no rank ever holds full-vocabulary logits (Megatron's vocab-parallel cross-entropy).
 """
 
+from __future__ import annotations
+
 import torch
+import torch.distributed as dist
+
+# Positions projected at a time: each chunk's float32 temporaries are a few [CHUNK_SIZE, V] tensors.
+CHUNK_SIZE = 256
 
 
 def _chunks(n: int, chunk_size: int) -> list[slice]:
     return [slice(s, s + chunk_size) for s in range(0, n, chunk_size)]
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = logits.float()
-    return z if temperature == 1.0 else z / temperature
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
 
 
-def _log_softmax(logits: torch.Tensor, lse: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) from the saved logsumexp, as one fresh float32 tensor: (logits - T lse) / T."""
-    out = torch.sub(logits.float(), lse[:, None], alpha=temperature)
-    return out if temperature == 1.0 else out.div_(temperature)
+class _FusedLogProb(torch.autograd.Function):
+    """Forward: per chunk, z = (h W^T) / T in float32; lse, z[label] and sum softmax(z) * z over the
+    vocabulary (all-reduced across ``group``). Saves h, W, labels, lse and the entropy.
 
-
-class _ChunkedLogProb(torch.autograd.Function):
-    """log p(label) with p = softmax(logits / T): z[label] - logsumexp(z), chunk by chunk in float32.
-
-    Saves the logits and the [N] logsumexp; backward recomputes the softmax one chunk at a time.
+    Backward: with p = softmax(z), log p = z - lse, upstream grads a (log-prob) and b (entropy),
+    dL/dz = a (onehot - p) - b p (log p + H); then dL/dh = dL/dz W / T (all-reduced) and dL/dW = (dL/dz)^T h / T.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
-        out = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for c in _chunks(len(logits), chunk_size):
-            z = _scaled(logits[c], temperature)
-            lse[c] = torch.logsumexp(z, dim=-1)
-            out[c] = z.gather(-1, labels[c, None]).squeeze(-1)
-        out -= lse
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, group, vocab_start):
+        ctx.set_materialize_grads(False)
+        n, local_vocab = len(hidden), weight.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, entropy = torch.empty_like(log_probs), torch.empty_like(log_probs)
+        local = labels - vocab_start
+        owned = (local >= 0) & (local < local_vocab)
+        local = local.clamp(0, local_vocab - 1)
+        for c in _chunks(n, chunk_size):
+            z = (hidden[c] @ weight.t()).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            m = _all_reduce(z.amax(-1), group, dist.ReduceOp.MAX)
+            e = z.sub_(m[:, None]).exp()  # z is now z - m; e = exp(z - m)
+            target = torch.where(owned[c], z.gather(-1, local[c, None]).squeeze(-1), 0.0)
+            sums = torch.stack([e.sum(-1), torch.linalg.vecdot(e, z), target])  # one all-reduce for the three
+            s, ez, target = _all_reduce(sums, group)
+            lse[c] = m + s.log()
+            log_probs[c] = target - s.log()  # (z[label] - m) - log sum exp(z - m)
+            entropy[c] = s.log() - ez / s  # log sum e - E_p[z - m]
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature, ctx.chunk_size, ctx.group, ctx.vocab_start = temperature, chunk_size, group, vocab_start
+        return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for c in _chunks(len(logits), ctx.chunk_size):
-            g = _log_softmax(logits[c], lse[c], ctx.temperature).exp_().neg_()  # d/dz of -logsumexp
-            g.scatter_add_(-1, labels[c, None], torch.ones_like(lse[c, None]))
-            grad[c] = g.mul_(grad_out[c, None] / ctx.temperature)
-        return grad, None, None, None
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        temperature, local_vocab = ctx.temperature, weight.shape[0]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None  # float32; the first chunk's product creates it
+        local = labels - ctx.vocab_start
+        owned = (local >= 0) & (local < local_vocab)
+        for c in _chunks(len(hidden), ctx.chunk_size):
+            z = (hidden[c] @ weight.t()).float()
+            log_p = torch.sub(z, lse[c, None], alpha=temperature).div_(temperature) if temperature != 1.0 \
+                else z.sub_(lse[c, None])
+            a = grad_log_probs[c] if grad_log_probs is not None else torch.zeros_like(lse[c])
+            if grad_entropy is not None:  # -p (a + b (log p + H))
+                coeff = log_p.add(entropy[c, None]).mul_(grad_entropy[c, None]).add_(a[:, None])
+                g = log_p.exp_().mul_(coeff).neg_()
+            else:
+                g = log_p.exp_().mul_(-a[:, None])
+            rows = owned[c].nonzero().squeeze(-1)
+            g[rows, local[c][rows]] += a[rows]
+            if temperature != 1.0:
+                g.div_(temperature)
+            g = g.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(g, weight, out=grad_hidden[c])
+            if not ctx.needs_input_grad[1]:
+                continue
+            if grad_weight is None:
+                grad_weight = (g.t() @ hidden[c]).float()
+            elif weight.dtype == torch.float32:
+                grad_weight.addmm_(g.t(), hidden[c])
+            else:
+                grad_weight += g.t() @ hidden[c]
+        if grad_hidden is not None:
+            _all_reduce(grad_hidden, ctx.group)  # each rank holds its vocabulary rows' share
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-class _ChunkedEntropy(torch.autograd.Function):
-    """H = logsumexp(z) - sum(softmax(z) * z) with z = logits / T, chunk by chunk in float32.
+def log_probs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(hidden @ weight^T / T)[labels], its entropy), both float32 with ``labels``' shape.
 
-    dH/dz = -p * (log p + H); backward recomputes p one chunk at a time from the saved logsumexp.
+    ``hidden`` [..., D], ``weight`` [V, D] (this rank's vocabulary rows ``vocab_start:vocab_start + V``
+    when ``group`` is a tensor-parallel group; every rank passes the same ``hidden`` and ``labels``),
+    ``labels`` [...]. Gradients flow to ``hidden`` and ``weight``; an unused entropy costs no backward work.
     """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
-        out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for c in _chunks(len(logits), chunk_size):
-            z = _scaled(logits[c], temperature)
-            lse[c] = torch.logsumexp(z, dim=-1)
-            out[c] = lse[c] - torch.linalg.vecdot(torch.sub(z, lse[c, None]).exp_(), z)
-        ctx.save_for_backward(logits, lse, out)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for c in _chunks(len(logits), ctx.chunk_size):
-            log_p = _log_softmax(logits[c], lse[c], ctx.temperature)
-            g = log_p.exp().mul_(log_p.add_(entropy[c, None]))
-            grad[c] = g.mul_(grad_out[c, None] / -ctx.temperature)
-        return grad, None, None
-
-
-def _check(name: str, temperature: float, chunk_size: int) -> None:
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"log_probs_from_hidden: hidden {tuple(hidden.shape)} do not match labels "
+                         f"{tuple(labels.shape)}")
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"log_probs_from_hidden: hidden size {hidden.shape[-1]} != weight {tuple(weight.shape)}")
     if chunk_size < 1:
-        raise ValueError(f"{name}: chunk_size must be >= 1, got {chunk_size}")
+        raise ValueError(f"log_probs_from_hidden: chunk_size must be >= 1, got {chunk_size}")
     if not temperature > 0:
-        raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
-
-
-def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
-    """log softmax(logits / temperature)[labels] for logits [..., V] and labels [...], as float32 [...]."""
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"log_probs_from_logits: logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}"
-        )
-    _check("log_probs_from_logits", temperature, chunk_size)
-    flat = _ChunkedLogProb.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
-                                 float(temperature), chunk_size)
-    return flat.view(labels.shape)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) over the last dim, as float32 [...]."""
-    _check("entropy_from_logits", temperature, chunk_size)
-    flat = _ChunkedEntropy.apply(logits.reshape(-1, logits.shape[-1]), float(temperature), chunk_size)
-    return flat.view(logits.shape[:-1])
+        raise ValueError(f"log_probs_from_hidden: temperature must be > 0, got {temperature}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    log_probs, entropy = _FusedLogProb.apply(flat, weight, labels.reshape(-1).long(), float(temperature),
+                                             chunk_size, group, vocab_start)
+    return log_probs.view(labels.shape), entropy.view(labels.shape)

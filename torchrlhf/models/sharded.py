@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.loading import _existing, _is_gguf
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 from torchrlhf.models.parallelize import parallelize
@@ -87,11 +88,12 @@ def _reader(model_dir) -> Iterator[SafetensorsReader]:
 
 
 def build_meta_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The architecture of the HF dir at `path`, with every tensor on the meta device (no memory)."""
+    """The architecture of the HF dir at `path` (with a `LogProbHead`), every tensor on the meta device."""
     config = AutoConfig.from_pretrained(str(_existing(path)))
     config._attn_implementation = ATTN_IMPLEMENTATION
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    LogProbHead.install(model)
     return model
 
 

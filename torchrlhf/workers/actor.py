@@ -13,18 +13,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchrlhf.algorithms import (
     agg_loss,
     compute_policy_loss,
-    entropy_from_logits,
     kl_penalty,
-    log_probs_from_logits,
 )
 from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
+from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.group import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -125,6 +123,7 @@ class ActorWorker(FSDPWorker):
         self.model = self._build_model(model_path, resolve_dtype(dtype), freeze=freeze,
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
         self.window = sliding_window(self.model.config)
+        self.lm_head: LogProbHead = self.model.get_output_embeddings()  # scores responses without logits
         if not freeze:
             self._init_optimizer(lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                                  total_steps=total_steps, lr_scheduler=lr_scheduler, min_lr_ratio=min_lr_ratio)
@@ -147,35 +146,30 @@ class ActorWorker(FSDPWorker):
         return stats.as_dict()
 
     # ------------------------------------------------------------------ forward
-    def _response_outputs(self, logits, labels: torch.Tensor, temperature: float, with_entropy: bool):
-        """Log-probs of ``labels`` (and entropy) from the logits that predict them, in fp32 at ``temperature``
-        (chunked, so no scaled or float32 copy of the logits is made)."""
-        if isinstance(logits, DTensor):
-            logits = logits.full_tensor()
-        log_probs = log_probs_from_logits(logits, labels, temperature)
-        entropy = None
-        if with_entropy:  # the entropy needs a graph only when the loss has an entropy bonus
-            with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coeff != 0):
-                entropy = entropy_from_logits(logits, temperature)
-        return log_probs, entropy
+    def _scores(self, scores: torch.Tensor, with_entropy: bool):
+        """The head's ``[..., 2]`` scores -> (log-probs, entropy or None); the entropy keeps its graph only
+        when the loss has an entropy bonus."""
+        log_probs, entropy = scores.unbind(-1)
+        if not with_entropy:
+            return log_probs, None
+        return log_probs, entropy if self.entropy_coeff != 0 else entropy.detach()
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool):
         """Dense: log-probs ``[b, R]`` (and entropy) of the response tokens, one padded row per sample.
 
-        The model runs on the micro-batch trimmed of all-padding columns; outputs are
-        zero-padded back to the full response width so losses see the usual shapes.
+        The model runs on the micro-batch trimmed of all-padding columns and scores only the positions
+        that predict a response column; outputs are zero-padded back to the full response width so
+        losses see the usual shapes.
         """
         width = mb["responses"].shape[1]
         inp = trimmed_inputs(mb, width)
-        out = self.model(
-            input_ids=inp.input_ids,
-            attention_mask=inp.attention_mask,
-            position_ids=inp.position_ids,
-            use_cache=False,
-            logits_to_keep=inp.response_len + 1,
-        )
         labels = mb["responses"][:, : inp.response_len]
-        log_probs, entropy = self._response_outputs(out.logits[:, :-1], labels, temperature, with_entropy)
+        seq = inp.input_ids.shape[1]
+        keep = torch.arange(seq - inp.response_len - 1, seq - 1, device=inp.input_ids.device)
+        with self.lm_head.scoring(labels, temperature):
+            out = self.model(input_ids=inp.input_ids, attention_mask=inp.attention_mask,
+                             position_ids=inp.position_ids, use_cache=False, logits_to_keep=keep)
+        log_probs, entropy = self._scores(out.logits, with_entropy)
         entropy = None if entropy is None else pad_response_columns(entropy, width)
         return pad_response_columns(log_probs, width), entropy
 
@@ -183,8 +177,9 @@ class ActorWorker(FSDPWorker):
                         temperature: float, with_entropy: bool):
         """Shared-prefix: samples ``rows`` of the plan as one packed row reading ``prefix``; ``[b, R]`` outputs."""
         row = plan.suffix_row(rows, prefix, self.device)
-        logits = suffix_forward(self.model, row)
-        log_probs, entropy = self._response_outputs(logits, row.labels, temperature, with_entropy)
+        with self.lm_head.scoring(row.labels[None], temperature):
+            scores = suffix_forward(self.model, row)
+        log_probs, entropy = self._scores(scores, with_entropy)
         log_probs = scatter_responses(log_probs, row, len(rows), width)
         entropy = None if entropy is None else scatter_responses(entropy, row, len(rows), width)
         return log_probs, entropy

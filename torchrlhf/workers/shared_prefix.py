@@ -9,8 +9,8 @@ prompt n times and the vocabulary projection at every position. Here, for a batc
    layer's keys and values are kept (`PrefixKV`).
 2. **Suffix passes, per micro-batch.** Each sample becomes ``[last prompt token] +
    its response`` and several samples are packed into one row; each token attends
-   to its own prompt's cached K/V and causally to its own suffix. Logits are taken
-   only where the next token is a response token.
+   to its own prompt's cached K/V and causally to its own suffix. The LM head scores
+   only the positions whose next token is a response token (`models.lm_head`).
 3. **Prefix backward, once.** The suffix backward passes accumulate gradients into the
    cached K/V; one backward through the prefix pass then adds the prompts' share.
 
