@@ -14,11 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from torchrlhf.algorithms import (
-    agg_loss,
-    compute_policy_loss,
-    kl_penalty,
-)
+from torchrlhf.algorithms import agg_loss, compute_policy_loss, kl_penalty
 from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
