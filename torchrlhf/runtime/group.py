@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from torchrlhf.data.batch import Batch
-from torchrlhf.runtime import stall
+from torchrlhf.runtime import compute_thread, stall
 from torchrlhf.runtime.mesh import forget_meshes
 from torchrlhf.runtime.launch import (
     _on_finish,
@@ -75,13 +75,18 @@ def _device() -> torch.device:
 def _construct(name: str, pg_key: str, ranks: list[int], cls: type, args: tuple, kwargs: dict) -> Any:
     """RPC target: build the worker with its context set; returns an RRef, or a `_Failure`."""
     ctx = WorkerContext(name, list(ranks), dist.get_rank(), _process_groups[pg_key], _device())
-    set_current_context(ctx)
+
+    def build() -> Worker:
+        set_current_context(ctx)  # thread-local: set on the thread that constructs
+        try:
+            return cls(*args, **kwargs)
+        finally:
+            set_current_context(None)
+
     try:
-        worker = cls(*args, **kwargs)
+        worker = compute_thread.run(build)
     except Exception:
         return _Failure(traceback.format_exc())
-    finally:
-        set_current_context(None)
     if not isinstance(getattr(worker, "context", None), WorkerContext):
         return _Failure(f"{cls.__name__}.__init__ did not call super().__init__()")
     _workers[name] = worker
@@ -98,7 +103,12 @@ def _set_leader(name: str, leader: bool) -> None:
 
 
 def _invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
-    """RPC target of every call: run the worker method; errors come back as `_Failure`."""
+    """RPC target of every call: run the worker method (on the compute thread when it is free)."""
+    return compute_thread.run(lambda: _run_method(name, method, args, kwargs, want_result))
+
+
+def _run_method(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
+    """Run the worker method; errors come back as `_Failure`."""
     stall.enter(name, method)
     try:
         out = getattr(_workers[name], method)(*args, **kwargs)
