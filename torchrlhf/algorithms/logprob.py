@@ -25,6 +25,13 @@ def _chunks(n: int, chunk_size: int) -> list[slice]:
     return [slice(s, s + chunk_size) for s in range(0, n, chunk_size)]
 
 
+def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each label's row in this rank's weight, clamped into range; whether this rank owns that label)."""
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < local_vocab)
+    return local.clamp(0, local_vocab - 1), owned
+
+
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
@@ -45,9 +52,7 @@ class _FusedLogProb(torch.autograd.Function):
         n, local_vocab = len(hidden), weight.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(log_probs), torch.empty_like(log_probs)
-        local = labels - vocab_start
-        owned = (local >= 0) & (local < local_vocab)
-        local = local.clamp(0, local_vocab - 1)
+        local, owned = _local_labels(labels, vocab_start, local_vocab)
         for c in _chunks(n, chunk_size):
             z = (hidden[c] @ weight.t()).float()
             if temperature != 1.0:
@@ -70,8 +75,7 @@ class _FusedLogProb(torch.autograd.Function):
         temperature, local_vocab = ctx.temperature, weight.shape[0]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None  # float32; the first chunk's product creates it
-        local = labels - ctx.vocab_start
-        owned = (local >= 0) & (local < local_vocab)
+        local, owned = _local_labels(labels, ctx.vocab_start, local_vocab)
         for c in _chunks(len(hidden), ctx.chunk_size):
             z = (hidden[c] @ weight.t()).float()
             log_p = torch.sub(z, lse[c, None], alpha=temperature).div_(temperature) if temperature != 1.0 \
