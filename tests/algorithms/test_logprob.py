@@ -41,12 +41,13 @@ def _inputs(seed: int, shape=(3, 5), dim: int = 6, vocab: int = 13):
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
-@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
-def test_values_and_grads_match_the_dense_computation(temperature, chunk_size):
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", [(1, 1), (4, 5), (4, 13), (1024, 4), (1024, 4096)])
+def test_values_and_grads_match_the_dense_computation(temperature, chunk_size, vocab_chunk_size):
     hidden, weight, labels, w_lp, w_h = _inputs(3)
     ref_lp, ref_h = _dense(hidden, weight, labels, temperature)
     ref_grads = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), (hidden, weight))
-    lp, h = log_probs_from_hidden(hidden, weight, labels, temperature, chunk_size=chunk_size)
+    lp, h = log_probs_from_hidden(hidden, weight, labels, temperature, chunk_size=chunk_size,
+                                  vocab_chunk_size=vocab_chunk_size)
     assert lp.dtype == h.dtype == torch.float32 and lp.shape == labels.shape
     torch.testing.assert_close(lp, ref_lp.float())
     torch.testing.assert_close(h, ref_h.float())
@@ -55,11 +56,31 @@ def test_values_and_grads_match_the_dense_computation(temperature, chunk_size):
         torch.testing.assert_close(got, want.float())
 
 
+def test_running_max_rescales_when_a_later_tile_holds_larger_logits():
+    # logits rising by 40 per vocabulary tile: every tile's max overtakes the running one, and exp(z - m)
+    # of the first tiles would underflow to 0 without the rescaling (the labels sit in the early tiles)
+    hidden, weight, labels, w_lp, w_h = _inputs(8, shape=(6,), dim=4, vocab=12)
+    with torch.no_grad():
+        hidden[:, 0] = 1.0
+        weight[:, 0] = 40.0 * (torch.arange(12) // 3)
+    labels = torch.tensor([0, 1, 3, 4, 9, 11])
+    ref_lp, ref_h = _dense(hidden, weight, labels, 1.0)
+    ref_grads = torch.autograd.grad((ref_lp * w_lp + ref_h * w_h).sum(), (hidden, weight))
+    lp, h = log_probs_from_hidden(hidden, weight, labels, chunk_size=4, vocab_chunk_size=3)
+    torch.testing.assert_close(lp, ref_lp.float())
+    torch.testing.assert_close(h, ref_h.float())
+    grads = torch.autograd.grad((lp * w_lp + h * w_h).sum(), (hidden, weight))
+    # backward forms p = exp(z - lse): lse ~ 120 carries float32 rounding (7.6e-6), times |W| ~ 120 in dL/dh
+    # (one vocabulary tile gives the same error); a missed rescale would be off by O(1)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=1e-4)
+
+
 def test_log_prob_gradient_alone_when_the_entropy_is_unused():
     hidden, weight, labels, w_lp, _ = _inputs(4)
     ref_lp, _ = _dense(hidden, weight, labels, 0.8)
     ref_grads = torch.autograd.grad((ref_lp * w_lp).sum(), (hidden, weight))
-    lp, _ = log_probs_from_hidden(hidden, weight, labels, 0.8, chunk_size=2)
+    lp, _ = log_probs_from_hidden(hidden, weight, labels, 0.8, chunk_size=2, vocab_chunk_size=5)
     grads = torch.autograd.grad((lp * w_lp).sum(), (hidden, weight))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want.float())
@@ -67,7 +88,7 @@ def test_log_prob_gradient_alone_when_the_entropy_is_unused():
 
 def test_keeps_no_vocabulary_sized_tensor_for_backward():
     hidden, weight, labels, _, _ = _inputs(5, shape=(4, 8), vocab=64)
-    lp, _ = log_probs_from_hidden(hidden, weight, labels, chunk_size=3)
+    lp, _ = log_probs_from_hidden(hidden, weight, labels, chunk_size=3, vocab_chunk_size=16)
     saved = lp.grad_fn.next_functions[0][0].saved_tensors
     n = labels.numel()
     assert {tuple(t.shape) for t in saved} == {(n, 6), (64, 6), (n,)}  # hidden, weight, labels / lse / entropy
@@ -76,7 +97,7 @@ def test_keeps_no_vocabulary_sized_tensor_for_backward():
 def test_bf16_inputs_reduce_in_float32():
     hidden, weight, labels, _, _ = _inputs(6)
     h16, w16 = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
-    lp, h = log_probs_from_hidden(h16, w16, labels)
+    lp, h = log_probs_from_hidden(h16, w16, labels, vocab_chunk_size=5)
     ref_lp, ref_h = _dense(h16.detach(), w16.detach(), labels, 1.0)
     # the bf16 matmul rounds the logits (|z| < 20 here: steps of 0.125 at most); the reductions are float32
     torch.testing.assert_close(lp, ref_lp.float(), atol=0.1, rtol=0.02)
@@ -93,16 +114,18 @@ def test_bad_inputs_are_refused():
         log_probs_from_hidden(hidden, torch.zeros(5, 3), labels)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         log_probs_from_hidden(hidden, weight, labels, 0.0)
-    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+    with pytest.raises(ValueError, match="chunk_size and vocab_chunk_size must be >= 1"):
         log_probs_from_hidden(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size and vocab_chunk_size must be >= 1"):
+        log_probs_from_hidden(hidden, weight, labels, vocab_chunk_size=0)
 
 
 def _vocab_parallel(rank: int, world_size: int, out: str) -> None:
     hidden, weight, labels, w_lp, w_h = _inputs(7, vocab=13)  # 13 rows over 2 ranks: 7 + 6
     rows = torch.arange(13).chunk(world_size)[rank]
     local = weight.detach()[rows].requires_grad_()
-    lp, h = log_probs_from_hidden(hidden, local, labels, 0.9, chunk_size=4, group=dist.group.WORLD,
-                                  vocab_start=int(rows[0]))
+    lp, h = log_probs_from_hidden(hidden, local, labels, 0.9, chunk_size=4, vocab_chunk_size=3,
+                                  group=dist.group.WORLD, vocab_start=int(rows[0]))
     grad_hidden, grad_local = torch.autograd.grad((lp * w_lp + h * w_h).sum(), (hidden, local))
     parts = [None] * world_size
     dist.all_gather_object(parts, grad_local)

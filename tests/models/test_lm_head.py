@@ -52,6 +52,26 @@ def test_scoring_equals_the_log_softmax_of_hf_logits(temperature):
     assert model(input_ids=ids).logits.shape == (2, 9, 64)  # the request ended with its block
 
 
+def test_entropy_grad_false_leaves_the_entropy_out_of_the_gradient():
+    model = build_tiny_causal_lm(vocab_size=64)
+    head = LogProbHead.install(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    keep, params = torch.tensor([3, 4, 5, 7]), list(model.parameters())
+
+    def grads(entropy_grad: bool, entropy_weight: float):
+        with head.scoring(ids[:, keep + 1], entropy_grad=entropy_grad):
+            lp, h = model(input_ids=ids, logits_to_keep=keep).logits.unbind(-1)
+        return h.detach(), torch.autograd.grad((lp + entropy_weight * h).sum(), params)
+
+    h_off, off = grads(False, 1.0)
+    h_on, on = grads(True, 1.0)
+    _, log_prob_only = grads(True, 0.0)
+    torch.testing.assert_close(h_off, h_on)  # the same values; only the graph differs
+    for got, want in zip(off, log_prob_only):
+        torch.testing.assert_close(got, want)
+    assert any(not torch.allclose(a, b) for a, b in zip(on, log_prob_only))  # the entropy does have a gradient
+
+
 def test_install_refuses_a_head_with_a_bias():
     model = build_tiny_causal_lm(vocab_size=64, tie_word_embeddings=False)
     model.lm_head = nn.Linear(64, 64, bias=True)

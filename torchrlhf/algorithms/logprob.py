@@ -2,10 +2,12 @@
 
 The actor needs ``log softmax(h W^T / T)[label]`` (and the entropy of that distribution) at response
 positions only. Materialising the logits costs an ``[N, V]`` tensor kept for backward plus its gradient;
-here the projection runs ``chunk_size`` rows at a time, in float32 after the matmul, and only the hidden
-states, the weight and three numbers per row are kept. Backward recomputes each chunk's logits: one more
-matmul, which on CPU costs less than writing and re-reading the ``[N, V]`` tensors it replaces
-(`tools/bench/bench_logprob.py`).
+here the projection runs in tiles of ``chunk_size`` positions x ``vocab_chunk_size`` vocabulary rows, in
+float32 after the matmul, folded into running sums as in online softmax (flash attention's trick), and
+only the hidden states, the weight and three numbers per position are kept. Backward recomputes each
+tile's logits: one more matmul, which on CPU costs less than writing and re-reading the ``[N, V]``
+tensors it replaces. Tiles small enough to stay in cache make the elementwise passes (max, exp, sums,
+the gradient) cheap (`tools/bench/bench_logprob.py`).
 
 With tensor parallelism the weight is split by vocabulary rows: each rank passes its rows, the first
 row's vocabulary index and the TP process group; maxima and sums over the vocabulary are all-reduced,
@@ -17,19 +19,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Positions projected at a time: each chunk's float32 temporaries are a few [CHUNK_SIZE, V] tensors.
+# Tile sizes: each tile's float32 temporaries are [CHUNK_SIZE, VOCAB_CHUNK_SIZE] (4 MiB), small enough to
+# stay in cache across the several elementwise passes over them; a [CHUNK_SIZE, V] chunk (48 MiB for
+# SmolLM2) is not: forward + backward took 1.2x as long at hidden size 576 and 2.3x at 64
+# (`tools/bench/bench_logprob.py`, sides ``rows`` and ``tiles``).
 CHUNK_SIZE = 256
+VOCAB_CHUNK_SIZE = 4096
 
 
 def _chunks(n: int, chunk_size: int) -> list[slice]:
     return [slice(s, s + chunk_size) for s in range(0, n, chunk_size)]
 
 
-def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each label's row in this rank's weight, clamped into range; whether this rank owns that label)."""
-    local = labels - vocab_start
-    owned = (local >= 0) & (local < local_vocab)
-    return local.clamp(0, local_vocab - 1), owned
+def _tile_labels(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows whose label falls in vocabulary columns ``start:start + width``, those labels' column in the tile)."""
+    rows = ((labels >= start) & (labels < start + width)).nonzero().squeeze(-1)
+    return rows, labels[rows] - start
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -38,74 +43,105 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = (hidden @ weight.t()).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, with ``out`` float32 (in place, without a temporary, when a and b are float32 too)."""
+    if a.dtype == torch.float32:
+        out.addmm_(a, b)
+    else:
+        out += (a @ b).float()
+
+
 class _FusedLogProb(torch.autograd.Function):
-    """Forward: per chunk, z = (h W^T) / T in float32; lse, z[label] and sum softmax(z) * z over the
-    vocabulary (all-reduced across ``group``). Saves h, W, labels, lse and the entropy.
+    """Forward: per tile of ``chunk_size`` positions x ``vocab_chunk_size`` vocabulary rows, z = (h W^T) / T
+    in float32, folded into a running max m, s = sum exp(z - m) and u = sum exp(z - m) (z - m) (the online
+    softmax); then across ``group``. lse = m + log s and the entropy log s - u / s. Saves h, W, labels, lse
+    and the entropy.
 
     Backward: with p = softmax(z), log p = z - lse, upstream grads a (log-prob) and b (entropy),
-    dL/dz = a (onehot - p) - b p (log p + H); then dL/dh = dL/dz W / T (all-reduced) and dL/dW = (dL/dz)^T h / T.
+    dL/dz = a (onehot - p) - b p (log p + H), tile by tile; dL/dh = dL/dz W / T (all-reduced) and
+    dL/dW = (dL/dz)^T h / T.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size, group, vocab_start):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, group, vocab_start):
         ctx.set_materialize_grads(False)
         n, local_vocab = len(hidden), weight.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(log_probs), torch.empty_like(log_probs)
-        local, owned = _local_labels(labels, vocab_start, local_vocab)
+        local = labels - vocab_start
         for c in _chunks(n, chunk_size):
-            z = (hidden[c] @ weight.t()).float()
-            if temperature != 1.0:
-                z.div_(temperature)
-            m = _all_reduce(z.amax(-1), group, dist.ReduceOp.MAX)
-            e = z.sub_(m[:, None]).exp()  # z is now z - m; e = exp(z - m)
-            target = torch.where(owned[c], z.gather(-1, local[c, None]).squeeze(-1), 0.0)
-            sums = torch.stack([e.sum(-1), torch.linalg.vecdot(e, z), target])  # one all-reduce for the three
-            s, ez, target = _all_reduce(sums, group)
-            lse[c] = m + s.log()
-            log_probs[c] = target - s.log()  # (z[label] - m) - log sum exp(z - m)
-            entropy[c] = s.log() - ez / s  # log sum e - E_p[z - m]
+            m = s = u = None
+            target = torch.zeros_like(log_probs[c])  # z[label] - m, on the rank that owns the label
+            for v in _chunks(local_vocab, vocab_chunk_size):
+                z = _logits(hidden[c], weight[v], temperature)
+                m_tile = z.amax(-1)
+                if m is not None:
+                    m_tile = torch.maximum(m, m_tile)
+                e = z.sub_(m_tile[:, None]).exp()  # z is now z - m_tile
+                s_tile, u_tile = e.sum(-1), torch.linalg.vecdot(e, z)
+                rows, cols = _tile_labels(local[c], v.start, z.shape[1])
+                if m is not None:  # rescale the running sums to the new max
+                    shift = m - m_tile
+                    scale = shift.exp()
+                    s_tile += scale * s
+                    u_tile += scale * (u + shift * s)
+                    target += shift
+                target[rows] = z[rows, cols]
+                m, s, u = m_tile, s_tile, u_tile
+            if group is not None:  # the same fold across the ranks' vocabulary shards
+                m_all = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
+                shift = m - m_all
+                scale = shift.exp()
+                owned = (local[c] >= 0) & (local[c] < local_vocab)
+                target = torch.where(owned, target + shift, 0.0)
+                sums = _all_reduce(torch.stack([scale * s, scale * (u + shift * s), target]), group)
+                m, (s, u, target) = m_all, sums
+            log_s = s.log()
+            lse[c] = m + log_s
+            log_probs[c] = target - log_s
+            entropy[c] = log_s - u / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.temperature, ctx.chunk_size, ctx.group, ctx.vocab_start = temperature, chunk_size, group, vocab_start
+        ctx.temperature, ctx.group, ctx.vocab_start = temperature, group, vocab_start
+        ctx.chunk_size, ctx.vocab_chunk_size = chunk_size, vocab_chunk_size
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         temperature, local_vocab = ctx.temperature, weight.shape[0]
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = None  # float32; the first chunk's product creates it
-        local, owned = _local_labels(labels, ctx.vocab_start, local_vocab)
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        a_all = grad_log_probs if grad_log_probs is not None else torch.zeros_like(lse)
+        local = labels - ctx.vocab_start
         for c in _chunks(len(hidden), ctx.chunk_size):
-            z = (hidden[c] @ weight.t()).float()
-            log_p = torch.sub(z, lse[c, None], alpha=temperature).div_(temperature) if temperature != 1.0 \
-                else z.sub_(lse[c, None])
-            a = grad_log_probs[c] if grad_log_probs is not None else torch.zeros_like(lse[c])
-            if grad_entropy is not None:  # -p (a + b (log p + H))
-                coeff = log_p.add(entropy[c, None]).mul_(grad_entropy[c, None]).add_(a[:, None])
-                g = log_p.exp_().mul_(coeff).neg_()
-            else:
-                g = log_p.exp_().mul_(-a[:, None])
-            rows = owned[c].nonzero().squeeze(-1)
-            g[rows, local[c][rows]] += a[rows]
-            if temperature != 1.0:
-                g.div_(temperature)
-            g = g.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(g, weight, out=grad_hidden[c])
-            if not ctx.needs_input_grad[1]:
-                continue
-            if grad_weight is None:
-                grad_weight = (g.t() @ hidden[c]).float()
-            elif weight.dtype == torch.float32:
-                grad_weight.addmm_(g.t(), hidden[c])
-            else:
-                grad_weight += g.t() @ hidden[c]
-        if grad_hidden is not None:
-            _all_reduce(grad_hidden, ctx.group)  # each rank holds its vocabulary rows' share
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros_like(weight) if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            a = a_all[c, None]
+            for v in _chunks(local_vocab, ctx.vocab_chunk_size):
+                log_p = _logits(hidden[c], weight[v], temperature).sub_(lse[c, None])
+                if grad_entropy is not None:  # -p (a + b (log p + H))
+                    coeff = log_p.add(entropy[c, None]).mul_(grad_entropy[c, None]).add_(a)
+                    g = log_p.exp_().mul_(coeff).neg_()
+                else:
+                    g = log_p.exp_().mul_(a.neg())
+                rows, cols = _tile_labels(local[c], v.start, g.shape[1])
+                g[rows, cols] += a_all[c][rows]
+                if temperature != 1.0:
+                    g.div_(temperature)
+                g = g.to(weight.dtype)
+                if want_hidden:
+                    _accumulate(grad_hidden[c], g, weight[v])
+                if want_weight:
+                    _accumulate(grad_weight[v], g.t(), hidden[c])
+        if want_hidden:
+            grad_hidden = _all_reduce(grad_hidden, ctx.group).to(hidden.dtype)  # each rank holds its rows' share
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def log_probs_from_hidden(
@@ -115,6 +151,7 @@ def log_probs_from_hidden(
     temperature: float = 1.0,
     *,
     chunk_size: int = CHUNK_SIZE,
+    vocab_chunk_size: int = VOCAB_CHUNK_SIZE,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +166,12 @@ def log_probs_from_hidden(
                          f"{tuple(labels.shape)}")
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"log_probs_from_hidden: hidden size {hidden.shape[-1]} != weight {tuple(weight.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"log_probs_from_hidden: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError(f"log_probs_from_hidden: chunk_size and vocab_chunk_size must be >= 1, got "
+                         f"{chunk_size} and {vocab_chunk_size}")
     if not temperature > 0:
         raise ValueError(f"log_probs_from_hidden: temperature must be > 0, got {temperature}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     log_probs, entropy = _FusedLogProb.apply(flat, weight, labels.reshape(-1).long(), float(temperature),
-                                             chunk_size, group, vocab_start)
+                                             chunk_size, vocab_chunk_size, group, vocab_start)
     return log_probs.view(labels.shape), entropy.view(labels.shape)

@@ -29,6 +29,7 @@ from torchrlhf.algorithms.logprob import log_probs_from_hidden
 class _Request:
     labels: torch.Tensor
     temperature: float
+    entropy_grad: bool
 
 
 class LogProbHead(nn.Linear):
@@ -52,12 +53,14 @@ class LogProbHead(nn.Linear):
         return head
 
     @contextmanager
-    def scoring(self, labels: torch.Tensor, temperature: float = 1.0) -> Iterator[None]:
+    def scoring(self, labels: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True) -> Iterator[None]:
         """Within this block the next forward returns ``[..., 2]``: (log p(labels), entropy) per position.
 
-        ``labels`` has the shape of the head's input without its last dim (the positions kept).
+        ``labels`` has the shape of the head's input without its last dim (the positions kept). With
+        ``entropy_grad=False`` the entropy is returned detached: stacked with the log-probs it would
+        otherwise receive a zero gradient, and its backward terms cost half the head's backward passes.
         """
-        self._request = _Request(labels, temperature)
+        self._request = _Request(labels, temperature, entropy_grad)
         try:
             yield
         finally:
@@ -85,4 +88,4 @@ class LogProbHead(nn.Linear):
         weight, group, vocab_start = self._local_weight()
         log_probs, entropy = log_probs_from_hidden(hidden, weight, request.labels, request.temperature,
                                                    group=group, vocab_start=vocab_start)
-        return torch.stack([log_probs, entropy], dim=-1)
+        return torch.stack([log_probs, entropy if request.entropy_grad else entropy.detach()], dim=-1)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchrlhf.algorithms.logprob import CHUNK_SIZE
+from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
 from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
 
 GIB = 1 << 30
@@ -120,8 +120,8 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
         if getattr(sec, "activation_checkpointing", False):
             per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
         positions = micro * r_len if not getattr(sec, "use_dynamic_bsz", False) else micro_tokens
-        # the fused head's float32 temporaries: about three [chunk, V / tp] tensors, never [positions, V]
-        logits = min(positions, CHUNK_SIZE) * shape.vocab / tp * 4 * 3
+        # the fused head's float32 temporaries: about three [chunk, vocab chunk] tiles, never [positions, V]
+        logits = min(positions, CHUNK_SIZE) * min(VOCAB_CHUNK_SIZE, shape.vocab / tp) * 4 * 3
         memory["activations (one micro-batch)"] = micro_tokens * per_token + (logits if role == "actor" else 0)
     return lines, memory
 

@@ -142,13 +142,15 @@ class ActorWorker(FSDPWorker):
         return stats.as_dict()
 
     # ------------------------------------------------------------------ forward
-    def _scores(self, scores: torch.Tensor, with_entropy: bool):
-        """The head's ``[..., 2]`` scores -> (log-probs, entropy or None); the entropy keeps its graph only
-        when the loss has an entropy bonus."""
+    def _scoring(self, labels: torch.Tensor, temperature: float):
+        """The head's scoring block; the entropy keeps its graph only when the loss has an entropy bonus."""
+        return self.lm_head.scoring(labels, temperature, entropy_grad=self.entropy_coeff != 0)
+
+    @staticmethod
+    def _scores(scores: torch.Tensor, with_entropy: bool):
+        """The head's ``[..., 2]`` scores -> (log-probs, entropy or None)."""
         log_probs, entropy = scores.unbind(-1)
-        if not with_entropy:
-            return log_probs, None
-        return log_probs, entropy if self.entropy_coeff != 0 else entropy.detach()
+        return log_probs, entropy if with_entropy else None
 
     def _forward(self, mb: Batch, temperature: float, with_entropy: bool):
         """Dense: log-probs ``[b, R]`` (and entropy) of the response tokens, one padded row per sample.
@@ -162,7 +164,7 @@ class ActorWorker(FSDPWorker):
         labels = mb["responses"][:, : inp.response_len]
         seq = inp.input_ids.shape[1]
         keep = torch.arange(seq - inp.response_len - 1, seq - 1, device=inp.input_ids.device)
-        with self.lm_head.scoring(labels, temperature):
+        with self._scoring(labels, temperature):
             out = self.model(input_ids=inp.input_ids, attention_mask=inp.attention_mask,
                              position_ids=inp.position_ids, use_cache=False, logits_to_keep=keep)
         log_probs, entropy = self._scores(out.logits, with_entropy)
@@ -173,7 +175,7 @@ class ActorWorker(FSDPWorker):
                         temperature: float, with_entropy: bool):
         """Shared-prefix: samples ``rows`` of the plan as one packed row reading ``prefix``; ``[b, R]`` outputs."""
         row = plan.suffix_row(rows, prefix, self.device)
-        with self.lm_head.scoring(row.labels[None], temperature):
+        with self._scoring(row.labels[None], temperature):
             scores = suffix_forward(self.model, row)
         log_probs, entropy = self._scores(scores, with_entropy)
         log_probs = scatter_responses(log_probs, row, len(rows), width)
