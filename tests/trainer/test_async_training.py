@@ -74,9 +74,8 @@ def test_async_reaches_the_sync_reward_with_bounded_staleness(tiny_model_dir, tm
     for name in ("det1", "det2"):
         assert level(name) > level(name, first=True) + 0.03, (name, level(name))  # it learns
         assert level(name) > sync_level - 0.03, (name, level(name), sync_level)  # as well as sync
-    runs = {name: metrics for (name, seed), metrics in runs.items() if seed == 0}
     for name, k in [("det1", 1), ("det2", 2), ("stream2", 2)]:
-        metrics = runs[name]
+        metrics = runs[name, 0]
         assert len(metrics) == 30
         for step, m in enumerate(metrics):
             assert 0 <= m["rollout/staleness/max"] <= k, (name, step, m["rollout/staleness/max"])
@@ -88,8 +87,8 @@ def test_async_reaches_the_sync_reward_with_bounded_staleness(tiny_model_dir, tm
         busy = [m["rollout/busy_fraction"] for m in metrics[1:]]
         assert all(0 <= b <= 1.0 + 1e-6 for b in busy) and sum(busy) > 0, (name, busy)
         assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [15, 30], name
-    assert [m["rollout/staleness/max"] for m in runs["det1"][:3]] == [0, 1, 1]
-    assert all(m["rollout/staleness/max"] == 0 for m in runs["sync"])
+    assert [m["rollout/staleness/max"] for m in runs["det1", 0][:3]] == [0, 1, 1]
+    assert all(m["rollout/staleness/max"] == 0 for m in runs["sync", 0])
 
 
 def test_deterministic_schedule_is_bitwise_reproducible_and_resumes(tiny_model_dir, tmp_path):

@@ -48,6 +48,14 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> t
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _rescaled(m: torch.Tensor, m_new: torch.Tensor, s: torch.Tensor, u: torch.Tensor, target: torch.Tensor):
+    """A running fold (s = sum exp(z - m), u = sum exp(z - m) (z - m), target = z[label] - m) against a
+    max ``m_new`` >= ``m``: exp(z - m_new) = exp(z - m) exp(m - m_new), and z - m_new = (z - m) + (m - m_new)."""
+    shift = m - m_new
+    scale = shift.exp()
+    return scale * s, scale * (u + shift * s), target + shift
+
+
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out += a @ b, with ``out`` float32 (in place, without a temporary, when a and b are float32 too)."""
     if a.dtype == torch.float32:
@@ -84,23 +92,19 @@ class _FusedLogProb(torch.autograd.Function):
                     m_tile = torch.maximum(m, m_tile)
                 e = z.sub_(m_tile[:, None]).exp()  # z is now z - m_tile
                 s_tile, u_tile = e.sum(-1), torch.linalg.vecdot(e, z)
+                if m is not None:  # the running sums, against the new max
+                    s, u, target = _rescaled(m, m_tile, s, u, target)
+                    s_tile += s
+                    u_tile += u
                 rows, cols = _tile_labels(local[c], v.start, z.shape[1])
-                if m is not None:  # rescale the running sums to the new max
-                    shift = m - m_tile
-                    scale = shift.exp()
-                    s_tile += scale * s
-                    u_tile += scale * (u + shift * s)
-                    target += shift
                 target[rows] = z[rows, cols]
                 m, s, u = m_tile, s_tile, u_tile
             if group is not None:  # the same fold across the ranks' vocabulary shards
                 m_all = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
-                shift = m - m_all
-                scale = shift.exp()
+                s, u, target = _rescaled(m, m_all, s, u, target)
                 owned = (local[c] >= 0) & (local[c] < local_vocab)
-                target = torch.where(owned, target + shift, 0.0)
-                sums = _all_reduce(torch.stack([scale * s, scale * (u + shift * s), target]), group)
-                m, (s, u, target) = m_all, sums
+                sums = torch.stack([s, u, torch.where(owned, target, 0.0)])
+                m, (s, u, target) = m_all, _all_reduce(sums, group)
             log_s = s.log()
             lse[c] = m + log_s
             log_probs[c] = target - log_s
