@@ -69,3 +69,20 @@ def test_sliding_window_is_reported_only_when_in_use():
     assert sliding_window(model.config) is None
     model.config.use_sliding_window, model.config.sliding_window = True, 16
     assert sliding_window(model.config) == 16
+
+
+def test_pieces_equal_slices_in_value_and_gradient():
+    from torchrlhf.models.packed_attention import _pieces
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 10, 3, requires_grad=True)
+    # repeated ranges (one prompt, many samples), disjoint ones, one spanning two pieces, a gap (7..8)
+    ranges = [(0, 4), (0, 4), (4, 7), (2, 6), (8, 10)]
+    pieces = _pieces(x, ranges)
+    weights = [torch.randn(1, 2, b - a, 3) for a, b in ranges]
+    sum((pieces[a, b] * w).sum() for (a, b), w in zip(ranges, weights)).backward()
+    expected = torch.zeros_like(x)
+    for (a, b), w in zip(ranges, weights):
+        assert torch.equal(pieces[a, b], x[:, :, a:b])
+        expected[:, :, a:b] += w
+    torch.testing.assert_close(x.grad, expected)

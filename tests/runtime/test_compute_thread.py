@@ -40,3 +40,17 @@ def test_errors_reach_the_caller():
     with pytest.raises(KeyError, match="lost"):
         compute_thread.run(boom)
     assert compute_thread.run(lambda: 7) == 7  # the thread survives
+
+
+def test_reserve_intra_op_threads_leaves_the_caller_one_and_the_compute_thread_the_rest():
+    import subprocess
+    import sys
+
+    # a fresh process: the reservation changes this process's thread counts for good
+    code = (
+        "import torch; from torchrlhf.runtime import compute_thread as c\n"
+        "torch.set_num_threads(2); c.reserve_intra_op_threads()\n"
+        "print(torch.get_num_threads(), c.run(torch.get_num_threads))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["1", "2"]

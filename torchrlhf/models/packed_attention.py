@@ -67,19 +67,42 @@ class PackedAttention:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
         if self.record and layer not in self.keys:  # activation checkpointing re-runs the forward: keep the first
             self.keys[layer], self.values[layer] = k, v
-        pk, pv = self.prefix.get(layer) if self.prefix is not None else (None, None)
+        rows = [(start, end) for start, end, _, _ in self.segments]
+        qs_, ks_, vs_ = (_pieces(t, rows) for t in (q, k, v))
+        if self.prefix is not None:
+            pk, pv = self.prefix.get(layer)
+            spans = [(p_start, p_end) for _, _, p_start, p_end in self.segments if p_end > p_start]
+            pks, pvs = _pieces(pk, spans), _pieces(pv, spans)
         outs = []
         for start, end, p_start, p_end in self.segments:
-            qs, ks, vs = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+            qs, ks, vs = qs_[start, end], ks_[start, end], vs_[start, end]
             if p_end > p_start:
-                ks = torch.cat([pk[:, :, p_start:p_end], ks], dim=2)
-                vs = torch.cat([pv[:, :, p_start:p_end], vs], dim=2)
+                ks = torch.cat([pks[p_start, p_end], ks], dim=2)
+                vs = torch.cat([pvs[p_start, p_end], vs], dim=2)
                 mask = self._mask(end - start, p_end - p_start, q.device)
                 outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
             else:
                 outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous()
+
+
+def _pieces(x: torch.Tensor, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+    """``x[:, :, a:b]`` for each range, cut by one `torch.split` at every range's ends.
+
+    Why not plain slices: each slice's backward allocates a zero tensor of ``x``'s full size and
+    the autograd engine adds them all up, which costs (segments x row) per layer in training.
+    A split's backward is one concatenation. A range spanning several pieces is their concatenation.
+    """
+    bounds = sorted({0, x.shape[2], *(a for a, _ in ranges), *(b for _, b in ranges)})
+    parts = torch.split(x, [b - a for a, b in zip(bounds, bounds[1:])], dim=2)
+    index = {a: i for i, a in enumerate(bounds)}
+    out = {}
+    for a, b in ranges:
+        if (a, b) not in out:
+            chunk = parts[index[a] : index[b]]
+            out[a, b] = chunk[0] if len(chunk) == 1 else torch.cat(chunk, dim=2)
+    return out
 
 
 class PrefixKV:

@@ -10,6 +10,11 @@ thread. Measured on 2 cores with 2 threads per op: the same actor update took 1.
 Calls therefore run on this process's compute thread. A call that arrives while that thread is busy
 (asynchronous training overlaps weight receives with generation) still runs at once on its own RPC
 thread, as before. No call ever waits behind another, so ordering and deadlock behaviour are unchanged.
+
+The controller's main thread is the other source of teams: its tensor ops are small, but the first one
+that enters a parallel region (after the first step of a one-process run) gave it a team, and from
+then on the compute thread's workers slept between regions. `reserve_intra_op_threads` leaves the
+calling thread one intra-op thread and gives the compute thread the process's count.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -57,3 +64,15 @@ def run(fn: Callable[[], T]) -> T:
         return fut.result()
     finally:
         _busy.release()
+
+
+def reserve_intra_op_threads() -> None:
+    """Give this process's intra-op threads to the compute thread; the calling thread keeps one.
+
+    Call it on the thread that only coordinates (`runtime.launch` does, on every rank's main thread),
+    before any call runs on the compute thread. Threads that start using torch later get the
+    process's count as before.
+    """
+    threads = torch.get_num_threads()  # also settles this thread's own count before the change below
+    torch.set_num_threads(1)
+    run(lambda: torch.set_num_threads(threads))

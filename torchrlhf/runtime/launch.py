@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from torchrlhf.runtime import compute_thread
+
 DEFAULT_RPC_TIMEOUT = 1800.0  # a worker method may run long (a training step); a dead peer fails faster (EOF)
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 DEFAULT_HEARTBEAT_S = 5.0
@@ -344,6 +346,7 @@ def launch(
         heartbeat_s: how often worker ranks check the controller is alive.
     """
     rank = init(rpc_timeout=rpc_timeout)
+    compute_thread.reserve_intra_op_threads()  # the controller's ops are small; training and decoding are not
     if rank != 0:
         code = _serve(heartbeat_s, shutdown_timeout)
         sys.exit(code)
