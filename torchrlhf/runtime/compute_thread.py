@@ -33,6 +33,7 @@ _busy = threading.Lock()  # held while a call runs on the compute thread
 _tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
+_reserved_threads: int | None = None  # the process's intra-op count, once `reserve_intra_op_threads` took it
 
 
 def _loop() -> None:
@@ -73,6 +74,9 @@ def reserve_intra_op_threads() -> None:
     before any call runs on the compute thread. Threads that start using torch later get the
     process's count as before.
     """
-    threads = torch.get_num_threads()  # also settles this thread's own count before the change below
+    global _reserved_threads
+    if _reserved_threads is None:  # a second launch in this process (a notebook) finds this thread at 1 already
+        _reserved_threads = torch.get_num_threads()  # also settles this thread's own count before the change
+    threads = _reserved_threads
     torch.set_num_threads(1)
     run(lambda: torch.set_num_threads(threads))
