@@ -77,3 +77,19 @@ def test_install_refuses_a_head_with_a_bias():
     model.lm_head = nn.Linear(64, 64, bias=True)
     with pytest.raises(ValueError, match="bias-free nn.Linear"):
         LogProbHead.install(model)
+
+
+def test_no_kept_position_backpropagates_into_the_blocks_but_not_the_head():
+    """A shared-prefix pass keeps no position: its empty output still reaches the layers in backward
+    (FSDP2 gathers a block when the gradient reaches its output), but the head weight gets no gradient
+    (a zero [V, D] one would be allocated and added for nothing)."""
+    model = build_tiny_causal_lm(vocab_size=64, tie_word_embeddings=False)
+    LogProbHead.install(model)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(3))
+    reached = []
+    model.model.layers[-1].register_full_backward_hook(lambda *_: reached.append(True))
+    out = model(input_ids=ids, logits_to_keep=torch.zeros(0, dtype=torch.long)).logits
+    assert out.shape == (1, 0, 64) and out.requires_grad
+    out.backward(torch.zeros_like(out))
+    assert reached, "the gradient did not reach the last block"
+    assert model.lm_head.weight.grad is None

@@ -99,13 +99,14 @@ def test_shared_prefix_with_one_sample_per_prompt(model_dir):
         torch.testing.assert_close(p_s[name], want, atol=2e-5, rtol=1e-4, msg=name)
 
 
-def _shared_on_ranks(rank: int, world: int, model_dir: str, out: str) -> None:
-    """Groups split over 2 data-parallel ranks (FSDP2), then TP = 2, both with shared prefixes."""
+def _shared_on_ranks(rank: int, world: int, model_dir: str, untied_dir: str, out: str) -> None:
+    """Groups split over 2 data-parallel ranks (FSDP2; also with an untied head, which the prompts' pass
+    leaves without a gradient), then TP = 2, all with shared prefixes."""
     torch.set_num_threads(1)
     batch = group_batch(min_response_len=0)
     results = {}
-    for name, tp in (("fsdp", 1), ("tp", 2)):
-        actor = ActorWorker(model_dir, shared_prefix=True, tp_size=tp, **TRAIN_KW, ppo_micro_batch_size_per_device=1)
+    for name, path, tp in (("fsdp", model_dir, 1), ("fsdp_untied", untied_dir, 1), ("tp", model_dir, 2)):
+        actor = ActorWorker(path, shared_prefix=True, tp_size=tp, **TRAIN_KW, ppo_micro_batch_size_per_device=1)
         shard = batch.chunk(actor.dp_size)[actor.dp_rank]
         [actor.update(shard) for _ in range(2)]
         results[name] = full_params(actor.model)
@@ -115,13 +116,18 @@ def _shared_on_ranks(rank: int, world: int, model_dir: str, out: str) -> None:
 
 def test_shared_prefix_fsdp_and_tp_equal_dense_single_process(model_dir, tmp_path):
     batch = group_batch(min_response_len=0)
+    untied_dir = str(save_tiny_model(tmp_path / "untied", tokenizer_from=None, vocab_size=128,
+                                     tie_word_embeddings=False))
     _, _, dense = _run(model_dir, batch, False, ppo_micro_batch_size_per_device=4)
+    _, _, dense_untied = _run(untied_dir, batch, False, ppo_micro_batch_size_per_device=4)
     out = tmp_path / "shared.pt"
-    run_ranks(_shared_on_ranks, 2, model_dir, str(out), timeout=300)
+    run_ranks(_shared_on_ranks, 2, model_dir, untied_dir, str(out), timeout=300)
     results = torch.load(out, weights_only=True)
-    for run in ("fsdp", "tp"):
-        for name, want in dense.items():
+    for run, want_params in (("fsdp", dense), ("fsdp_untied", dense_untied), ("tp", dense)):
+        for name, want in want_params.items():
             torch.testing.assert_close(results[run][name], want, atol=2e-5, rtol=1e-4, msg=f"{run}: {name}")
+    head, embedding = "lm_head.weight", "model.embed_tokens.weight"
+    assert torch.equal(dense[head], dense[embedding]) and not torch.equal(dense_untied[head], dense_untied[embedding])
 
 
 @pytest.mark.parametrize("micro", [1, 3])

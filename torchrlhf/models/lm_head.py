@@ -79,6 +79,11 @@ class LogProbHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         request, self._request = self._request, None  # one forward per `scoring` block
+        if request is None and hidden.shape[-2] == 0:
+            # No position kept (a shared-prefix pass wants only its keys/values). The empty output still
+            # leads back to ``hidden``, so backward enters the blocks, but not through the weight, whose
+            # backward would allocate and add a zero [V, D] gradient.
+            return hidden[..., :1].expand(*hidden.shape[:-1], self.out_features)
         if request is None:
             if not isinstance(self.weight, DTensor):
                 return F.linear(hidden, self.weight)
