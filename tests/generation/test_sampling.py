@@ -123,3 +123,18 @@ def test_a_rounding_overshoot_never_picks_a_filtered_token(vocab):
         kept = probs >= params.min_p * probs.amax(-1, keepdim=True)
         assert bool(kept.gather(-1, tok[:, None]).all()) and torch.isfinite(lp).all()
         assert (tok < vocab - 1).all()
+
+
+@pytest.mark.parametrize("vocab", [64, 5000])  # one cumulative sum, and the two-level search
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=5), SamplingParams(top_p=0.9),
+    SamplingParams(min_p=0.1),
+], ids=["greedy", "full", "top_k", "top_p", "min_p"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_raise_naming_the_rows(vocab, params, bad):
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    uniforms = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    sample_tokens(logits, uniforms, params)  # finite: fine
+    logits[2, 7] = bad
+    with pytest.raises(FloatingPointError, match=r"rows \[2\] is not finite"):
+        sample_tokens(logits, uniforms, params)

@@ -109,7 +109,9 @@ def sample_tokens(
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
-        return tokens, _token_logprob(torch.softmax(logits, dim=-1), tokens)
+        log_probs = _token_logprob(torch.softmax(logits, dim=-1), tokens)
+        _check_finite(log_probs)  # a row with a NaN or +inf logit has a NaN softmax
+        return tokens, log_probs
 
     full = torch.softmax(logits / params.temperature if params.temperature != 1 else logits, dim=-1)
     probs, index = full, None
@@ -127,6 +129,18 @@ def sample_tokens(
     pos = _inverse_cdf(probs, uniforms.to(probs.device, torch.float64)[:, None])
     tokens = (index.gather(-1, pos) if index is not None else pos).squeeze(-1)
     return tokens, _token_logprob(full, tokens)
+
+
+def _check_finite(row_values: torch.Tensor) -> None:
+    """Refuse rows whose distribution is not finite: sampling them would return arbitrary tokens."""
+    bad = ~torch.isfinite(row_values)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"sample_tokens: the next-token distribution of rows {rows[:8]} is not finite (NaN or inf logits): "
+            "the model's weights or activations are not finite (a corrupt checkpoint, or an overflow in "
+            "float16/bfloat16)"
+        )
 
 
 def _token_logprob(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -166,10 +180,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     rows, width = probs.shape
     if width <= 4 * CDF_BLOCK:
         cdf = probs.double().cumsum(dim=-1)
+        _check_finite(cdf[:, -1])
         return _search(cdf, uniforms * cdf[:, -1:])
     blocks = -(-width // CDF_BLOCK)
     padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - width)).view(rows, blocks, CDF_BLOCK)
     block_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)
+    _check_finite(block_cdf[:, -1])
     target = uniforms * block_cdf[:, -1:]
     block = _search(block_cdf, target)
     mass_before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)
