@@ -1,4 +1,4 @@
-"""The RL post-training recipe: PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF, DAPO, Dr.GRPO, GSPO.
+"""The RL post-training recipe: PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF, DAPO, Dr.GRPO, GSPO, CISPO.
 
     torchrun --nproc_per_node=2 recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml
     python recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml trainer.total_steps=2  # one process
@@ -15,21 +15,10 @@ from __future__ import annotations
 import os
 import sys
 
-from omegaconf import OmegaConf
-
-from torchrlhf.config import ConfigError, load_config, parse_args
+from torchrlhf.config import ConfigError, parse_args
 from torchrlhf.runtime import launch
-from torchrlhf.trainer.build import build_trainer
 from torchrlhf.trainer.explain import explain
-from torchrlhf.trainer.schema import RecipeConfig, load_recipe_config
-
-
-def main(cfg: RecipeConfig, raw: dict, world_size: int) -> dict[str, float]:
-    trainer = build_trainer(cfg, world_size, raw)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+from torchrlhf.trainer.run import load, run
 
 
 def _take_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
@@ -55,8 +44,7 @@ def cli(argv: list[str] | None = None) -> None:
         argv, dry_run, world = _take_flags(list(sys.argv[1:] if argv is None else argv))
         world_size = world or int(os.environ.get("WORLD_SIZE", "1"))
         path, overrides = parse_args(argv)
-        raw_cfg = load_config(path, overrides, add_missing=True)  # the schema checks every key
-        cfg = load_recipe_config(raw_cfg, world_size)
+        cfg, raw = load(path, overrides, world_size)  # the schema checks every key
     except (ConfigError, FileNotFoundError) as e:
         if rank == 0:
             print(f"torchrlhf: config error: {e}", file=sys.stderr)
@@ -69,7 +57,7 @@ def cli(argv: list[str] | None = None) -> None:
                 print(f"torchrlhf: config error: {e}", file=sys.stderr)
                 sys.exit(2)
         return
-    launch(main, cfg, OmegaConf.to_container(raw_cfg, resolve=True), world_size)
+    launch(run, cfg, raw, world_size)  # rank 0: build the worker groups and the trainer, fit
 
 
 if __name__ == "__main__":
