@@ -7,7 +7,8 @@ default is 50; ``--top-p`` for both). Prints one row per batch size with the
 ratio native / HF (and, with ``--vllm``, native / `VLLMEngine`). On CPU the native engine also runs without its
 oneDNN-prepacked projections (``cpu_prepack=False``), and both are compared with
 the ``F.linear`` floor (the tokens/s of a decode step that did nothing but its
-``nn.Linear`` GEMMs, which bounds HF ``generate``); on CUDA the native engine
+``nn.Linear`` GEMMs, which bounds HF ``generate``) and, in fp32, with the packed floor (the same GEMMs
+through oneDNN-packed weights, which bounds the native engine); on CUDA the native engine
 runs with and without CUDA-graph decode. Two ceilings no engine can pass are
 printed too: the compute bound (projection FLOPs at the throughput of a large
 matmul, measured in-process) and, per row, the memory-bandwidth bound (decode
@@ -138,6 +139,28 @@ def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
     return batch_size * repeats / (time.perf_counter() - start)
 
 
+def packed_floor(model, batch_size: int, repeats: int = 10) -> float:
+    """Tokens/s if a decode step cost only its matmuls through oneDNN-packed weights, as the engine runs them.
+
+    Every ``nn.Linear`` once on ``[batch, in]`` with its weight packed like `PrepackedLinears` does.
+    """
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None), m.bias, m.in_features)
+              for m in linears]
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features, dtype=m.weight.dtype) for m in linears}
+
+    def step() -> None:
+        for weight, bias, in_features in packed:
+            torch.ops.mkldnn._linear_pointwise(inputs[in_features], weight, bias, "none", [], "")
+
+    with torch.inference_mode():
+        step()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+    return batch_size * repeats / (time.perf_counter() - start)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written (the memory ceiling)."""
     src = torch.randn(nbytes // 4, device=device)
@@ -243,6 +266,8 @@ def main() -> None:
     extra = f"{baseline + ' tok/s':>14} {('graphs/' if cuda else 'packed/') + baseline:>15}"
     if not cuda:
         extra += f" {'F.linear floor tok/s':>21} {'native/floor':>12}"
+        if dtype == torch.float32:
+            extra += f" {'packed floor tok/s':>19} {'native/packed floor':>19}"
     if args.vllm:
         extra += f" {'vllm tok/s':>11} {'native/vllm':>11}"
     print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra} {'bw bound tok/s':>15} "
@@ -262,6 +287,9 @@ def main() -> None:
         if not cuda:
             floor = linear_floor(model, bs)
             tail += f" {floor:>21.1f} {native / floor:>12.2f}"
+            if dtype == torch.float32:
+                pfloor = packed_floor(model, bs)
+                tail += f" {pfloor:>19.1f} {native / pfloor:>19.2f}"
         if args.vllm:
             tail += f" {max(runs['vllm']):>11.1f} {native / max(runs['vllm']):>11.2f}"
         bound = bandwidth_bound(model, engines["native"], bs, prompts["input_ids"].shape[1], args.max_new_tokens,
