@@ -146,3 +146,16 @@ class TestSmolLM2:
         model = load_causal_lm(d)
         assert model.config.vocab_size == len(tok) == 49152
         assert tok.chat_template
+
+
+def test_loading_hides_the_per_tensor_bar_and_restores_the_setting(tmp_path, capfd):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = save_tiny_model(tmp_path, tokenizer_from=None, vocab_size=64)
+    capfd.readouterr()
+    AutoModelForCausalLM.from_pretrained(str(path))
+    assert "Loading weights" in capfd.readouterr().err  # transformers' own bar, which a run would show per model
+    load_causal_lm(path)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # the caller's setting is back

@@ -32,12 +32,14 @@ from torchrlhf.generation.cuda_graphs import GraphedDecode
 from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
+from torchrlhf.models.loading import quiet_weight_loading
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
+    with quiet_weight_loading():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
     # Loaded tensors may be memory-mapped from the file; give them resizable storage
     # that `release` can free (tied parameters are one object, cloned once).
     with torch.no_grad():

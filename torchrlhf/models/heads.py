@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from torchrlhf.models.loading import _existing, _is_gguf, load_causal_lm
+from torchrlhf.models.loading import _existing, _is_gguf, load_causal_lm, quiet_weight_loading
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PackedAttention
 from torchrlhf.models.sharded import SafetensorsReader, load_weights
 
@@ -113,7 +113,8 @@ def load_value_model(
         config, backbone, head = lm.config, lm.model, {}
     else:
         config = AutoConfig.from_pretrained(str(p))
-        backbone = AutoModel.from_pretrained(str(p), dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+        with quiet_weight_loading():
+            backbone = AutoModel.from_pretrained(str(p), dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
         head = _head_from_checkpoint(p, config.hidden_size)
     model = ValueModel(config, backbone=backbone)
     if not head:

