@@ -57,3 +57,5 @@ def test_load_lists_config_errors_before_anything_loads(tmp_path):
         load(raw, ["actor.lrr=0.1"])
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load(tmp_path / "missing.yaml")
+    with pytest.raises(TypeError, match="a YAML path or a mapping .* got RecipeConfig"):
+        load(cfg)  # the validated object is not a config to load

@@ -32,6 +32,8 @@ def load(config: str | os.PathLike | Mapping, overrides: Sequence[str] = (), wor
     """
     if isinstance(config, (str, os.PathLike)):
         raw = load_config(Path(config), overrides, add_missing=True)  # the schema checks every key
+    elif not isinstance(config, Mapping):
+        raise TypeError(f"config must be a YAML path or a mapping (a dict, a DictConfig), got {type(config).__name__}")
     else:  # a copy: the caller's config stays as it was
         raw = apply_overrides(OmegaConf.create(OmegaConf.to_container(config) if isinstance(config, DictConfig)
                                                else dict(config)), overrides, add_missing=True)
