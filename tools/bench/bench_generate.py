@@ -31,8 +31,10 @@ import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
@@ -118,47 +120,47 @@ def bench_native(engine: NativeEngine, prompts: Batch, new_tokens: int, sampling
     return len(prompts) * new_tokens / elapsed
 
 
+def _gemm_floor(projections: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], batch_size: int,
+                repeats: int, dtype: torch.dtype) -> float:
+    """Tokens/s of a decode step that only called each ``(projection, in_features)`` once on ``[batch, in]``."""
+    inputs = {n: torch.randn(batch_size, n, dtype=dtype) for _, n in projections}
+
+    def step() -> None:
+        for projection, n in projections:
+            projection(inputs[n])
+
+    with torch.inference_mode():
+        step()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+    return batch_size * repeats / (time.perf_counter() - start)
+
+
+def _linears(model) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def linear_floor(model, batch_size: int, repeats: int = 10) -> float:
     """Tokens/s if a decode step cost only its matmuls: every ``nn.Linear`` once on ``[batch, in]``.
 
     ``F.linear`` (MKL sgemm on CPU) is what HF ``generate`` runs, so this bounds HF's speed;
     the native engine's prepacked oneDNN projections are not bound by it.
     """
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(batch_size, m.in_features, dtype=m.weight.dtype) for m in linears}
-
-    def step() -> None:
-        for m in linears:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
-
-    with torch.inference_mode():
-        step()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-    return batch_size * repeats / (time.perf_counter() - start)
+    linears = _linears(model)
+    projections = [(lambda x, m=m: F.linear(x, m.weight, m.bias), m.in_features) for m in linears]
+    return _gemm_floor(projections, batch_size, repeats, linears[0].weight.dtype)
 
 
 def packed_floor(model, batch_size: int, repeats: int = 10) -> float:
-    """Tokens/s if a decode step cost only its matmuls through oneDNN-packed weights, as the engine runs them.
-
-    Every ``nn.Linear`` once on ``[batch, in]`` with its weight packed like `PrepackedLinears` does.
-    """
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packed = [(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None), m.bias, m.in_features)
-              for m in linears]
-    inputs = {m.in_features: torch.randn(batch_size, m.in_features, dtype=m.weight.dtype) for m in linears}
-
-    def step() -> None:
-        for weight, bias, in_features in packed:
-            torch.ops.mkldnn._linear_pointwise(inputs[in_features], weight, bias, "none", [], "")
-
-    with torch.inference_mode():
-        step()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            step()
-    return batch_size * repeats / (time.perf_counter() - start)
+    """Tokens/s if a decode step cost only its matmuls through oneDNN-packed weights, as the engine runs them
+    (`generation.prepacked`: every projection, the head included, packed once)."""
+    projections, linears = [], _linears(model)
+    for m in linears:
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        projections.append((lambda x, w=packed, b=m.bias: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""),
+                            m.in_features))
+    return _gemm_floor(projections, batch_size, repeats, linears[0].weight.dtype)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> float:

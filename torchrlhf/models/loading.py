@@ -102,19 +102,18 @@ def load_causal_lm(
     kwargs = {"dtype": "auto" if dtype is None else dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    if _is_gguf(p):
-        with quiet_weight_loading():
+    with quiet_weight_loading():
+        if _is_gguf(p):
             model = AutoModelForCausalLM.from_pretrained(
                 str(p.parent),
                 gguf_file=p.name,
                 quantization_config=GgufConfig(gguf_file=p.name, dequantize=True),
                 **kwargs,
             )
-        strip_quantizer(model)
-        if dtype is not None:
-            model = model.to(dtype)
-    else:
-        with quiet_weight_loading():
+            strip_quantizer(model)
+            if dtype is not None:
+                model = model.to(dtype)
+        else:
             model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
     LogProbHead.install(model)
     return model.to(device)
