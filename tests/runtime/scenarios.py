@@ -85,7 +85,7 @@ class Probe(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def survivors_sum(self) -> float:
         """All-reduce of rank + 1 over the "survivors" group (the controller, rank 0, joins from its thread)."""
-        from torchrlhf.runtime.group import process_group
+        from torchrlhf.runtime import process_group
 
         t = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(t, group=process_group("survivors"))
@@ -309,7 +309,7 @@ def main_lose() -> int:
     """Ranks 1 and 2 serve two replicas; rank 2 is killed. After `drop_replica` every dispatch mode uses
     rank 1 alone, a process group of the survivors works (rank 1 took part in a group rank 0 did not: the
 case where members-only creation hangs), and the job ends cleanly."""
-    from torchrlhf.runtime.group import new_process_group, process_group
+    from torchrlhf.runtime import new_process_group, process_group
 
     g = WorkerGroup(Probe, ranks=[1, 2], name="pair")
     try:

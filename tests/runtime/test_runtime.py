@@ -55,7 +55,7 @@ def test_main_raises_every_rank_exits_nonzero() -> None:
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "PASS call timeout" in p.stdout, out
-    assert "torchrlhf.runtime.group.WorkerError: worker group 'doomed', method 'fail_on' failed on rank 1" in out, out
+    assert "torchrlhf.runtime.futures.WorkerError: worker group 'doomed', method 'fail_on' failed on rank 1" in out, out
     assert "ValueError: planned failure on rank 1" in out, out
     assert "rank 1 stopping with exit code 1" in out, out  # our stop, not torchrun's SIGTERM
 

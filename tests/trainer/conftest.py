@@ -28,7 +28,7 @@ BASE: dict[str, Any] = {
     },
     "rollout": {"n": 4, "max_tokens": 8, "engine": {"max_batch_size": 16, "max_seq_len": 80}},
     "algorithm": {"adv_estimator": "grpo"},
-    "actor": {"lr": 3e-3, "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 16},
+    "actor": {"optim": {"lr": 3e-3}, "batching": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 16}},
     "reward": {"reward_fn": f"{REWARD_FNS}:e_fraction", "isolate": False},
     "trainer": {"total_steps": 2, "loggers": ["jsonl"]},
 }
@@ -44,7 +44,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 def write_config(path: Path, model_dir: str, **sections: dict[str, Any]) -> Path:
-    """BASE with ``sections`` merged in (a section given as None is set to null), saved as YAML."""
+    """BASE with ``sections`` merged in (sub-sections too; a section given as None is set to null), saved as YAML."""
     cfg = copy.deepcopy(BASE)
     cfg["model_path"] = model_dir
     cfg["actor"]["model_path"] = "${model_path}"
@@ -52,9 +52,16 @@ def write_config(path: Path, model_dir: str, **sections: dict[str, Any]) -> Path
         if value is None or not isinstance(value, dict):
             cfg[name] = value
         else:
-            cfg[name] = {**cfg.get(name, {}), **value}
+            cfg[name] = _merged(cfg.get(name, {}), value)
     OmegaConf.save(OmegaConf.create(cfg), path)
     return path
+
+
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -32,8 +32,8 @@ class MarkedActor(ActorWorker):
         self.marker = marker
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def update(self, batch):
-        metrics = super().update(batch)
+    def update(self, batch, **kwargs):
+        metrics = super().update(batch, **kwargs)
         metrics["actor/marker"] = self.marker
         return metrics
 

@@ -28,7 +28,7 @@ def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
     # per rank per mini-batch 4 * 4 / 4 ranks = 4 samples, micro-batches of 2 -> 2 accumulation steps.
     cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
                             data={"train_batch_size": 8}, rollout={"n": 4},
-                            actor={"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 2, "ppo_epochs": 2})
+                            actor={"batching": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 2, "ppo_epochs": 2}})
     cfg = load_recipe_config(load_config(cfg_path), 4)
     text = explain(cfg, 4)
     assert "8 prompts × n 4 = 32 samples" in text
@@ -44,11 +44,11 @@ def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
 def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir, tmp_path):
     cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
                             placement={"actor": [0, 1], "rollout": [2, 3]},
-                            actor={"ppo_micro_batch_size_per_device": 4})
+                            actor={"batching": {"ppo_micro_batch_size_per_device": 4}})
     ok = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4"],
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "rollout   ranks 2,3" in ok.stdout and "on its own ranks" in ok.stdout
     bad = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4",
-                          "actor.lrr=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "actor.lrr: unknown key (did you mean 'lr'?)" in bad.stderr
+                          "actor.optim.lrr=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "actor.optim.lrr: unknown key (did you mean 'lr'?)" in bad.stderr

@@ -23,9 +23,9 @@ path, second_dir = sys.argv[1:3]
 first = train(path, ["trainer.total_steps=1"])
 cfg = OmegaConf.load(path)
 cfg.trainer.output_dir = second_dir
-second = train(cfg, ["actor.lr=1e-3"])  # a second run in the same process, from a loaded config
+second = train(cfg, ["actor.optim.lr=1e-3"])  # a second run in the same process, from a loaded config
 print("RESULT", json.dumps({"first": first["critic/score/mean"], "second": second["critic/score/mean"],
-                            "lr_after": cfg.actor.lr}))
+                            "lr_after": cfg.actor.optim.lr}))
 """
 
 
@@ -43,18 +43,18 @@ def test_train_twice_in_one_process_from_a_path_and_from_a_config(tiny_model_dir
     assert len(metrics_of(first_dir)) == 1 and len(metrics_of(second_dir)) == 2  # each run's own steps
     assert got["first"] == metrics_of(first_dir)[-1]["critic/score/mean"]  # the last step's metrics returned
     assert got["second"] == metrics_of(second_dir)[-1]["critic/score/mean"]
-    assert got["lr_after"] == BASE["actor"]["lr"]  # the override did not change the caller's config
+    assert got["lr_after"] == BASE["actor"]["optim"]["lr"]  # the override did not change the caller's config
 
 
 def test_load_lists_config_errors_before_anything_loads(tmp_path):
     raw = copy.deepcopy(BASE)
-    raw["model_path"] = str(tmp_path / "no_model_is_read")
+    raw["model_path"] = str(tmp_path)  # it exists; no model is read
     raw["actor"]["model_path"] = "${model_path}"
-    cfg, resolved = load(raw, ["actor.lr=0.5"])
-    assert resolved["actor"]["lr"] == 0.5 and resolved["actor"]["model_path"] == raw["model_path"]  # resolved
-    assert raw["actor"]["lr"] == BASE["actor"]["lr"]  # the caller's mapping is untouched
-    with pytest.raises(ConfigError, match=r"actor\.lrr: unknown key \(did you mean 'lr'\?\)"):
-        load(raw, ["actor.lrr=0.1"])
+    cfg, resolved = load(raw, ["actor.optim.lr=0.5"])
+    assert resolved["actor"]["optim"]["lr"] == 0.5 and resolved["actor"]["model_path"] == raw["model_path"]  # resolved
+    assert raw["actor"]["optim"]["lr"] == BASE["actor"]["optim"]["lr"]  # the caller's mapping is untouched
+    with pytest.raises(ConfigError, match=r"actor\.optim\.lrr: unknown key \(did you mean 'lr'\?\)"):
+        load(raw, ["actor.optim.lrr=0.1"])
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load(tmp_path / "missing.yaml")
     with pytest.raises(TypeError, match="a YAML path or a mapping .* got RecipeConfig"):

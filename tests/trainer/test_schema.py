@@ -34,23 +34,23 @@ def test_shipped_config_validates(path, gsm8k_files, monkeypatch):
     if "gsm8k" in str(raw.data.train_files):
         overrides += [f"data.train_files=[{gsm8k_files}/gsm8k_train.jsonl]",
                       f"data.val_files=[{gsm8k_files}/gsm8k_test.jsonl]"]
-    raw = load_config(path, overrides + (["model_path=/models/x"] if "8gpu" in path.name else []))
+    raw = load_config(path, overrides + ([f"model_path={gsm8k_files}"] if "8gpu" in path.name else []))
     cfg = load_recipe_config(raw, WORLD.get(path.name, 2))
     assert cfg.actor.model_path
 
 
-def _check(tmp_path, tiny="/models/tiny", world: int = 1, **sections):
-    return load_recipe_config(load_config(write_config(tmp_path / "c.yaml", tiny, **sections)), world)
+def _check(tmp_path, tiny=None, world: int = 1, **sections):
+    return load_recipe_config(load_config(write_config(tmp_path / "c.yaml", tiny or str(tmp_path), **sections)), world)
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"actor": {"lrr": 1e-3}}, "actor.lrr: unknown key (did you mean 'lr'?)"),
-    ({"actor": {"lr": "fast"}}, "actor.lr: expected float, got 'fast'"),
+    ({"actor": {"optim": {"lrr": 1e-3}}}, "actor.optim.lrr: unknown key (did you mean 'lr'?)"),
+    ({"actor": {"optim": {"lr": "fast"}}}, "actor.optim.lr: expected float, got 'fast'"),
     ({"trainer": {"total_step": 3}}, "trainer.total_step: unknown key (did you mean 'total_steps'?)"),
     ({"algorithm": {"adv_estimator": "gae"}}, "adv_estimator=gae (PPO) needs a critic section"),
     ({"algorithm": {"adv_estimator": "grpoo"}}, "algorithm.adv_estimator: unknown 'grpoo'"),
     ({"rollout": {"n": 1}}, "rollout.n must be >= 2"),
-    ({"actor": {"ppo_mini_batch_size": 3}}, "actor"),
+    ({"actor": {"batching": {"ppo_mini_batch_size": 3}}}, "actor"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode: unknown 'mean'"),
     ({"actor": {"rollout_is": "tokens"}}, "actor.rollout_is must be one of ('token', 'sequence') or null"),
     ({"actor": {"rollout_is_threshold": -1.0}}, "actor.rollout_is_threshold must be positive"),
@@ -65,7 +65,7 @@ def _check(tmp_path, tiny="/models/tiny", world: int = 1, **sections):
     ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
-      "critic": {"model_path": "x", "ppo_mini_batch_size": 4}}, "placement.critic: ranks [0, 5]"),
+      "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4}}}, "placement.critic: ranks [0, 5]"),
 ])
 def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:
@@ -82,14 +82,12 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"schedule": "fast"}},
      "async_training.schedule"),
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
-      "async_training": {"schedule": "deterministic"}},
-     "algorithm.filter_groups (DAPO dynamic sampling) needs async_training.schedule=stream"),
-    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
-      "reward_model": {"model_path": "x"}},
-     "algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards"),
+      "reward_model": {"model_path": "${model_path}"}},
+     "algorithm.filter_groups (DAPO dynamic sampling) with trainer.mode=async needs each sample's full score on the "
+     "rollout thread"),
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"adv_estimator": "remax"},
-      "async_training": {"schedule": "deterministic"}, "rollout": {"n": 1}},
-     "algorithm.adv_estimator=remax with trainer.mode=async needs async_training.schedule=stream"),
+      "reward_model": {"model_path": "${model_path}"}, "rollout": {"n": 1}},
+     "algorithm.adv_estimator=remax with trainer.mode=async needs each sample's full score"),
     ({"placement": {"actor": [0], "rollout": [1]},
       "async_training": {"partial_rollout": True, "schedule": "deterministic"}},
      "async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1"),
@@ -103,10 +101,26 @@ def test_bad_async_config_is_refused(tmp_path, sections, message):
     assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("sections", [
+    {"algorithm": {"filter_groups": True}, "async_training": {"schedule": "deterministic"}},
+    {"algorithm": {"adv_estimator": "remax"}, "async_training": {"schedule": "deterministic"}, "rollout": {"n": 1},
+     "actor": {"batching": {"ppo_micro_batch_size_per_device": 4}}},
+    {"algorithm": {"filter_groups": True}, "reward_model": {"model_path": "${model_path}"},
+     "placement": {"actor": [0], "rollout": [1, 2], "reward_model": [2]}},
+])
+def test_async_runs_what_the_one_rollout_path_allows(tmp_path, sections):
+    """DAPO and ReMax with either schedule, and with a reward model the rollout threads may call (not on the
+    ranks of a role that trains meanwhile)."""
+    placement = sections.pop("placement", {"actor": [0], "rollout": [1]})
+    cfg = _check(tmp_path, world=len({r for ranks in placement.values() for r in ranks}),
+                 trainer={"mode": "async"}, placement=placement, **sections)
+    assert cfg.trainer.mode == "async"
+
+
 def test_rollout_ranks_either_match_the_actors_or_are_their_own(tmp_path):
     with pytest.raises(ConfigError, match=r"placement.rollout \[1, 2\] overlaps placement.actor \[0, 1\]"):
         _check(tmp_path, world=3, placement={"actor": [0, 1], "rollout": [1, 2]},
-               actor={"ppo_micro_batch_size_per_device": 4})
+               actor={"batching": {"ppo_micro_batch_size_per_device": 4}})
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -115,9 +129,16 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert "actor.lrr" in str(e.value) and "actor.dtyp" in str(e.value)
 
 
+def test_a_missing_model_and_missing_data_are_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, tiny=str(tmp_path / "no_model"), data={"train_files": ["nowhere.jsonl"]})
+    assert "data.train_files: no such file(s) ['nowhere.jsonl']" in str(e.value)
+    assert f"actor.model_path: model path does not exist: {tmp_path / 'no_model'}" in str(e.value)
+
+
 def test_placement_colocates_by_default_and_splits_on_request(tmp_path):
-    critic = {"model_path": "x", "ppo_mini_batch_size": 4}
-    actor = {"ppo_micro_batch_size_per_device": 4}
+    critic = {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4}}
+    actor = {"batching": {"ppo_micro_batch_size_per_device": 4}}
     cfg = _check(tmp_path, world=4, algorithm={"adv_estimator": "gae", "use_kl_in_reward": True}, critic=critic,
                  actor=actor)
     everywhere = [0, 1, 2, 3]
@@ -131,7 +152,7 @@ def test_placement_colocates_by_default_and_splits_on_request(tmp_path):
 
 def test_cli_bad_key_exits_2_before_any_work(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "/models/tiny", trainer={"output_dir": str(tmp_path / "out")})
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg), "actor.lr=1", "algorithm.kl_coeff=0.1"],
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg), "actor.optim.lr=1", "algorithm.kl_coeff=0.1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2
     assert "algorithm.kl_coeff: unknown key (did you mean 'kl_coef'?)" in proc.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
+from dist_helpers import full_params, rollout_batch, run_ranks, grouped  # noqa: E402
 
 from torchrlhf.models import save_tiny_model  # noqa: E402
 from torchrlhf.utils.checkpoint import COMPLETE, is_complete, load_checkpoint, rng_state, set_rng_state  # noqa: E402
@@ -33,18 +33,18 @@ def _shard(actor: ActorWorker, batch):
 
 
 def _first_step_then_save(actor: ActorWorker, ckpt: str) -> None:
-    actor.update(_shard(actor, rollout_batch(8, seed=1)))
+    actor.update(_shard(actor, rollout_batch(8, seed=1)), temperature=1.0)
     actor.save_checkpoint(ckpt)
 
 
 def _next_step(actor: ActorWorker) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    metrics = actor.update(_shard(actor, rollout_batch(8, seed=2)))
+    metrics = actor.update(_shard(actor, rollout_batch(8, seed=2)), temperature=1.0)
     return metrics, full_params(actor.model)
 
 
 def _on_ranks(rank: int, world: int, model_dir: str, ckpt: str, out: str, mode: str) -> None:
     torch.set_num_threads(1)
-    actor = ActorWorker(model_dir, **ACTOR_KW)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     if mode == "save":
         _first_step_then_save(actor, ckpt)
     else:
@@ -66,7 +66,7 @@ def test_save_on_two_ranks_load_on_one(model_dir, tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
     run_ranks(_on_ranks, 2, model_dir, ckpt, out, "save")
     assert is_complete(ckpt) and not os.path.exists(ckpt + ".tmp")
-    actor = ActorWorker(model_dir, **ACTOR_KW)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     actor.load_checkpoint(ckpt)
     metrics, params = _next_step(actor)
     _assert_same(metrics, params, torch.load(out, weights_only=True))
@@ -74,7 +74,7 @@ def test_save_on_two_ranks_load_on_one(model_dir, tmp_path):
 
 def test_save_on_one_load_on_two(model_dir, tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out.pt")
-    actor = ActorWorker(model_dir, **ACTOR_KW)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     _first_step_then_save(actor, ckpt)
     metrics, params = _next_step(actor)
     run_ranks(_on_ranks, 2, model_dir, ckpt, out, "load")
@@ -83,7 +83,7 @@ def test_save_on_one_load_on_two(model_dir, tmp_path):
 
 
 def test_incomplete_checkpoint_is_refused_and_resave_replaces(model_dir, tmp_path):
-    actor = ActorWorker(model_dir, **ACTOR_KW)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     ckpt = tmp_path / "ckpt"
     actor.save_checkpoint(str(ckpt))
     (ckpt / COMPLETE).unlink()  # as if the writer died before finishing
@@ -106,7 +106,7 @@ def test_rng_state_round_trip_through_weights_only_file(tmp_path):
 
 
 def test_a_corrupted_checkpoint_file_is_named(model_dir, tmp_path):
-    actor = ActorWorker(model_dir, **ACTOR_KW)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     ckpt = tmp_path / "ckpt"
     actor.save_checkpoint(str(ckpt))
     shard = next(ckpt.glob("*.distcp"))

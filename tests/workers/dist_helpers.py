@@ -93,3 +93,15 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+
+def grouped(**kwargs) -> dict:
+    """Worker keyword arguments written flat, with the optimizer keys moved into ``optim`` and the batch-size
+    keys into ``batching`` (the sub-sections `ActorWorker` / `CriticWorker` take)."""
+    from torchrlhf.utils.optim import SCHEDULE_KEYS
+    from torchrlhf.workers.microbatch import Batching
+
+    batch_keys = {f for f in Batching.__dataclass_fields__}
+    optim = {k: kwargs.pop(k) for k in [*kwargs] if k in ("lr", "weight_decay", "betas", *SCHEDULE_KEYS)}
+    batching = {k: kwargs.pop(k) for k in [*kwargs] if k in batch_keys}
+    return {**kwargs, "optim": optim, "batching": Batching(**batching)}

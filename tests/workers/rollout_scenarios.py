@@ -18,12 +18,14 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from torchrlhf.data import Batch
+from torchrlhf.generation import SamplingParams
+from torchrlhf.rollouts import Replicas, WeightSync
 from torchrlhf.runtime import Dispatch, WorkerError, colocate, launch, local_worker, register
-from torchrlhf.trainer.weight_sync import WeightSync
 from torchrlhf.workers import ActorWorker, RolloutWorker
+from torchrlhf.workers.microbatch import Batching
 
-GREEDY = dict(n=1, temperature=0.0, max_tokens=6, ignore_eos=True)
-ACTOR_KW = dict(lr=5e-2, ppo_mini_batch_size=4, rollout_n=1, ppo_micro_batch_size_per_device=4)
+GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=6, ignore_eos=True)
+ACTOR_KW = dict(optim={"lr": 5e-2}, batching=Batching(ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=4))
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -37,14 +39,14 @@ def prompts(version: int) -> Batch:
     ids = torch.randint(3, 120, (4, 5), generator=gen)
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 2, 0  # one left-padded prompt
-    return Batch({"input_ids": ids, "attention_mask": mask}, meta={"sampling": GREEDY, "weight_version": version})
+    return Batch({"input_ids": ids, "attention_mask": mask})
 
 
 def hf_greedy(model_dir: str, state: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_state_dict(state)
     out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
-                         max_new_tokens=GREEDY["max_tokens"], min_new_tokens=GREEDY["max_tokens"], pad_token_id=2)
+                         max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens, pad_token_id=2)
     return out[:, batch["input_ids"].shape[1]:]
 
 
@@ -70,7 +72,8 @@ def build(mode: str, engine: dict, model_dir: str):
     actor = colocate({"actor": (ActorWorker, (model_dir,), ACTOR_KW)}, [0])["actor"]
     rollout = colocate({"rollout": (cls, (), rollout_kw)}, [1, 2])["rollout"]
     # 16 KiB buckets: the tiny model's weights travel in many buckets, and some tensors alone exceed one
-    return actor, rollout, WeightSync(actor, rollout, dtype="float32", bucket_bytes=16 << 10)
+    replicas = Replicas(rollout, colocated=False, pad_id=2)
+    return actor, rollout, WeightSync(actor, replicas, dtype="float32", bucket_bytes=16 << 10)
 
 
 class DyingRollout(RolloutWorker):
@@ -79,35 +82,35 @@ class DyingRollout(RolloutWorker):
     calls = 0
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate(self, prompts: Batch) -> Batch:
+    def generate(self, prompts: Batch, sampling: SamplingParams, **kwargs) -> Batch:
         DyingRollout.calls += 1
         if DyingRollout.calls == 2 and dist.get_rank() == 2:
             os._exit(1)
-        return super().generate(prompts)
+        return super().generate(prompts, sampling, **kwargs)
 
 
 def main(mode: str, engine_component: str, model_dir: str) -> None:
     engine = {"_component_": engine_component, "max_batch_size": 8, "max_seq_len": 64}
     actor, rollout, sync = build(mode, engine, model_dir)
-    before = rollout.generate(prompts(0))
+    before = rollout.generate(prompts(0), GREEDY, version=0)
     initial = actor_state()
     check("greedy equals HF generate", torch.equal(before["responses"], hf_greedy(model_dir, initial, prompts(0))))
     check("samples carry version 0", before["weight_version"].tolist() == [0] * 4)
     if mode == "dying":
         try:
-            rollout.generate(prompts(0))
+            rollout.generate(prompts(0), GREEDY, version=0)
         except WorkerError as e:
             check("a dead rollout rank is named", e.rank == 2 and "did not answer" in str(e), str(e))
             return
         raise AssertionError("FAIL the dead rank went unnoticed")
 
-    actor.update(training_batch(before))
+    actor.update(training_batch(before), temperature=1.0)
     if sync is not None:
         stats = sync(1)
         nbytes = sum(p.numel() * 4 for p in local_worker("actor").model.parameters())  # tied weights once
         check("weights went by bucketed broadcast", stats["weight_sync/buckets"] > 1
               and stats["weight_sync/bytes"] == nbytes, f"{stats} vs {nbytes} bytes")
-    after = rollout.generate(prompts(1))
+    after = rollout.generate(prompts(1), GREEDY, version=1)
     trained = actor_state()
     check("the update changed the weights", any(not torch.equal(trained[k], initial[k]) for k in trained))
     check("the next rollout uses the new weights",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
+from dist_helpers import full_params, rollout_batch, run_ranks, grouped  # noqa: E402
 
 from torchrlhf.data import Batch  # noqa: E402
 from torchrlhf.generation import NativeEngine, SamplingParams  # noqa: E402
@@ -49,23 +49,22 @@ def hf_log_probs(model_dir: str, batch, temperature: float):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compute_log_prob_matches_hf_forward(model_dir, dynamic):
     batch = rollout_batch(7, temperature=0.7)
-    batch.meta["calculate_entropy"] = True
-    actor = ActorWorker(model_dir, freeze=True, ppo_micro_batch_size_per_device=3, use_dynamic_bsz=dynamic,
-                        max_tokens_per_micro_batch=16)
-    out = actor.compute_log_prob(batch)
+    actor = ActorWorker(model_dir, **grouped(freeze=True, ppo_micro_batch_size_per_device=3, use_dynamic_bsz=dynamic,
+                        max_tokens_per_micro_batch=16))
+    out = actor.compute_log_prob(batch, temperature=0.7, entropy=True)
     _, lp, ent = hf_log_probs(model_dir, batch, 0.7)
     mask = batch["response_mask"].bool()
     assert out["old_log_probs"].shape == batch["responses"].shape
     torch.testing.assert_close(out["old_log_probs"][mask], lp[mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["entropys"][mask], ent[mask], atol=1e-5, rtol=1e-5)
-    ref = actor.compute_ref_log_prob(batch)["ref_log_prob"]
+    ref = actor.compute_ref_log_prob(batch, temperature=0.7)["ref_log_prob"]
     torch.testing.assert_close(ref[mask], lp[mask], atol=1e-5, rtol=1e-5)
 
 
 def test_ref_log_prob_needs_frozen_worker(model_dir):
     actor = ActorWorker(model_dir)
     with pytest.raises(RuntimeError, match="freeze=True"):
-        actor.compute_ref_log_prob(rollout_batch(2))
+        actor.compute_ref_log_prob(rollout_batch(2), temperature=1.0)
 
 
 @pytest.mark.parametrize("micro_kw", [dict(ppo_micro_batch_size_per_device=1), dict(ppo_micro_batch_size_per_device=3),
@@ -81,8 +80,8 @@ def test_gradient_matches_hand_derived_ppo_loss(model_dir, micro_kw):
     loss = -(batch["advantages"] * ratio * mask).sum() / mask.sum()
     loss.backward()
 
-    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, **micro_kw)
-    stats = actor._train_mini_batch(batch, temperature=0.8)
+    actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=6, rollout_n=1, **micro_kw))
+    stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     assert stats["actor/pg_loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert stats["actor/pg_clipfrac"] == 0.0
     ref_grads = dict(model.named_parameters())
@@ -98,15 +97,15 @@ def test_on_policy_update_without_old_log_probs_is_the_policy_gradient(model_dir
     mask = batch["response_mask"].float()
     (-(batch["advantages"] * lp * mask).sum() / mask.sum()).backward()
 
-    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3)
-    stats = actor._train_mini_batch(batch, temperature=0.8)
+    actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3))
+    stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     assert stats["actor/ppo_kl"] == 0.0 and stats["actor/pg_clipfrac"] == 0.0
     ref_grads = dict(model.named_parameters())
     for name, p in actor.model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
     # Two mini-batches (or epochs) see a moved policy: then old log-probs are required.
     with pytest.raises(KeyError, match="old_log_probs"):
-        ActorWorker(model_dir, ppo_mini_batch_size=3, rollout_n=1).update(batch)
+        ActorWorker(model_dir, **grouped(ppo_mini_batch_size=3, rollout_n=1)).update(batch, temperature=1.0)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -123,9 +122,9 @@ def test_rollout_is_weights_the_policy_gradient_by_bounded_ratios(model_dir, lev
     w = torch.exp(log_rho).clamp(max=1.5) * mask
     (-(batch["advantages"] * w * lp * mask).sum() / mask.sum()).backward()
 
-    actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3,
-                        rollout_is=level, rollout_is_threshold=1.5)
-    stats = actor._train_mini_batch(batch, temperature=0.8)
+    actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=3,
+                        rollout_is=level, rollout_is_threshold=1.5))
+    stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     ref_grads = dict(model.named_parameters())
     for name, p in actor.model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -140,7 +139,7 @@ def test_rollout_is_weights_the_policy_gradient_by_bounded_ratios(model_dir, lev
 
 def _train(actor: ActorWorker, batch, steps: int = 2) -> list[dict[str, float]]:
     shard = batch.chunk(actor.dp_size)[actor.dp_rank]
-    return [actor.update(shard) for _ in range(steps)]
+    return [actor.update(shard, temperature=shard.meta["temperature"]) for _ in range(steps)]
 
 
 GREEDY = dict(n=1, temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -149,8 +148,7 @@ GREEDY = dict(n=1, temperature=0.0, max_tokens=4, ignore_eos=True)
 def prompt_batch(batch) -> Batch:
     """The (left-padded) prompts of a rollout batch, asking for greedy rollouts."""
     width = batch["prompts"].shape[1]
-    return Batch({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :width]},
-                 meta={"sampling": GREEDY})
+    return Batch({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :width]})
 
 
 def hf_greedy(model_dir: str, params: dict[str, torch.Tensor], prompts: Batch) -> torch.Tensor:
@@ -178,7 +176,7 @@ def _train_on_ranks(rank: int, world: int, model_dir: str, out: str, tp_size: in
         variants["dynamic"] = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=20)
     results = {}
     for name, kw in variants.items():
-        actor = ActorWorker(model_dir, tp_size=tp_size, **TRAIN_KW, **kw)
+        actor = ActorWorker(model_dir, **grouped(tp_size=tp_size, **TRAIN_KW, **kw))
         metrics = _train(actor, batch)
         results[name] = {"metrics": metrics, "params": full_params(actor.model)}
         # Rollouts after training use the trained weights, resharded into the engine (the hybrid engine).
@@ -192,7 +190,7 @@ def _train_on_ranks(rank: int, world: int, model_dir: str, out: str, tp_size: in
 
 @pytest.fixture(scope="module")
 def single_process_run(model_dir):
-    actor = ActorWorker(model_dir, ppo_micro_batch_size_per_device=4, **TRAIN_KW)
+    actor = ActorWorker(model_dir, **grouped(ppo_micro_batch_size_per_device=4, **TRAIN_KW))
     metrics = _train(actor, rollout_batch(8, temperature=0.9))
     return metrics, {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
 
@@ -227,16 +225,16 @@ def test_fsdp_tp_2x2_matches_single_process(model_dir, single_process_run, tmp_p
 
 
 def test_nan_loss_skips_step_and_keeps_params(model_dir):
-    actor = ActorWorker(model_dir, lr=1e-2, ppo_mini_batch_size=4, rollout_n=1, ppo_micro_batch_size_per_device=2)
+    actor = ActorWorker(model_dir, **grouped(lr=1e-2, ppo_mini_batch_size=4, rollout_n=1, ppo_micro_batch_size_per_device=2))
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
     batch = rollout_batch(4)
     batch["advantages"][1, 0] = float("nan")  # a valid response token (every response has >= 1)
-    metrics = actor.update(batch)
+    metrics = actor.update(batch, temperature=1.0)
     assert metrics["actor/grad_norm_nonfinite"] == 1.0 and metrics["actor/skipped_steps"] == 1.0
     assert "actor/grad_norm" not in metrics
     for k, v in actor.model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    metrics = actor.update(rollout_batch(4))  # a clean batch trains normally afterwards
+    metrics = actor.update(rollout_batch(4), temperature=1.0)  # a clean batch trains normally afterwards
     assert metrics["actor/skipped_steps"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
 
@@ -253,11 +251,11 @@ def test_bad_batch_sizes_raise_before_work(model_dir):
         validate_batch_sizes(ppo_mini_batch_size=4, rollout_n=1, dp_size=1, use_dynamic_bsz=True,
                              max_tokens_per_micro_batch=10, max_seq_len=12)
     with pytest.raises(ValueError, match="ppo_micro_batch_size_per_device=3"):
-        ActorWorker(model_dir, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=3)
-    actor = ActorWorker(model_dir, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=2)
+        ActorWorker(model_dir, **grouped(ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=3))
+    actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=2))
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
     with pytest.raises(ValueError, match=r"got 6 samples .* 2 prompts x 2 responses / 1 ranks = 4"):
-        actor.update(rollout_batch(6))
+        actor.update(rollout_batch(6), temperature=1.0)
     assert all(torch.equal(v, before[k]) for k, v in actor.model.state_dict().items())
 
 
@@ -267,8 +265,8 @@ def test_seq_mean_modes_do_not_depend_on_micro_batching(model_dir, mode):
     batch = rollout_batch(6, seed=5)
     grads, losses = [], []
     for kw in (dict(ppo_micro_batch_size_per_device=6), dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=13)):
-        actor = ActorWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, loss_agg_mode=mode, entropy_coeff=0.1, **kw)
-        losses.append(actor._train_mini_batch(batch, temperature=1.0)["actor/pg_loss"])
+        actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=6, rollout_n=1, loss_agg_mode=mode, entropy_coeff=0.1, **kw))
+        losses.append(actor._train_mini_batch(batch, {"temperature": 1.0})["actor/pg_loss"])
         grads.append({n: p.grad.clone() for n, p in actor.model.named_parameters()})
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for name, g in grads[0].items():

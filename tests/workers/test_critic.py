@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_helpers import rollout_batch  # noqa: E402
+from dist_helpers import rollout_batch, grouped  # noqa: E402
 
 from torchrlhf.models import load_value_model, save_tiny_model  # noqa: E402
 from torchrlhf.workers.critic import CriticWorker  # noqa: E402
@@ -32,8 +32,8 @@ def direct_values(model_dir: str, batch, seed: int = 0):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_compute_values_matches_direct_forward(model_dir, dynamic):
     batch = rollout_batch(5)
-    critic = CriticWorker(model_dir, ppo_mini_batch_size=2, ppo_micro_batch_size_per_device=2, use_dynamic_bsz=dynamic,
-                          max_tokens_per_micro_batch=14)
+    critic = CriticWorker(model_dir, **grouped(ppo_mini_batch_size=2, ppo_micro_batch_size_per_device=2, use_dynamic_bsz=dynamic,
+                          max_tokens_per_micro_batch=14))
     values = critic.compute_values(batch)["values"]
     _, want = direct_values(model_dir, batch)
     torch.testing.assert_close(values, want.detach() * batch["response_mask"], atol=1e-5, rtol=1e-5)
@@ -54,8 +54,8 @@ def test_gradient_matches_hand_derived_value_loss(model_dir, micro_kw):
     loss.backward()
     clipfrac = (((clipped - batch["returns"]) ** 2 > (vpreds - batch["returns"]) ** 2).float() * mask).sum() / mask.sum()
 
-    critic = CriticWorker(model_dir, ppo_mini_batch_size=6, rollout_n=1, cliprange_value=0.5, **micro_kw)
-    stats = critic._train_mini_batch(batch)
+    critic = CriticWorker(model_dir, **grouped(ppo_mini_batch_size=6, rollout_n=1, cliprange_value=0.5, **micro_kw))
+    stats = critic._train_mini_batch(batch, {})
     assert stats["critic/vf_loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert stats["critic/vf_clipfrac"] == pytest.approx(clipfrac.item(), abs=1e-6)
     assert stats["critic/vpred_mean"] == pytest.approx(((vpreds * mask).sum() / mask.sum()).item(), rel=1e-5)
@@ -65,7 +65,7 @@ def test_gradient_matches_hand_derived_value_loss(model_dir, micro_kw):
 
 
 def test_update_reports_metrics_and_trains(model_dir):
-    critic = CriticWorker(model_dir, lr=1e-3, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=2)
+    critic = CriticWorker(model_dir, **grouped(lr=1e-3, ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_device=2))
     batch = rollout_batch(8)
     first = critic.update(batch)
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/vpred_mean", "critic/lr"):

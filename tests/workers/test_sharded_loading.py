@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_ranks
+from dist_helpers import run_ranks, grouped
 
 from torchrlhf.workers import ActorWorker
 
@@ -68,8 +68,8 @@ def _load_on_ranks(rank: int, world: int, model_dir: str, out: str, whole: bool)
     if whole:  # the old path, for the README figure: every rank reads the whole model, then shards it
         ActorWorker.loads_sharded = lambda *args: False
     with PeakRSS() as rss:
-        actor = ActorWorker(model_dir, ppo_mini_batch_size=1, rollout_n=1, ppo_micro_batch_size_per_device=1,
-                            freeze=True)
+        actor = ActorWorker(model_dir, **grouped(ppo_mini_batch_size=1, rollout_n=1, ppo_micro_batch_size_per_device=1,
+                            freeze=True))
     grown = [rss.peak[0] - rss.start[0], rss.peak[1] - rss.start[1]]
     with torch.no_grad():
         logits = actor.model(input_ids=_ids()).logits

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dist_helpers import full_params, rollout_batch, run_ranks  # noqa: E402
+from dist_helpers import full_params, rollout_batch, run_ranks, grouped  # noqa: E402
 
 from torchrlhf.models import save_tiny_model  # noqa: E402
 from torchrlhf.workers.actor import ActorWorker  # noqa: E402
@@ -58,9 +58,10 @@ def test_plan_rejects_an_empty_prompt():
 
 
 def _run(model_dir, batch, shared: bool, steps: int = 2, **kw):
-    actor = ActorWorker(model_dir, shared_prefix=shared, **{**TRAIN_KW, **kw})
-    lp = actor.compute_log_prob(batch)["old_log_probs"]
-    metrics = [actor.update(batch) for _ in range(steps)]
+    actor = ActorWorker(model_dir, **grouped(shared_prefix=shared, **{**TRAIN_KW, **kw}))
+    temperature = batch.meta["temperature"]
+    lp = actor.compute_log_prob(batch, temperature=temperature)["old_log_probs"]
+    metrics = [actor.update(batch, temperature=temperature) for _ in range(steps)]
     return lp, metrics, {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
 
 
@@ -106,9 +107,9 @@ def _shared_on_ranks(rank: int, world: int, model_dir: str, untied_dir: str, out
     batch = group_batch(min_response_len=0)
     results = {}
     for name, path, tp in (("fsdp", model_dir, 1), ("fsdp_untied", untied_dir, 1), ("tp", model_dir, 2)):
-        actor = ActorWorker(path, shared_prefix=True, tp_size=tp, **TRAIN_KW, ppo_micro_batch_size_per_device=1)
+        actor = ActorWorker(path, **grouped(shared_prefix=True, tp_size=tp, **TRAIN_KW, ppo_micro_batch_size_per_device=1))
         shard = batch.chunk(actor.dp_size)[actor.dp_rank]
-        [actor.update(shard) for _ in range(2)]
+        [actor.update(shard, temperature=shard.meta["temperature"]) for _ in range(2)]
         results[name] = full_params(actor.model)
     if rank == 0:
         torch.save(results, out)
@@ -136,8 +137,8 @@ def test_critic_shared_prefix_equals_dense(model_dir, micro):
     batch = group_batch(min_response_len=0)
     runs = {}
     for shared in (True, False):
-        critic = CriticWorker(model_dir, lr=1e-4, grad_clip=None, ppo_mini_batch_size=3, rollout_n=4, ppo_epochs=2,
-                              ppo_micro_batch_size_per_device=micro, shared_prefix=shared)
+        critic = CriticWorker(model_dir, **grouped(lr=1e-4, grad_clip=None, ppo_mini_batch_size=3, rollout_n=4, ppo_epochs=2,
+                              ppo_micro_batch_size_per_device=micro, shared_prefix=shared))
         values = critic.compute_values(batch)["values"]
         metrics = [critic.update(batch) for _ in range(2)]
         runs[shared] = values, metrics, {k: v.detach().clone() for k, v in critic.model.state_dict().items()}

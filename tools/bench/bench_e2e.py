@@ -94,8 +94,8 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = [
         "data.val_files=[]", f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
-        f"rollout.max_tokens={args.max_tokens}", f"actor.ppo_mini_batch_size={args.prompts}",
-        f"actor.ppo_micro_batch_size_per_device={args.micro}",
+        f"rollout.max_tokens={args.max_tokens}", f"actor.batching.ppo_mini_batch_size={args.prompts}",
+        f"actor.batching.ppo_micro_batch_size_per_device={args.micro}",
         *ENGINES[args.engine](args.prompts * args.n // world),
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
         "trainer.output_dir=/tmp/torchrlhf_bench_e2e", "trainer.loggers=[jsonl]",

@@ -50,7 +50,7 @@ def main() -> None:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
             with torch.no_grad():
-                ref = actor.compute_log_prob(Batch(out.tensors, meta={"temperature": 1.0}))["old_log_probs"]
+                ref = actor.compute_log_prob(Batch(out.tensors), temperature=1.0)["old_log_probs"]
             mask = out["response_mask"].bool()
             gap = (out["rollout_log_probs"] - ref).abs()[mask]
             print(f"{name:<8} {str(dtype).split('.')[-1]:<9} {gap.max():>9.2e} {gap.mean():>9.2e} {int(mask.sum()):>7}",

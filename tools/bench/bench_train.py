@@ -56,16 +56,15 @@ def group_rollouts(prompts: int, n: int, prompt_len: int, response_len: int, voc
             "old_log_probs": torch.full((b, response_len), -5.0) * r_mask,
             "advantages": torch.randn(b, response_len, generator=g) * r_mask,
         },
-        meta={"temperature": 1.0},
     )
 
 
 def worker_step(path: str, batch: Batch, micro: int, shared: bool) -> Callable[[], None]:
-    from torchrlhf.workers.actor import ActorWorker
+    from torchrlhf.workers import ActorWorker, Batching
 
-    actor = ActorWorker(path, lr=1e-6, ppo_mini_batch_size=len(batch), rollout_n=1,
-                        ppo_micro_batch_size_per_device=micro, shared_prefix=shared)
-    return lambda: actor.update(batch)
+    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared,
+                        batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
+    return lambda: actor.update(batch, temperature=1.0)
 
 
 def plain_hf_step(path: str, batch: Batch, micro: int) -> Callable[[], None]:

@@ -15,6 +15,7 @@ rather than at ``max_tokens``, and a few graded responses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -27,8 +28,8 @@ sys.path.insert(0, REPO)
 from torchrlhf.config import get_component, load_config  # noqa: E402
 from torchrlhf.generation import SamplingParams  # noqa: E402
 from torchrlhf.models import load_tokenizer  # noqa: E402
-from torchrlhf.trainer.build import _kwargs, build_prompts, resolve_model_path  # noqa: E402
-from torchrlhf.trainer.schema import load_recipe_config  # noqa: E402
+from torchrlhf.trainer.build import build_prompts, resolve_model_path  # noqa: E402
+from torchrlhf.trainer.schema import load_recipe_config, section_kwargs  # noqa: E402
 
 
 def group_stats(scores: torch.Tensor) -> dict[str, float]:
@@ -54,19 +55,19 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path))
     train, _ = build_prompts(cfg, tokenizer)
     prompts = train.dataset.collate(list(range(min(args.prompts, len(train.dataset)))))
-    engine_cfg = _kwargs(cfg.rollout.engine, keep_component=True)
+    engine_cfg = {f.name: getattr(cfg.rollout.engine, f.name) for f in dataclasses.fields(cfg.rollout.engine)}
     engine = get_component(engine_cfg.pop("_component_"))(
         model_path, tokenizer, dtype=getattr(torch, cfg.actor.dtype), **engine_cfg)
-    reward = get_component(cfg.reward._component_)(tokenizer=tokenizer, **_kwargs(cfg.reward))
+    reward = get_component(cfg.reward._component_)(**section_kwargs(cfg, "reward", tokenizer=tokenizer))
 
-    def graded(sampling: dict) -> tuple[torch.Tensor, list[str], list[str]]:
-        gen = engine.generate(prompts, SamplingParams(**sampling, seed=0))
+    def graded(sampling: SamplingParams) -> tuple[torch.Tensor, list[str], list[str]]:
+        gen = engine.generate(prompts, dataclasses.replace(sampling, seed=0))
         scores, _ = reward(gen)
         texts = train.decode(gen["responses"], gen["response_mask"])
         return scores.sum(-1), texts, list(gen["finish_reason"])
 
-    greedy, _, _ = graded(cfg.rollout.val_sampling_params())
-    scores, texts, finish = graded(cfg.rollout.sampling_params())
+    greedy, _, _ = graded(cfg.rollout.val_sampling())
+    scores, texts, finish = graded(cfg.rollout.sampling())
     n = cfg.rollout.n
     stats = {"greedy_acc": greedy.mean().item(), **group_stats(scores.view(-1, n)),
              "no_number": sum(re.search(r"\d", t) is None for t in texts) / len(texts),

@@ -71,8 +71,9 @@ def _check_dataclass(value: Any, schema: type, key: str, errors: list[str]) -> A
         return _INVALID
     try:
         return schema(**kwargs)
-    except (TypeError, ValueError) as e:  # a schema's own __post_init__ checks
-        errors.append(f"{key or '<root>'}: {e}")
+    except (TypeError, ValueError) as e:  # a schema's own __post_init__ checks; "field: why" names the key
+        name, sep, why = str(e).partition(": ")
+        errors.append(f"{_join(key, name)}: {why}" if sep and name in fields else f"{key or '<root>'}: {e}")
         return _INVALID
 
 

@@ -8,6 +8,7 @@ on its seed and its own logits, never on which other requests share the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -51,25 +52,34 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+            raise ValueError(f"n: must be >= 1, got {self.n}")
         if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 0, got {self.top_k}")
+            raise ValueError(f"top_k: must be -1 (off) or >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
-            raise ValueError("SamplingParams.stop must not contain empty strings")
+            raise ValueError("stop: must not contain empty strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the returned log-probs (and of the trainer's recomputation): 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    def greedy_copy(self) -> SamplingParams:
+        """One greedy response per prompt, the rest unchanged (ReMax's baseline)."""
+        return dataclasses.replace(self, n=1, temperature=0.0)
 
 
 def sample_seed(seed: int, sample: int) -> int:

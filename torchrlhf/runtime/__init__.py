@@ -1,14 +1,8 @@
 """The single-controller runtime: rank 0 drives SPMD worker groups over torch.distributed.rpc."""
 
-from torchrlhf.runtime.group import (
-    GroupFuture,
-    WorkerError,
-    WorkerGroup,
-    colocate,
-    local_worker,
-    new_process_group,
-    process_group,
-)
+from torchrlhf.runtime.futures import GroupFuture, WorkerError, wait_all
+from torchrlhf.runtime.group import WorkerGroup, colocate, new_process_group
+from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.launch import init, launch, shutdown
 from torchrlhf.runtime.stall import StallError, set_stall_timeout
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, register
@@ -30,4 +24,5 @@ __all__ = [
     "register",
     "set_stall_timeout",
     "shutdown",
+    "wait_all",
 ]

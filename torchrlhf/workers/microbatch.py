@@ -19,6 +19,48 @@ import torch.distributed as dist
 from torchrlhf.data import Batch
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a trainable role cuts a rollout: the ``batching`` sub-section of ``actor`` and ``critic``.
+
+    ``ppo_mini_batch_size`` counts prompts (each brings ``rollout.n`` responses) and sets the math: one
+    optimizer step per mini-batch, ``ppo_epochs`` passes. Micro-batches (``ppo_micro_batch_size_per_device``
+    samples, or token budgets of ``max_tokens_per_micro_batch`` with ``use_dynamic_bsz``) only trade memory
+    for speed. ``log_prob_micro_batch_size_per_device`` is the no-grad passes' micro size (default: the
+    training one).
+    """
+
+    ppo_mini_batch_size: int = 1
+    ppo_epochs: int = 1
+    ppo_micro_batch_size_per_device: int = 1
+    log_prob_micro_batch_size_per_device: int | None = None
+    use_dynamic_bsz: bool = False
+    max_tokens_per_micro_batch: int | None = None
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The micro-batch token budget, when micro-batches are cut by tokens."""
+        return self.max_tokens_per_micro_batch if self.use_dynamic_bsz else None
+
+    @property
+    def log_prob_micro_batch_size(self) -> int:
+        return self.log_prob_micro_batch_size_per_device or self.ppo_micro_batch_size_per_device
+
+    def validate(self, *, rollout_n: int, dp_size: int, train_batch_size: int | None = None,
+                 role: str = "actor") -> None:
+        """Raise ValueError, quoting the numbers, if these sizes cannot split a rollout (`validate_batch_sizes`)."""
+        if self.ppo_epochs <= 0:
+            raise ValueError(f"{role}.batching.ppo_epochs must be positive, got {self.ppo_epochs}")
+        if rollout_n <= 0:
+            raise ValueError(f"rollout.n must be positive, got {rollout_n}")
+        validate_batch_sizes(
+            ppo_mini_batch_size=self.ppo_mini_batch_size, rollout_n=rollout_n, dp_size=dp_size,
+            ppo_micro_batch_size_per_device=self.ppo_micro_batch_size_per_device, train_batch_size=train_batch_size,
+            use_dynamic_bsz=self.use_dynamic_bsz, max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+            role=f"{role}.batching",
+        )
+
+
 def validate_batch_sizes(
     *,
     ppo_mini_batch_size: int,

@@ -12,9 +12,9 @@ new weights by bucketed broadcast from the actor's first rank (`hybrid.broadcast
 adjacent rollout ranks.
 
 Asynchronous training (split placement): `receive_weights` with ``to_relay`` stores each new version in
-a `WeightRelay` while the engine generates, and each `generate` first loads the version its prompts ask
-for (``meta["relay_version"]``, chosen by the controller so the ranks of a TP group agree) at that
-trajectory boundary. With ``meta["partial_rollout"]`` (TP 1) the engine also loads each newer version
+a `WeightRelay` while the engine generates, and each `generate` first loads the ``version`` it is asked
+for (chosen by the controller so the ranks of a TP group agree) at that
+trajectory boundary. With ``partial`` (TP 1) the engine also loads each newer version
 the relay receives between two decode steps, inside the trajectory, and records the version per token.
 
 Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
@@ -35,13 +35,11 @@ from torchrlhf.generation import SamplingParams
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
-from torchrlhf.runtime.group import local_worker, process_group
+from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
 
 ENGINE_ARGS_SET_BY_ROLE = ("model_or_path", "model_path", "tokenizer", "device", "dtype", "tp_mesh")
-RELAY_VERSION = "relay_version"  # prompts.meta key: the weight version to generate with (asynchronous training)
-PARTIAL_ROLLOUT = "partial_rollout"  # prompts.meta key: also load newer versions between decode steps
 
 
 class RolloutWorker(Worker):
@@ -109,30 +107,34 @@ class RolloutWorker(Worker):
 
     # ------------------------------------------------------------------ generation
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate(self, prompts: Batch) -> Batch:
-        """Responses with sampling from ``prompts.meta["sampling"]`` (`SamplingParams` fields).
+    def generate(self, prompts: Batch, sampling: SamplingParams, *, version: int | None = None,
+                 partial: bool = False) -> Batch:
+        """``sampling.n`` responses per prompt with weight ``version`` (default: the weights at hand).
 
         Returns the engine's columns (``responses``, ``input_ids``, ``response_mask``,
         ``rollout_log_probs``, ...) plus ``weight_version``, ``n`` rows per prompt, the other prompt
-        columns repeated. Colocated, ``meta["weight_version"]`` says which version the actor holds.
+        columns repeated. Colocated, the actor's current weights are ``version``. On ranks of their own
+        (asynchronous training), the engine first loads ``version`` from the relay at this trajectory
+        boundary (the controller chooses it, so the ranks of a TP group agree); with ``partial`` (TP 1) it
+        also loads each newer version the relay receives between two decode steps, records the version
+        per token; the samples keep the version asked for (their oldest tokens' at most).
         """
-        sampling = SamplingParams(**prompts.meta.get("sampling", {}))
         if self.actor_group is not None:
             if self.engine is None:
                 self.engine = self._build_engine()
             actor = self.actor
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
                                                        optimizer=actor.optimizer)
-            version = int(prompts.meta.get("weight_version", 0))
+            version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
-            partial = bool(prompts.meta.get(PARTIAL_ROLLOUT))
-            if RELAY_VERSION in prompts.meta:
-                self._load_from_relay(int(prompts.meta[RELAY_VERSION]), keep_newer=partial)
+            if version is not None:
+                self._load_from_relay(version, keep_newer=partial)
+            else:
+                version = self.weight_version
             if partial:
                 out = self.engine.generate(prompts, sampling, between_steps=self._load_newest)
             else:
                 out = self.engine.generate(prompts, sampling)
-            version = self.weight_version
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         return out
 

@@ -1,4 +1,4 @@
-"""The asynchronous rollout driver against a fake rollout group whose calls take random times.
+"""The rollout schedules against a fake rollout group whose calls take random times.
 
 What must hold whatever the timing: no sample trains more than ``max_staleness`` versions after the weights
 that generated it; every prompt is trained exactly once (requeue) or counted as dropped; a replica never
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.runtime.group import WorkerError
-from torchrlhf.trainer.async_rollout import DeterministicRollouts, StreamRollouts, _concat_prompts, left_pad_prompts
-from torchrlhf.workers.rollout import RELAY_VERSION
+from torchrlhf.generation import SamplingParams
+from torchrlhf.rollouts import DeterministicRollouts, GroupFilter, Replicas, RolloutPipeline, Scorer, StreamRollouts
+from torchrlhf.rollouts.batches import concat_prompts, left_pad_prompts
+from torchrlhf.runtime import WorkerError
 
 N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width
 
@@ -46,19 +47,22 @@ class FakeRollouts:
         self.max_running = 0
         self.lock = threading.Lock()
         self.calls: list[tuple[int, int]] = []  # (replica, version)
+        self.seen: list[tuple[int, float, int]] = []  # (replica, temperature, version)
 
-    def call_dp(self, d: int, method: str, prompts: Batch) -> FakeFuture:
+    def call_dp(self, d: int, method: str, prompts: Batch, sampling: SamplingParams, *, version: int,
+                partial: bool = False) -> FakeFuture:
         assert method == "generate"
         with self.lock:
             self.running[d] = self.running.get(d, 0) + 1
             self.max_running = max(self.max_running, self.running[d])
-            self.calls.append((d, prompts.meta[RELAY_VERSION]))
+            self.calls.append((d, version))
+            self.seen.append((d, sampling.temperature, version))
         fut = FakeFuture()
         delay = self.slow * (10 if self.rng.random() < 0.2 else self.rng.random())  # a long tail
 
         def finish() -> None:
             time.sleep(delay)
-            out = prompts.repeat(prompts.meta["sampling"].get("n", N))
+            out = prompts.repeat(sampling.n)
             width = prompts["input_ids"].shape[1]
             out["prompts"] = out["input_ids"]
             out["responses"] = torch.ones(len(out), R, dtype=torch.long)
@@ -66,6 +70,7 @@ class FakeRollouts:
             out["input_ids"] = torch.cat([out["prompts"], out["responses"]], 1)
             out["attention_mask"] = torch.cat([out["attention_mask"], out["response_mask"]], 1)
             out["position_ids"] = torch.arange(width + R).expand(len(out), -1).clone()
+            out["weight_version"] = torch.full((len(out),), version)  # as the rollout worker stamps it
             with self.lock:
                 self.running[d] -= 1
             fut._value = out
@@ -91,15 +96,20 @@ class FakeRollouts:
         self.lost_dp_ranks |= self.dead
         return bool(set(called) - set(self.live_ranks))
 
+    def busy_seconds(self) -> list[tuple[float, dict[str, float]]]:
+        return [(time.monotonic(), {}) for _ in self.live_ranks]
+
 
 class PromptSource:
     """Batches of B prompts numbered 0, 1, 2, ... (with widths that vary between batches)."""
+
+    batch_size = B
 
     def __init__(self) -> None:
         self.next = 0
         self.batches = 0
 
-    def __call__(self) -> Batch:
+    def next_batch(self) -> Batch:
         width = 2 + self.batches % 3
         self.batches += 1
         ids = list(range(self.next, self.next + B))
@@ -109,24 +119,28 @@ class PromptSource:
 
 
 def _score(gen: Batch):
-    gen["token_level_scores"] = torch.zeros(len(gen), R)
-    return gen, {"reward/mean": 0.0}
+    return torch.zeros(len(gen), R), {"reward/mean": 0.0}
 
 
-def _common(k: int) -> dict:
-    return dict(next_prompts=PromptSource(), score=_score, sampling={"temperature": 1.0}, batch_size=B, n=N,
-                max_staleness=k, pad_id=0, seed=0)
+def _driver(cls, group, k: int, *, reward_fn=_score, n: int = N, remax: bool = False, max_filtered: int | None = None,
+            lose_replicas: bool = False, **kwargs):
+    """A schedule over the fake group, with the library's pipeline (scoring, ReMax, the group filter)."""
+    group_filter = GroupFilter(n, max_filtered) if max_filtered is not None else None
+    pipeline = RolloutPipeline(Scorer(reward_fn, max_tokens=R), SamplingParams(n=n, temperature=1.0, max_tokens=R),
+                               remax=remax, group_filter=group_filter)
+    replicas = Replicas(group, colocated=False, pad_id=0, lose_replicas=lose_replicas)
+    return cls(pipeline, replicas, PromptSource(), max_staleness=k, seed=0, **kwargs)
 
 
 @pytest.mark.parametrize("k,policy", [(1, "requeue"), (2, "requeue"), (1, "drop"), (0, "requeue")])
 def test_stream_bounds_staleness_and_trains_each_prompt_once(k, policy):
     group = FakeRollouts(dp_size=3)
-    driver = StreamRollouts(group, prompts_per_call=1, stale_policy=policy, **_common(k))
-    driver.start()
+    driver = _driver(StreamRollouts, group, k, prompts_per_call=1, stale_policy=policy)
+    driver.start(0)
     trained: list[int] = []
     try:
         for version in range(12):
-            batch, metrics = driver.take(version)
+            batch, metrics = driver.next_batch(version + 1, version)
             assert len(batch) == B * N
             lag = version - batch["weight_version"]
             assert int(lag.max()) <= k and int(lag.min()) >= 0, lag
@@ -152,20 +166,18 @@ def _score_by_index(gen: Batch):
     """Prompts with an even index get rewards that differ within the group; odd ones get equal rewards."""
     index = torch.tensor(gen["index"])
     varied = (index % 2 == 0).float()[:, None] * torch.arange(len(gen)).float()[:, None] % N
-    gen["token_level_scores"] = torch.zeros(len(gen), R) + varied * (torch.arange(R) == R - 1)
-    return gen, {}
+    return torch.zeros(len(gen), R) + varied * (torch.arange(R) == R - 1), {}
 
 
 def test_stream_dynamic_sampling_trains_only_informative_groups():
     group = FakeRollouts(dp_size=2, slow=0.01)
-    common = {**_common(1), "score": _score_by_index}
-    driver = StreamRollouts(group, prompts_per_call=1, stale_policy="requeue", filter_groups=True,
-                            max_filtered=10 * B, **common)
-    driver.start()
+    driver = _driver(StreamRollouts, group, 1, reward_fn=_score_by_index, max_filtered=10 * B, prompts_per_call=1,
+                     stale_policy="requeue")
+    driver.start(0)
     dropped = 0
     try:
         for version in range(6):
-            batch, metrics = driver.take(version)
+            batch, metrics = driver.next_batch(version + 1, version)
             assert len(batch) == B * N
             assert all(i % 2 == 0 for i in batch["index"])  # the constant-reward groups never reach training
             assert int((version - batch["weight_version"]).max()) <= 1
@@ -179,12 +191,12 @@ def test_stream_dynamic_sampling_trains_only_informative_groups():
 
 def test_stream_dynamic_sampling_gives_up_when_every_group_is_constant():
     group = FakeRollouts(dp_size=2, slow=0.001)
-    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", filter_groups=True, max_filtered=8,
-                            **_common(1))  # _score: all rewards 0
-    driver.start()
+    driver = _driver(StreamRollouts, group, 1, max_filtered=8, prompts_per_call=2,
+                     stale_policy="requeue")  # _score: all rewards 0
+    driver.start(0)
     try:
         with pytest.raises(RuntimeError, match=r"dynamic sampling: (9|10) prompt groups with constant rewards .*more than 8"):
-            driver.take(0)
+            driver.next_batch(1, 0)
     finally:
         driver.stop()
 
@@ -193,32 +205,28 @@ def test_stream_remax_generates_each_greedy_baseline_on_the_same_replica_and_ver
     """ReMax: every call is followed by a greedy call with the same prompts, replica and relay version; the
     baseline of each sample is the score of its prompt's greedy response."""
     group = FakeRollouts(dp_size=2, slow=0.005)
-    seen: list[tuple[int, float, int]] = []  # (replica, temperature, version) of each call
-    call_dp = group.call_dp
 
-    def recording(d, method, prompts):
-        seen.append((d, prompts.meta["sampling"]["temperature"], prompts.meta[RELAY_VERSION]))
-        return call_dp(d, method, prompts)
+    def by_index(gen: Batch):  # a greedy response scores 10 x its prompt's index
+        scores = torch.zeros(len(gen), R)
+        scores[:, -1] = torch.tensor(gen["index"], dtype=torch.float32) * 10
+        return scores, {}
 
-    group.call_dp = recording
-
-    def baseline(greedy: Batch) -> torch.Tensor:
-        return torch.tensor(greedy["index"], dtype=torch.float32) * 10
-
-    common = {**_common(1), "n": 1, "sampling": {"temperature": 1.0, "n": 1}}
-    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", baseline=baseline, **common)
-    driver.start()
+    driver = _driver(StreamRollouts, group, 1, reward_fn=by_index, n=1, remax=True, prompts_per_call=2,
+                     stale_policy="requeue")
+    driver.start(0)
     try:
         for version in range(4):
-            batch, _ = driver.take(version)
+            batch, _ = driver.next_batch(version + 1, version)
             assert batch["reward_baselines"].tolist() == [10.0 * i for i in batch["index"]]
             driver.publish(version + 1)
     finally:
         driver.stop()
+    seen = group.seen
     sampled = [i for i, (_, t, _) in enumerate(seen) if t == 1.0]
     for i in sampled[:-2]:  # the last calls may still have been sampling when the driver stopped
         greedy = next(j for j in range(i + 1, len(seen)) if seen[j][0] == seen[i][0])
         assert seen[greedy][1] == 0.0 and seen[greedy][2] == seen[i][2]
+
 
 def test_stream_concatenates_prompts_of_different_widths():
     gen = Batch({"prompts": torch.tensor([[5, 6]]), "input_ids": torch.tensor([[5, 6, 9]]),
@@ -238,7 +246,7 @@ def test_prompt_batches_of_different_widths_concatenate_without_their_seeds():
     a = Batch({"input_ids": torch.tensor([[7]]), "attention_mask": torch.tensor([[1]]), "seed": torch.tensor([3])},
               {"answer": ["a"]})
     b = Batch({"input_ids": torch.tensor([[2, 8, 9]]), "attention_mask": torch.tensor([[0, 1, 1]])}, {"answer": ["b"]})
-    both = _concat_prompts([a, b], pad_id=2)
+    both = concat_prompts([a, b], pad_id=2)
     assert both["input_ids"].tolist() == [[2, 2, 7], [2, 8, 9]]
     assert both["attention_mask"].tolist() == [[0, 0, 1], [0, 1, 1]]
     assert "seed" not in both and both.non_tensors["answer"] == ["a", "b"]
@@ -248,11 +256,11 @@ def test_deterministic_batch_t_uses_version_t_minus_k(k, warmup):
     """Batch t: the actor's weights after step t - k, i.e. version max(0, t - k - warmup) when the first
     ``warmup`` steps (critic_warmup) do not update the actor."""
     group = FakeRollouts(dp_size=2)
-    driver = DeterministicRollouts(group, warmup=warmup, **_common(k))
-    driver.start()
+    driver = _driver(DeterministicRollouts, group, k, warmup=warmup)
+    driver.start(0)
     try:
         for step in range(6):
-            batch, _ = driver.take(step)
+            batch, _ = driver.next_batch(step + 1, max(0, step - warmup))
             assert batch["weight_version"].tolist() == [max(0, step - k - warmup)] * (B * N)
             assert batch["index"][::N] == list(range(step * B, (step + 1) * B))  # the sampler's step-th batch
             assert len(driver._ready) <= k + warmup  # never further ahead than the weights allow
@@ -265,12 +273,12 @@ def test_stream_keeps_going_through_steps_without_an_update():
     """critic_warmup: the first steps publish the same version; admission counts steps, not versions, so
     the stream neither stalls nor runs ahead more than k + 1 batches."""
     group = FakeRollouts(dp_size=2, slow=0.005)
-    driver = StreamRollouts(group, prompts_per_call=1, stale_policy="requeue", **_common(1))
-    driver.start()
+    driver = _driver(StreamRollouts, group, 1, prompts_per_call=1, stale_policy="requeue")
+    driver.start(0)
     try:
         for step in range(8):
             version = max(0, step - 3)  # three warmup steps
-            batch, _ = driver.take(version)
+            batch, _ = driver.next_batch(step + 1, version)
             assert len(batch) == B * N and int((version - batch["weight_version"]).max()) <= 1
             with driver._cond:
                 assert driver._outstanding() <= driver.k * B  # the open step's batch is out already
@@ -281,17 +289,17 @@ def test_stream_keeps_going_through_steps_without_an_update():
 
 def test_a_failing_rollout_call_reaches_the_trainer():
     class Broken(FakeRollouts):
-        def call_dp(self, d, method, prompts):
+        def call_dp(self, d, method, prompts, sampling, **kwargs):
             fut = FakeFuture()
             fut.wait = lambda: (_ for _ in ()).throw(RuntimeError("rank 2 died"))
             fut._event.set()
             return fut
 
-    driver = StreamRollouts(Broken(dp_size=1), prompts_per_call=1, stale_policy="requeue", **_common(1))
-    driver.start()
+    driver = _driver(StreamRollouts, Broken(dp_size=1), 1, prompts_per_call=1, stale_policy="requeue")
+    driver.start(0)
     try:
         with pytest.raises(RuntimeError, match="asynchronous rollouts failed: rank 2 died"):
-            driver.take(0)
+            driver.next_batch(1, 0)
     finally:
         driver.stop()
 
@@ -305,7 +313,7 @@ class Dying(FakeRollouts):
         self.timeout, self.calls_to_1, self.prompts_lost = timeout, 0, []
         self.peer_error = peer_error  # the failure comes as an exception from a live TP peer of the dead rank
 
-    def call_dp(self, d, method, prompts):
+    def call_dp(self, d, method, prompts, sampling, **kwargs):
         if d == 1:
             self.calls_to_1 += 1
             if self.calls_to_1 >= 3:
@@ -318,19 +326,19 @@ class Dying(FakeRollouts):
                 fut.wait = lambda: (_ for _ in ()).throw(error)
                 fut._event.set()
                 return fut
-        return super().call_dp(d, method, prompts)
+        return super().call_dp(d, method, prompts, sampling, **kwargs)
 
 
 @pytest.mark.parametrize("peer_error", [False, True])
 def test_stream_drops_a_dead_replica_and_requeues_its_prompts(peer_error):
     """The replica's call fails as the dead rank's (no answer) or, with TP, as its live peer's exception."""
     group = Dying(dp_size=3, slow=0.005, peer_error=peer_error)
-    driver = StreamRollouts(group, prompts_per_call=2, stale_policy="requeue", lose_replicas=True, **_common(1))
-    driver.start()
+    driver = _driver(StreamRollouts, group, 1, lose_replicas=True, prompts_per_call=2, stale_policy="requeue")
+    driver.start(0)
     trained: list[int] = []
     try:
         for version in range(6):
-            batch, metrics = driver.take(version)
+            batch, metrics = driver.next_batch(version + 1, version)
             trained += batch["index"][::N]
             driver.publish(version + 1)
     finally:
@@ -345,13 +353,13 @@ def test_stream_drops_a_dead_replica_and_requeues_its_prompts(peer_error):
 @pytest.mark.parametrize("lose_replicas,timeout", [(False, False), (True, True)])
 def test_a_lost_replica_ends_the_run_unless_allowed_and_dead(lose_replicas, timeout):
     """Not allowed (e.g. rollout.tp_size > 1), or the rank still answers: the run ends with the error."""
-    driver = StreamRollouts(Dying(dp_size=2, slow=0.005, timeout=timeout), prompts_per_call=1,
-                            stale_policy="requeue", lose_replicas=lose_replicas, **_common(1))
-    driver.start()
+    driver = _driver(StreamRollouts, Dying(dp_size=2, slow=0.005, timeout=timeout), 1, lose_replicas=lose_replicas,
+                     prompts_per_call=1, stale_policy="requeue")
+    driver.start(0)
     try:
         with pytest.raises(RuntimeError, match="rank 2 did not answer"):
             for version in range(6):
-                driver.take(version)
+                driver.next_batch(version + 1, version)
                 driver.publish(version + 1)
     finally:
         driver.stop()
@@ -362,17 +370,17 @@ def test_deterministic_generates_a_dead_replicas_batch_again_on_the_survivors(lo
     """Replica 1 dies in its 3rd call (batch 2): the whole batch goes again to replica 0, with the scheduled
     version, and every later batch runs there; not allowed, the run ends with the error."""
     group = Dying(dp_size=2, slow=0.005)
-    driver = DeterministicRollouts(group, lose_replicas=lose_replicas, **_common(1))
-    driver.start()
+    driver = _driver(DeterministicRollouts, group, 1, lose_replicas=lose_replicas)
+    driver.start(0)
     try:
         if not lose_replicas:
             with pytest.raises(RuntimeError, match="rank 2 did not answer"):
                 for step in range(6):
-                    driver.take(step)
+                    driver.next_batch(step + 1, step)
                     driver.publish(step + 1)
             return
         for step in range(6):
-            batch, metrics = driver.take(step)
+            batch, metrics = driver.next_batch(step + 1, step)
             assert batch["index"][::N] == list(range(step * B, (step + 1) * B))  # the sampler's step-th batch
             assert batch["weight_version"].tolist() == [max(0, step - 1)] * (B * N)
             driver.publish(step + 1)
@@ -387,11 +395,11 @@ def test_deterministic_checkpoint_pause_first_generates_what_the_new_version_all
     """A checkpoint right after a publish (the race that once hung a run): the pause waits for the batch
     the new version allows, so the saved state holds it and a resume continues exactly."""
     group = FakeRollouts(dp_size=2)
-    driver = DeterministicRollouts(group, **_common(1))
-    driver.start()
+    driver = _driver(DeterministicRollouts, group, 1)
+    driver.start(0)
     try:
         for step in range(4):
-            driver.take(step)
+            driver.next_batch(step + 1, step)
             driver.publish(step + 1)
             with driver.paused(drain=True):
                 state = driver.state_dict()

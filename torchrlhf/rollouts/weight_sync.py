@@ -4,7 +4,7 @@ The controller only starts the two collective halves (`ActorWorker.send_weights`
 `RolloutWorker.receive_weights`) and waits for both; the bytes move by broadcast on a process group
 made of the actor's first rank and the rollout ranks (`torchrlhf.hybrid.broadcast`).
 
-When rollout replicas may be lost (asynchronous training, ``lose_rollout_replicas``), a sync that fails
+When rollout replicas may be lost (asynchronous training, `Replicas.lose_replicas`), a sync that fails
 because a rollout rank died gives that replica up, rebuilds the sync group from the ranks still alive
 (every live rank takes part in creating it; the dead one cannot) and sends again. The actor ranks finish every failed sync
 together (`send_weights` keeps gathering), and each receive lands in its own relay inbox, so a sync
@@ -16,7 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from torchrlhf.hybrid.broadcast import sync_group_ranks
-from torchrlhf.runtime.group import WorkerError, new_process_group, wait_all
+from torchrlhf.rollouts.replicas import Replicas
+from torchrlhf.runtime.futures import WorkerError, wait_all
+from torchrlhf.runtime.group import new_process_group
 
 
 class WeightSync:
@@ -24,12 +26,12 @@ class WeightSync:
 
     KEY = "weight_sync:actor->rollout"
 
-    def __init__(self, actor: Any, rollout: Any, *, dtype: str, bucket_bytes: int, relay_capacity: int = 2,
-                 lose_rollout_replicas: bool = False) -> None:
-        self.actor, self.rollout = actor, rollout
+    def __init__(self, actor: Any, replicas: Replicas, *, dtype: str, bucket_bytes: int, relay_capacity: int = 2) -> None:
+        """``replicas``: the rollout group; a sync that fails because a rollout rank died gives its replica up
+        when `Replicas` may lose replicas."""
+        self.actor, self.replicas, self.rollout = actor, replicas, replicas.group
         self.dtype, self.bucket_bytes, self.relay_capacity = dtype, bucket_bytes, relay_capacity
-        self.lose_rollout_replicas = lose_rollout_replicas
-        self.key, self._members, self._rebuilds = self.KEY, sync_group_ranks(actor.ranks, rollout.ranks), 0
+        self.key, self._members, self._rebuilds = self.KEY, sync_group_ranks(actor.ranks, self.rollout.ranks), 0
         new_process_group(self.key, self._members)
         self.manifest = actor.weight_manifest()
 
@@ -48,7 +50,7 @@ class WeightSync:
                                                         self.relay_capacity if to_relay else 0),
                 )
             except WorkerError:
-                if not (self.lose_rollout_replicas and self.rollout.drop_dead(self._members[1:])):
+                if not self.replicas.lost(self._members[1:]):
                     raise  # an actor rank failed, or nothing died: the job ends with the error
                 continue
             return {"weight_sync/bytes": sent["bytes"], "weight_sync/buckets": sent["buckets"],

@@ -1,0 +1,156 @@
+"""One rollout unit, the same under every schedule: generate, the ReMax greedy pass, scoring, the group filter.
+
+A schedule (`torchrlhf.rollouts.sync`, `stream`, `deterministic`) decides *when* and *on which replicas* a
+unit runs and with which weight version; everything a unit does is written here once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+
+from torchrlhf import algorithms
+from torchrlhf.data import Batch
+from torchrlhf.generation.sampling import SamplingParams
+from torchrlhf.utils.timer import timer
+
+# (prompts, sampling) -> generation: where a unit generates (every replica, or one)
+Generate = Callable[[Batch, SamplingParams], Batch]
+
+
+def at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place a per-sequence value at the last valid response token of a [B, R] tensor."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    out[torch.arange(len(out)), last] = values.float()
+    return out
+
+
+class Scorer:
+    """``token_level_scores`` of generations: the reward function (rules, user code) and the DAPO overlong
+    penalty, run anywhere; the reward model's score and the cost model's costs, worker calls.
+
+    Model calls are serialised (several rollout threads may score at once, and a group runs one call at a
+    time).
+    """
+
+    def __init__(self, reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]], *,
+                 reward_model: Any = None, cost_model: Any = None, max_tokens: int, overlong_buffer_len: int = 0,
+                 overlong_penalty_factor: float = 1.0) -> None:
+        self.reward_fn, self.reward_model, self.cost_model = reward_fn, reward_model, cost_model
+        self.max_tokens = max_tokens
+        self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
+        self._lock = threading.Lock()
+
+    @property
+    def has_models(self) -> bool:
+        return self.reward_model is not None or self.cost_model is not None
+
+    def rules(self, gen: Batch) -> tuple[Batch, dict[str, float]]:
+        """``token_level_scores`` from the reward function and the overlong penalty (no worker calls)."""
+        scores, metrics = self.reward_fn(gen)
+        metrics = dict(metrics)
+        if self.overlong_buffer_len > 0:
+            penalty = algorithms.overlong_penalty(
+                gen["response_mask"].sum(-1), max_response_length=self.max_tokens,
+                overlong_buffer_len=self.overlong_buffer_len, penalty_factor=self.overlong_penalty_factor,
+            )
+            metrics["reward/overlong_penalty_mean"] = penalty.float().mean().item()
+            scores = scores + at_last_token(penalty, gen["response_mask"])
+        gen["token_level_scores"] = scores
+        return gen, metrics
+
+    def models(self, gen: Batch) -> Batch:
+        """Add the reward model's score (at the last response token) and the cost model's ``cost_scores``."""
+        with self._lock:
+            if self.reward_model is not None:
+                rm = self.reward_model.compute_scores(gen)["rm_scores"]
+                gen["token_level_scores"] = gen["token_level_scores"] + at_last_token(rm, gen["response_mask"])
+            if self.cost_model is not None:
+                gen["cost_scores"] = self.cost_model.compute_scores(gen)["cost_scores"]
+        return gen
+
+    def baseline(self, greedy: Batch, with_models: bool) -> torch.Tensor:
+        """ReMax: each greedy response's sequence reward (the reward function's, plus the reward model's)."""
+        scores = self.reward_fn(greedy)[0].sum(-1)
+        if with_models and self.reward_model is not None:
+            with self._lock:
+                scores = scores + self.reward_model.compute_scores(greedy)["rm_scores"]
+        return scores
+
+
+class GroupFilter:
+    """DAPO's dynamic sampling: only prompt groups whose rewards differ train (`algorithms.filter_groups`).
+
+    Schedules count the groups filtered out since the trainer's last batch; more than ``limit``
+    (``algorithm.max_num_gen_batches`` × ``data.train_batch_size``) means the data is too hard or too easy
+    for the model, and `check` stops the run saying so instead of generating forever.
+    """
+
+    def __init__(self, n: int, limit: int) -> None:
+        self.n, self.limit = n, limit
+
+    def keep(self, gen: Batch) -> list[bool]:
+        """Per group of ``gen`` (consecutive runs of n samples): whether its rewards differ."""
+        index = torch.arange(len(gen) // self.n).repeat_interleave(self.n)
+        keep, _ = algorithms.filter_groups(index, gen["token_level_scores"].sum(-1))
+        return keep[:: self.n].tolist()
+
+    def check(self, filtered: int) -> None:
+        if filtered > self.limit:
+            raise RuntimeError(
+                f"dynamic sampling: {filtered} prompt groups with constant rewards since the trainer's last batch "
+                f"(more than {self.limit}: algorithm.max_num_gen_batches x data.train_batch_size); the data may be "
+                "too hard or too easy for the model")
+
+
+class RolloutPipeline:
+    """What every rollout does between a prompt batch and scored samples (see the module docstring).
+
+    ``models_in_unit``: score with the reward/cost models inside the unit (on the schedule's thread); when
+    False (an asynchronous run whose model scorers share ranks with the training roles), the trainer
+    scores them with `finish` on its own thread. The ReMax baseline and the group filter need the full
+    score, so they require it (checked by the config schema).
+    """
+
+    def __init__(self, scorer: Scorer, sampling: SamplingParams, *, remax: bool = False,
+                 group_filter: GroupFilter | None = None, models_in_unit: bool = True) -> None:
+        self.scorer, self.sampling = scorer, sampling
+        self.remax, self.group_filter, self.models_in_unit = remax, group_filter, models_in_unit
+
+    @staticmethod
+    def seeded(prompts: Batch, generator: torch.Generator) -> Batch:
+        """Fresh per-prompt sampling seeds from ``generator``: reproducible, resumable, new every batch."""
+        prompts["seed"] = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator)
+        return prompts
+
+    def run(self, prompts: Batch, generate: Generate,
+            timings: MutableMapping[str, float] | None = None) -> tuple[Batch, dict[str, float]]:
+        """Generate ``prompts`` (seeded), score them; with ReMax, also the greedy response to each prompt and
+        its reward as ``reward_baselines``. Returns (scored samples, reward metrics); phase times
+        accumulate into ``timings`` when given."""
+        clock = timings if timings is not None else {}
+        with timer("gen", clock, accumulate=True):
+            gen = generate(prompts, self.sampling)
+        if self.remax:  # one sample per prompt (checked by the config schema): row i answers prompt i
+            with timer("gen_baseline", clock, accumulate=True):
+                greedy = generate(prompts, self.sampling.greedy_copy())
+        with timer("reward", clock, accumulate=True):
+            gen, metrics = self.scorer.rules(gen)
+            if self.models_in_unit:
+                gen = self.scorer.models(gen)
+            if self.remax:
+                gen["reward_baselines"] = self.scorer.baseline(greedy, with_models=self.models_in_unit)
+        return gen, metrics
+
+    def finish(self, batch: Batch) -> Batch:
+        """The trainer's share when the unit did not score with the models (see the class docstring)."""
+        return batch if self.models_in_unit else self.scorer.models(batch)
+
+    def keep(self, gen: Batch) -> list[bool]:
+        """Per prompt group of ``gen``: whether it trains (every group without the DAPO filter)."""
+        n = self.sampling.n
+        return [True] * (len(gen) // n) if self.group_filter is None else self.group_filter.keep(gen)
