@@ -38,10 +38,22 @@ def _take_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
     return rest, dry_run, world
 
 
+USAGE = """usage: recipes/ppo.py --config X.yaml [--dry-run [--world-size N]] [key=value | +key=value | ~key ...]
+
+  --config X.yaml   the recipe config (recipes/configs/*.yaml)
+  --dry-run         print what the config would do (roles, ranks, batches, memory) without loading weights
+  --world-size N    the dry run's number of ranks (default: torchrun's WORLD_SIZE, else 1)
+  key=value         override a config key (+key=value adds one, ~key removes one)"""
+
+
 def cli(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return
     try:
-        argv, dry_run, world = _take_flags(list(sys.argv[1:] if argv is None else argv))
+        argv, dry_run, world = _take_flags(args)
         world_size = world or int(os.environ.get("WORLD_SIZE", "1"))
         path, overrides = parse_args(argv)
         cfg, raw = load(path, overrides, world_size)  # the schema checks every key

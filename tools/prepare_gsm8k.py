@@ -4,8 +4,11 @@ Each output line: chat ``prompt`` messages (the question plus an instruction to 
 ``#### <answer>``), ``ground_truth`` (N without thousands commas), ``data_source``
 "openai/gsm8k" (scored by `torchrlhf.rewards.gsm8k`) and ``extra_info`` (split, index).
 
-    python tools/prepare_gsm8k.py --input-dir ../shared/data/gsm8k --out recipes/data
-    # -> recipes/data/gsm8k_train.jsonl, recipes/data/gsm8k_test.jsonl
+    python tools/prepare_gsm8k.py --input-dir ../shared/data/gsm8k --out data/gsm8k
+    # -> data/gsm8k/gsm8k_train.jsonl, data/gsm8k/gsm8k_test.jsonl: what the GSM8K configs read
+
+The input is GSM8K as published (MIT): ``train.jsonl`` and ``test.jsonl`` of
+github.com/openai/grade-school-math, folder ``grade_school_math/data``.
 """
 
 from __future__ import annotations
@@ -53,14 +56,15 @@ def convert_file(src: str, dst: str, split: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input-dir", default="../shared/data/gsm8k", help="folder with train.jsonl and test.jsonl")
-    parser.add_argument("--out", default="recipes/data", help="output folder")
+    parser.add_argument("--out", default="data/gsm8k", help="output folder (the GSM8K configs read data/gsm8k)")
     parser.add_argument("--splits", nargs="+", default=["train", "test"])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for split in args.splits:
         src = os.path.join(args.input_dir, f"{split}.jsonl")
         if not os.path.isfile(src):
-            raise SystemExit(f"GSM8K file not found: {src}")
+            raise SystemExit(f"GSM8K file not found: {src}; --input-dir takes the folder holding GSM8K's "
+                             "train.jsonl and test.jsonl (github.com/openai/grade-school-math, grade_school_math/data)")
         dst = os.path.join(args.out, f"gsm8k_{split}.jsonl")
         print(f"wrote {convert_file(src, dst, split)} prompts to {dst}")
 

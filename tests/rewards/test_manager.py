@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -98,3 +102,40 @@ def test_unpicklable_function_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot be sent to a worker process"):
         manager.score(["a"], ["a"], ["x"])
     assert RewardManager(lambda s, g: 1.0, isolate=False).score(["a"], ["a"], ["x"])[0] == [1.0]
+
+
+OWNER = """
+import sys
+from torchrlhf.rewards import RewardManager
+
+manager = RewardManager(num_workers=2)
+pool = manager._get_pool()  # starts the worker processes and waits until each answers
+print(" ".join(str(pid) for pid in pool._processes), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
+def test_reward_workers_exit_when_their_owner_is_sigkilled():
+    """A rank killed with SIGKILL (e.g. before torchrun restarts the job) leaves no reward workers behind."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(workers) == 2 and not any(_gone(pid) for pid in workers), workers
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 60  # they notice at once (pidfd) or within 2 s (polling); 60 s for a loaded host
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(pid) for pid in workers), [pid for pid in workers if not _gone(pid)]

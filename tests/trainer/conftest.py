@@ -64,12 +64,15 @@ def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the recipe as a user would: ``python recipes/ppo.py`` (one process) or under torchrun."""
-    if nproc == 1:
+def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
+               max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run the recipe as a user would: ``python recipes/ppo.py`` (one process) or under torchrun
+    (``max_restarts``: torchrun's ``--max-restarts``)."""
+    if nproc == 1 and not max_restarts:
         cmd = [sys.executable, str(RECIPE)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(RECIPE)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", str(RECIPE)]
     # tests/trainer on the path of every rank: custom_components.py is imported by ``_component_`` tests.
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}

@@ -92,3 +92,25 @@ class SlowEngine(NativeEngine):
             return between_steps()
 
         return super().generate(prompts, sampling, between_steps=slowly)
+
+
+class KillOnceActor(ActorWorker):
+    """An actor whose process on rank ``kill_rank`` SIGKILLs itself at its ``kill_at_update``-th update, once.
+
+    ``marker`` is a file written just before the kill: the restarted job finds it and trains on. Rank 0's
+    process is the controller too, so ``kill_rank=0`` kills the controller.
+    """
+
+    def __init__(self, *args, kill_rank: int = -1, kill_at_update: int = 1, marker: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kill = torch.distributed.get_rank() == kill_rank and not os.path.exists(marker)
+        self._kill_at_update, self._marker, self._updates = kill_at_update, marker, 0
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update(self, batch):
+        self._updates += 1
+        if self._kill and self._updates == self._kill_at_update:
+            with open(self._marker, "w") as f:
+                f.write(f"killed rank {torch.distributed.get_rank()} at update {self._updates}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().update(batch)

@@ -59,3 +59,13 @@ def test_load_lists_config_errors_before_anything_loads(tmp_path):
         load(tmp_path / "missing.yaml")
     with pytest.raises(TypeError, match="a YAML path or a mapping .* got RecipeConfig"):
         load(cfg)  # the validated object is not a config to load
+
+
+def test_load_names_a_required_value_the_config_leaves_unset():
+    """The 8-GPU configs say ``model_path: ???``: without it, one config error instead of an OmegaConf trace."""
+    raw = copy.deepcopy(BASE)
+    raw["model_path"] = "???"
+    raw["actor"]["model_path"] = "${model_path}"  # reported once, at its source
+    with pytest.raises(ConfigError) as e:
+        load(raw)
+    assert str(e.value) == "model_path: required (??? in the config); set it, e.g. model_path=..."

@@ -40,6 +40,34 @@ def test_jsonl_logger_round_trip(tmp_path):
     assert samples == [{"step": 2, "prompt": "2+2=", "response": "4", "score": 1.0}]
 
 
+def test_jsonl_rewind_keeps_each_step_once(tmp_path):
+    """A job killed after its step-2 checkpoint logged steps 3-4 (the last line cut short); the restarted
+    job resumes from step 2: rewinding drops steps 3-4, and the re-run steps are appended once."""
+    with JsonlLogger(tmp_path) as logger:
+        for step in range(5):
+            logger.log({"x": float(step)}, step=step)
+            logger.log_samples([{"response": f"r{step}"}], step=step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "x": ')  # killed mid-write
+    with JsonlLogger(tmp_path) as logger:
+        logger.rewind(2, {"x": 99.0})  # step 2 is there: the checkpoint's row is not added
+        logger.log({"x": 3.5}, step=3)
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == \
+        [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.5)]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    samples = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == [0, 1, 2]
+
+
+def test_jsonl_rewind_restores_a_checkpointed_step_never_logged(tmp_path):
+    """Killed between writing the checkpoint of step 2 and logging step 2: the checkpoint's row is logged."""
+    with JsonlLogger(tmp_path) as logger:
+        logger.log({"x": 1.0}, step=1)
+    with JsonlLogger(tmp_path) as logger:
+        logger.rewind(2, {"x": 2.0})
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 1.0), (2, 2.0)]
+
+
 def test_console_logger_line_and_samples():
     out = io.StringIO()
     logger = ConsoleLogger(total_steps=None, file=out)

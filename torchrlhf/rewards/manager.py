@@ -19,7 +19,9 @@ import math
 import multiprocessing
 import os
 import pickle
+import select
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -219,7 +221,8 @@ class RewardManager:
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
-                max_workers=self.num_workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(sys.path,)
+                max_workers=self.num_workers, mp_context=_mp_context(), initializer=_init_worker,
+                initargs=(sys.path, os.getpid()),
             )
             # Wait until every worker answers, so start-up does not count against a call's time limit.
             seen: set[int] = set()
@@ -256,10 +259,30 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
-def _init_worker(sys_path: list[str]) -> None:
+def _init_worker(sys_path: list[str], owner: int) -> None:
     # The forkserver may have started before the caller extended sys.path: use the caller's path.
     sys.path[:] = list(sys_path)
     torch.set_num_threads(1)
+    threading.Thread(target=_exit_after, args=(owner,), daemon=True, name="reward-owner-watch").start()
+
+
+def _exit_after(owner: int) -> None:
+    """End this worker once ``owner`` (the process that made the pool) has exited. A SIGKILLed rank gets no
+    shutdown: its workers would wait on their queue forever and keep the forkserver alive, so a job that
+    torchrun restarts would leave them behind at every restart."""
+    try:
+        fd = os.pidfd_open(owner)
+        select.select([fd], [], [])  # readable once the owner has exited
+    except (AttributeError, OSError):  # no pidfd here (not Linux, an old kernel), or the owner is gone: poll
+        while True:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, under another user
+                pass
+            time.sleep(2.0)
+    os._exit(1)
 
 
 def _ping() -> int:

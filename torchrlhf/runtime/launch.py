@@ -6,8 +6,10 @@ other ranks only serve RPC until the controller tells them to stop. Without
 torchrun's environment (a notebook, a plain ``python`` call) the world is one
 process on loopback (rendezvous through an in-memory store and a temp file).
 
-Rendezvous: RPC uses ``init_method="env://"``, i.e. torchrun's own store (a
-hand-made ``tcp://`` store hangs under torchrun's agent store).
+Rendezvous: under torchrun's agent, the process group and RPC use torchrun's own
+store (a hand-made ``tcp://`` store hangs under it), with their keys under a
+prefix naming the restart attempt, so a job restarted by ``--max-restarts``
+does not read the killed attempt's addresses.
 
 Listening address: TensorPipe's socket transport (``uv``) and multiplexed
 channel listen on one address, chosen once per process: the address of the
@@ -51,11 +53,14 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch.distributed.constants import default_pg_timeout
 
 from torchrlhf.runtime import compute_thread
 
@@ -123,6 +128,27 @@ def _bind_to_master_interface(master_addr: str) -> None:
 
 
 # ---------------------------------------------------------------------- init / shutdown
+_ATTEMPT_SCHEME = "torchrlhf-attempt"
+
+
+def _attempt_store_rendezvous(url: str, timeout: timedelta = default_pg_timeout, **kwargs: Any):
+    """Rendezvous handler: torchrun's agent store under a prefix naming the restart attempt.
+
+    torchrun keeps one store across the attempts of ``--max-restarts``, and the keys a killed attempt left
+    there (gloo's and RPC's listening addresses) would send the next attempt to dead ports (``Gloo
+    connectFullMesh failed ... Connection refused``).
+    """
+    query = dict(parse_qsl(urlparse(url).query))
+    rank, world = int(query["rank"]), int(query["world_size"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    yield dist.PrefixStore(f"torchrlhf/attempt_{attempt}", store), rank, world
+
+
+dist.register_rendezvous_handler(_ATTEMPT_SCHEME, _attempt_store_rendezvous)
+
+
 def _tune_malloc() -> None:
     """Make glibc's malloc keep and reuse freed memory, like a caching allocator (Linux/glibc only).
 
@@ -172,9 +198,11 @@ def init(*, rpc_timeout: float = DEFAULT_RPC_TIMEOUT, num_worker_threads: int = 
         _bind_to_master_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
-        init_method = "env://"
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            init_method = f"{_ATTEMPT_SCHEME}://"  # torchrun's store, a fresh key space per restart attempt
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
             # No torchrun agent store: env:// makes rank 0 host a store at MASTER_PORT, which the
             # process group already took, so RPC rendezvous on the next port.
             init_method = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"

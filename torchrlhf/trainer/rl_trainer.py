@@ -8,7 +8,6 @@ is the rollout source's business (`torchrlhf.rollouts`): the loop is the same fo
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,6 @@ from torchrlhf.trainer.metrics import (
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.utils.timer import timer
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,7 +129,7 @@ class RLTrainer:
                 metrics.update(self.validate())
             if self.cfg.save_freq > 0 and (self.global_step % self.cfg.save_freq == 0 or last):
                 with timer("save_checkpoint", metrics):
-                    self.save_checkpoint()
+                    self.save_checkpoint(metrics)
             self.logger.log(metrics, step=self.global_step)
         summary = validation_summary(before, metrics)
         if summary:
@@ -253,14 +251,18 @@ class RLTrainer:
         return {f"val/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> str:
+    def save_checkpoint(self, metrics: dict[str, float] | None = None) -> str:
+        """``metrics``: the step's, kept so that a resume re-logs them if the job died before logging them."""
         def save_roles(path: str) -> None:
             self.roles.actor.save_checkpoint(f"{path}/actor")
             if self.roles.critic is not None:
                 self.roles.critic.save_checkpoint(f"{path}/critic")
 
         with self.rollouts.paused(drain=True):
-            return self.checkpoints.save(self.global_step, save_roles, self.controller_state())
+            state = self.controller_state()
+            if metrics is not None:
+                state["step_metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+            return self.checkpoints.save(self.global_step, save_roles, state)
 
     def controller_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -293,7 +295,14 @@ class RLTrainer:
             raise ValueError(f"checkpoint {path} was written with {saved['schedule']} rollouts (trainer.mode / "
                              f"async_training.schedule); this run has {type(self.rollouts).__name__}")
         self.rollouts.load_state_dict(saved)
-        log.info("resumed from %s at step %d", path, self.global_step)
+        # A job that died after this checkpoint logged later steps: the resumed run logs them again, once.
+        self.logger.rewind(self.global_step, state.get("step_metrics"))
+        total = self.cfg.total_steps
+        if self.global_step >= total:
+            self.logger.message(f"torchrlhf: resumed from {path}: total_steps={total} already reached; nothing to "
+                                "train; trainer.resume=disable or a new trainer.output_dir starts afresh")
+        else:
+            self.logger.message(f"torchrlhf: resumed from {path} at step {self.global_step} of {total}")
 
 
 def _make_kl_controller(algo: AlgorithmConfig):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from torchrlhf.config import apply_overrides, load_config
+from torchrlhf.config import ConfigError, apply_overrides, load_config
 from torchrlhf.runtime import launch
 from torchrlhf.trainer.build import build_trainer
 from torchrlhf.trainer.schema import RecipeConfig, load_recipe_config
@@ -37,7 +37,17 @@ def load(config: str | os.PathLike | Mapping, overrides: Sequence[str] = (), wor
     else:  # a copy: the caller's config stays as it was
         raw = apply_overrides(OmegaConf.create(OmegaConf.to_container(config) if isinstance(config, DictConfig)
                                                else dict(config)), overrides, add_missing=True)
+    missing = [key for key in sorted(OmegaConf.missing_keys(raw)) if _is_literal_missing(raw, key)]
+    if missing:  # a config that asks for a value (`???`, e.g. the 8-GPU configs' model_path)
+        raise ConfigError("; ".join(f"{key}: required (??? in the config); set it, e.g. {key}=..." for key in missing))
     return load_recipe_config(raw, world_size), OmegaConf.to_container(raw, resolve=True)
+
+
+def _is_literal_missing(cfg: DictConfig, key: str) -> bool:
+    """``key`` is ``???`` itself, not an interpolation of a missing value (reported at its source)."""
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return OmegaConf.is_missing(node, last) and not OmegaConf.is_interpolation(node, last)
 
 
 def run(cfg: RecipeConfig, raw: dict, world_size: int) -> dict[str, float]:

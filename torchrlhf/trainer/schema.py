@@ -309,7 +309,8 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     for key in ("train_files", "val_files"):
         missing = [f for f in getattr(data, key) if not os.path.isfile(f)]
         if missing:
-            errors.append(f"data.{key}: no such file(s) {missing} (relative paths are from {os.getcwd()})")
+            made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
+            errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)

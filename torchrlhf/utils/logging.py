@@ -47,6 +47,12 @@ class MetricLogger:
     def message(self, text: str) -> None:
         """A line for the person watching (e.g. the end-of-run summary); metric files ignore it."""
 
+    def rewind(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """A run resumed from the checkpoint of ``step``: forget what was logged for later steps (the job that
+        wrote them died after that checkpoint; the resumed run logs them again). ``row``, the metrics the
+        checkpoint saved for ``step``, is logged if ``step`` itself is missing (a death between the save and
+        the log)."""
+
     def close(self) -> None:
         pass
 
@@ -127,8 +133,8 @@ def _short(v: Any, limit: int = 200) -> str:
 class JsonlLogger(MetricLogger):
     """``metrics.jsonl`` (one ``{"step": ..., <metric>: ...}`` line per call) and ``samples.jsonl`` in ``log_dir``.
 
-    Files are appended to, so a resumed run continues them; readers should keep the last
-    line of a step (`read_metrics` does).
+    Files are appended to, so a resumed run continues them after `rewind` dropped the steps past its
+    checkpoint; each step then has one line (`read_metrics` keeps the last line of a step all the same).
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
@@ -150,10 +156,37 @@ class JsonlLogger(MetricLogger):
             self._samples.write(json.dumps({"step": step, **{k: _scalar(v) for k, v in row.items()}}, default=str) + "\n")
         self._samples.flush()
 
+    def rewind(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """Keep the lines of steps up to ``step`` in both files, so a resumed run's file has each step once."""
+        logged = _truncate_after(self.metrics_path, step)
+        if step > 0 and step not in logged and row:
+            self.log(row, step)
+        if os.path.exists(self.samples_path):
+            _truncate_after(self.samples_path, step)
+
     def close(self) -> None:
         self._metrics.close()
         if self._samples is not None:
             self._samples.close()
+
+
+def _truncate_after(path: str, step: int) -> set[int]:
+    """Drop the lines of ``path`` whose step is above ``step`` (and a line cut short by a kill); returns the
+    steps kept. Rewritten in place: an open append-mode handle keeps appending at the new end."""
+    kept, steps = [], set()
+    with open(path, "r+") as f:
+        for line in f:
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+                steps.add(row_step)
+        f.seek(0)
+        f.writelines(kept)
+        f.truncate()
+    return steps
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -240,6 +273,10 @@ class MultiLogger(MetricLogger):
     def message(self, text: str) -> None:
         for logger in self.loggers:
             logger.message(text)
+
+    def rewind(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        for logger in self.loggers:
+            logger.rewind(step, row)
 
     def close(self) -> None:
         for logger in self.loggers:

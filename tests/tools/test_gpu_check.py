@@ -1,0 +1,74 @@
+"""tools/gpu_check.py: on a CPU-only machine it says so, lists what it skipped and exits 0; its list of CUDA
+tests stays complete; it reads the figures from the outputs it runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "gpu_check.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: gpu_check would run every check")
+def test_without_cuda_it_lists_the_skipped_checks_and_exits_0():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    p = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("gpu_check: no CUDA device (torch ") and lines[0].endswith("nothing was run."), lines[0]
+    assert lines[1] == "skipped checks:"
+    names = [line.split()[0] for line in lines[2:]]
+    assert names == ["cuda-tests", "generate", "vllm", "recipe", "actor-update"], p.stdout
+    assert "tests/generation/test_cuda_graphs.py" in lines[2] and "--device cuda" in lines[3]
+
+
+def test_the_cuda_test_list_is_complete():
+    """Every test file that skips without CUDA is one gpu_check runs."""
+    needs_cuda = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                        if "torch.cuda.is_available()" in p.read_text() and p != Path(__file__))
+    assert needs_cuda == sorted(_tool().CUDA_TESTS)
+
+
+def test_figures_come_from_the_bench_table_and_the_run_metrics(tmp_path):
+    tool = _tool()
+    # bench_generate's table on CUDA: batch, native, hf, ratio, eager, graphs/eager, [vllm, native/vllm], bound, native/bw
+    out = ("SmolLM2-135M bfloat16 (random weights), NVIDIA H100, 64 new tokens, greedy\n"
+           "batch native tok/s   hf tok/s  ratio     eager tok/s    graphs/eager  vllm tok/s native/vllm bw bound tok/s native/bw\n"
+           "    1         282.0       51.2   5.51            40.3            7.00       300.0        0.94           5600     0.050\n"
+           "   64       14847.0     2151.7   6.90          2000.0            7.42     16000.0        0.93         300000     0.049\n")
+    assert tool._figure_of_bench(out, vllm=False) == "batch 64: 14847 tok/s, 6.90x HF, 7.42x without graphs"
+    assert tool._figure_of_bench(out, vllm=True).endswith(", 0.93x vLLM")
+    assert tool._figure_of_bench("no table here\n", vllm=False) == ""
+    rows = [{"step": s, "timing_s/step": 2.0 + s, "critic/score/mean": 0.25, "timing_s/update_actor": 0.5,
+             "actor/grad_norm": 1.5} for s in range(1, tool.RECIPE_STEPS + 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    step, update = tool._figures_of_recipe(str(tmp_path))
+    assert step == f"{2.0 + tool.RECIPE_STEPS:.2f} s/step (step {tool.RECIPE_STEPS}), score 0.250"
+    assert update == "0.50 s, grad norm 1.5"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert tool._figures_of_recipe(str(tmp_path))[0] == f"1 of {tool.RECIPE_STEPS} steps logged"
+
+
+def test_table_has_one_row_per_result():
+    tool = _tool()
+    text = tool.table([tool.Result("cuda-tests", "pass", "3 passed"), tool.Result("vllm", "skipped (no vLLM)")])
+    lines = text.splitlines()
+    assert len(lines) == 4 and re.match(r"^\| check +\| result +\| figure +\|$", lines[0]), text
+    assert lines[2].startswith("| cuda-tests | pass ") and "3 passed" in lines[2]

@@ -1,0 +1,68 @@
+"""Automatic recovery from a lost rank: torchrun restarts the job and ``trainer.resume=auto`` goes on.
+
+A rank SIGKILLs itself once (`custom_components.KillOnceActor`, guarded by a marker file) at the update of
+step 4, after the checkpoint of step 2 and after step 3 was logged. Under ``torchrun --max-restarts=1`` the
+job restarts, resumes from ``global_step_2`` and trains to ``total_steps``. The synchronous schedule is
+deterministic, so every step's metrics equal an uninterrupted run's, and metrics.jsonl holds each step once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, metrics_of, run_recipe, write_config
+
+STEPS, SAVE_FREQ, KILL_AT_UPDATE = 4, 2, 4
+COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
+
+
+def _config(tmp: Path, model_dir: str, name: str, kill_rank: int) -> Path:
+    out = tmp / name
+    actor = {"_component_": "custom_components.KillOnceActor", "kill_rank": kill_rank,
+             "kill_at_update": KILL_AT_UPDATE, "marker": str(tmp / f"{name}.killed"), "lr": 3e-2,
+             "ppo_micro_batch_size_per_device": 4}
+    trainer = {"total_steps": STEPS, "save_freq": SAVE_FREQ, "test_freq": 0, "output_dir": str(out),
+               "loggers": ["console", "jsonl"]}
+    return write_config(tmp / f"{name}.yaml", model_dir, actor=actor, trainer=trainer)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    assert_ok(run_recipe(_config(tmp, tiny_model_dir, "straight", kill_rank=-1), nproc=2, max_restarts=1))
+    return metrics_of(tmp / "straight")
+
+
+@pytest.mark.parametrize("kill_rank", [1, 0], ids=["worker_rank", "controller_rank"])
+def test_a_killed_rank_restarts_and_resumes_to_the_same_metrics(tiny_model_dir, tmp_path, uninterrupted, kill_rank):
+    config = _config(tmp_path, tiny_model_dir, "killed", kill_rank)
+    proc = run_recipe(config, nproc=2, max_restarts=1)
+    assert_ok(proc)
+    marker = tmp_path / "killed.killed"
+    assert marker.read_text() == f"killed rank {kill_rank} at update {KILL_AT_UPDATE}\n"
+    assert f"resumed from {tmp_path / 'killed' / 'global_step_2'} at step 2 of {STEPS}" in proc.stdout, proc.stdout
+    got = metrics_of(tmp_path / "killed")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # step 3 ran twice but is logged once
+    assert [m["step"] for m in uninterrupted] == list(range(1, STEPS + 1))
+    for want_row, got_row in zip(uninterrupted, got):
+        for key in COMPARED:
+            assert got_row[key] == pytest.approx(want_row[key], rel=1e-4, abs=1e-6), (got_row["step"], key)
+
+
+def test_a_second_run_of_a_finished_job_says_it_has_nothing_to_train(tiny_model_dir, tmp_path):
+    """The newcomer's snag: the same command again resumes the finished run (resume=auto) and trains nothing."""
+    out = tmp_path / "out"
+    trainer = {"total_steps": 1, "save_freq": 1, "test_freq": 0, "output_dir": str(out), "loggers": ["console", "jsonl"]}
+    config = write_config(tmp_path / "c.yaml", tiny_model_dir, trainer=trainer)
+    assert_ok(run_recipe(config))
+    again = run_recipe(config)
+    assert_ok(again)
+    want = (f"torchrlhf: resumed from {out / 'global_step_1'}: total_steps=1 already reached; nothing to train; "
+            "trainer.resume=disable or a new trainer.output_dir starts afresh")
+    assert want in again.stdout, again.stdout
+    assert [m["step"] for m in metrics_of(out)] == [1]
+    fresh = run_recipe(config, "trainer.resume=disable")
+    assert_ok(fresh)
+    assert "resumed from" not in fresh.stdout and "step 1:" in fresh.stdout, fresh.stdout

@@ -1,0 +1,185 @@
+"""Everything we have for GPUs, in one command, on a machine with one CUDA GPU; one table at the end.
+
+    python tools/gpu_check.py                   # all checks, within --budget-s seconds (default 570)
+    python tools/gpu_check.py --only recipe     # some of them
+
+Checks (each a subprocess, so one failing or hanging does not stop the others):
+
+- ``cuda-tests``: the test files that need a CUDA device (CUDA-graph decode against eager decode and HF).
+- ``generate``: the native engine's decode with CUDA graphs against HF ``generate`` and against itself
+  without graphs (``tools/bench/bench_generate.py``, SmolLM2-shaped random weights, bf16).
+- ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
+- ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
+  bf16 FSDP2 actor (``actor-update`` reports that run's actor update: its time and gradient norm).
+
+Without a CUDA device it says so, lists the checks it skipped and exits 0. Otherwise it exits 1 if a check
+failed. Paste the table, with its header line (device, date, commit), into docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Test files with tests that skip without CUDA (tests/tools/test_gpu_check.py keeps this list complete).
+CUDA_TESTS = ["tests/generation/test_cuda_graphs.py"]
+BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--random-weights",
+         "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
+RECIPE_STEPS = 3
+
+
+@dataclass
+class Check:
+    name: str
+    what: str
+    command: list[str]
+    timeout_s: float
+
+
+@dataclass
+class Result:
+    name: str
+    result: str  # "pass", "FAIL (...)", "skipped (...)"
+    figure: str = ""
+
+
+def checks(output_dir: str, vllm_ok: bool) -> list[Check]:
+    py = sys.executable
+    recipe = [py, "recipes/ppo.py", "--config", "recipes/configs/grpo_arithmetic_cpu.yaml",
+              f"trainer.total_steps={RECIPE_STEPS}", f"trainer.output_dir={output_dir}", "trainer.resume=disable",
+              "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
+              "trainer.loggers=[console,jsonl]", "actor.dtype=bfloat16"]
+    found = [
+        Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS], 150),
+        Check("generate", "native decode with CUDA graphs vs HF generate", [py, *BENCH], 180),
+        Check("recipe", f"GRPO recipe, world size 1, SmolLM2, {RECIPE_STEPS} steps", recipe, 300),
+    ]
+    if vllm_ok:
+        found.insert(2, Check("vllm", "the same bench with vLLM beside it", [py, *BENCH, "--vllm"], 240))
+    return found
+
+
+def _figure_of_bench(out: str, vllm: bool) -> str:
+    """The largest batch's row of bench_generate's table: native tok/s, x HF, x without graphs (x vLLM)."""
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s*\d+\s+\d", line)]
+    if not rows:
+        return ""
+    r = rows[-1]
+    text = f"batch {r[0]}: {float(r[1]):.0f} tok/s, {r[3]}x HF, {r[5]}x without graphs"
+    if vllm and len(r) >= 8:
+        text += f", {r[7]}x vLLM"
+    return text
+
+
+def _figures_of_recipe(output_dir: str) -> tuple[str, str]:
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return "", ""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(rows) != RECIPE_STEPS:
+        return f"{len(rows)} of {RECIPE_STEPS} steps logged", ""
+    last = rows[-1]
+    step = f"{last['timing_s/step']:.2f} s/step (step {RECIPE_STEPS}), score {last['critic/score/mean']:.3f}"
+    update = f"{last['timing_s/update_actor']:.2f} s, grad norm {last['actor/grad_norm']:.3g}"
+    return step, update
+
+
+def run(check: Check, budget_left: float) -> tuple[str, str, float]:
+    """(result, output, seconds)."""
+    timeout = min(check.timeout_s, budget_left)
+    if timeout < 10:
+        return "skipped (out of time budget)", "", 0.0
+    start = time.monotonic()
+    try:
+        p = subprocess.run(check.command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return f"FAIL (timed out after {timeout:.0f} s)", out, time.monotonic() - start
+    seconds = time.monotonic() - start
+    if p.returncode != 0:
+        tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+        return f"FAIL (exit {p.returncode}: {tail[0][:80]})", p.stdout + p.stderr, seconds
+    return "pass", p.stdout, seconds
+
+
+def table(results: list[Result]) -> str:
+    rows = [("check", "result", "figure")] + [(r.name, r.result, r.figure) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run these checks only (cuda-tests, generate, vllm, recipe, actor-update)")
+    parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from torchrlhf.generation import vllm_available
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        if not torch.cuda.is_available():
+            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+            print(f"gpu_check: no CUDA device (torch {torch.__version__}, {built}); nothing was run.")
+            print("skipped checks:")
+            for c in checks(os.path.join(tmp, "recipe"), vllm_ok=True):
+                command = " ".join("python" if a == sys.executable else a for a in c.command)
+                print(f"  {c.name:<12} {c.what}: {command}")
+            print("  actor-update bf16 FSDP2 actor update (measured in the recipe run)")
+            return 0
+        vllm_ok, why = vllm_available()
+        todo = checks(os.path.join(tmp, "recipe"), vllm_ok)
+        wanted = set(args.only or [])
+        if "actor-update" in wanted:
+            wanted.add("recipe")
+        if wanted:
+            todo = [c for c in todo if c.name in wanted]
+        device = torch.cuda.get_device_name(0)
+        header = (f"gpu_check on {device}, {datetime.date.today().isoformat()}, commit {_commit()}, "
+                  f"torch {torch.__version__}")
+        print(header, flush=True)
+        start, results = time.monotonic(), []
+        for check in todo:
+            result, out, seconds = run(check, args.budget_s - (time.monotonic() - start))
+            print(f"  {check.name}: {result} ({seconds:.0f} s)", flush=True)
+            if check.name == "cuda-tests":
+                counts = re.findall(r"\d+ (?:passed|failed|skipped)", out)
+                results.append(Result(check.name, result, ", ".join(counts)))
+            elif check.name in ("generate", "vllm"):
+                results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
+            else:
+                step, update = _figures_of_recipe(os.path.join(tmp, "recipe")) if result == "pass" else ("", "")
+                results.append(Result("recipe", result, step))
+                results.append(Result("actor-update", result, update))
+        if not vllm_ok and (not wanted or "vllm" in wanted):
+            results.append(Result("vllm", f"skipped ({why})"))
+        print(header)
+        print(table(results))
+        return 1 if any(r.result.startswith("FAIL") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
