@@ -107,10 +107,10 @@ class KillOnceActor(ActorWorker):
         self._kill_at_update, self._marker, self._updates = kill_at_update, marker, 0
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def update(self, batch):
+    def update(self, batch, **kwargs):
         self._updates += 1
         if self._kill and self._updates == self._kill_at_update:
             with open(self._marker, "w") as f:
                 f.write(f"killed rank {torch.distributed.get_rank()} at update {self._updates}\n")
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().update(batch)
+        return super().update(batch, **kwargs)

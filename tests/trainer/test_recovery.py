@@ -21,8 +21,8 @@ COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entr
 def _config(tmp: Path, model_dir: str, name: str, kill_rank: int) -> Path:
     out = tmp / name
     actor = {"_component_": "custom_components.KillOnceActor", "kill_rank": kill_rank,
-             "kill_at_update": KILL_AT_UPDATE, "marker": str(tmp / f"{name}.killed"), "lr": 3e-2,
-             "ppo_micro_batch_size_per_device": 4}
+             "kill_at_update": KILL_AT_UPDATE, "marker": str(tmp / f"{name}.killed"), "optim": {"lr": 3e-2},
+             "batching": {"ppo_micro_batch_size_per_device": 4}}
     trainer = {"total_steps": STEPS, "save_freq": SAVE_FREQ, "test_freq": 0, "output_dir": str(out),
                "loggers": ["console", "jsonl"]}
     return write_config(tmp / f"{name}.yaml", model_dir, actor=actor, trainer=trainer)
