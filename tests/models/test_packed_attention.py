@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from torchrlhf.data import Batch
 from torchrlhf.models import build_tiny_causal_lm
-from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sliding_window
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PackedAttention, PackedLayout, sliding_window
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3]]  # the last one: an empty prefix
@@ -71,18 +73,50 @@ def test_sliding_window_is_reported_only_when_in_use():
     assert sliding_window(model.config) == 16
 
 
-def test_pieces_equal_slices_in_value_and_gradient():
-    from torchrlhf.models.packed_attention import _pieces
+def _segment_reference(q, k, v, pk, pv, segments, scale):
+    """One SDPA call per segment with its mask spelled out: the prompt's keys, then causal over its own."""
+    outs = []
+    for start, end, p_start, p_end in segments:
+        ks = torch.cat([pk[:, :, p_start:p_end], k[:, :, start:end]], dim=2)
+        vs = torch.cat([pv[:, :, p_start:p_end], v[:, :, start:end]], dim=2)
+        n, p = end - start, p_end - p_start
+        mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], ks, vs, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True))
+    return torch.cat(outs, dim=2).transpose(1, 2)
 
+
+def test_one_batched_call_equals_one_call_per_segment_in_value_and_gradient():
+    """`PackedAttention` pads every segment into one SDPA call: the same outputs and gradients (to rounding:
+    the padded keys change the kernel's block sizes) as a call per segment, padding rows included."""
     torch.manual_seed(0)
-    x = torch.randn(1, 2, 10, 3, requires_grad=True)
-    # repeated ranges (one prompt, many samples), disjoint ones, one spanning two pieces, a gap (7..8)
-    ranges = [(0, 4), (0, 4), (4, 7), (2, 6), (8, 10)]
-    pieces = _pieces(x, ranges)
-    weights = [torch.randn(1, 2, b - a, 3) for a, b in ranges]
-    sum((pieces[a, b] * w).sum() for (a, b), w in zip(ranges, weights)).backward()
-    expected = torch.zeros_like(x)
-    for (a, b), w in zip(ranges, weights):
-        assert torch.equal(pieces[a, b], x[:, :, a:b])
-        expected[:, :, a:b] += w
-    torch.testing.assert_close(x.grad, expected)
+    heads, kv_heads, dim, scale = 4, 2, 8, 0.3
+    # prompts at 0:5, 5:12, 12:12 (empty); samples of lengths 3, 1, 6, 2 reading them, one prompt twice
+    segments = [(0, 3, 0, 5), (3, 4, 5, 12), (4, 10, 12, 12), (10, 12, 0, 5)]
+    t, p = 12, 12
+    leaves = [torch.randn(1, h, n, dim, requires_grad=True)
+              for h, n in ((heads, t), (kv_heads, t), (kv_heads, t), (kv_heads, p), (kv_heads, p))]
+    q, k, v, pk, pv = leaves
+    weights = torch.randn(1, t, heads, dim)
+
+    class Prefix:
+        def get(self, layer):
+            return pk, pv
+
+    got = PackedAttention(segments, prefix=Prefix()).attend(0, q, k, v, scale)
+    grads = torch.autograd.grad((got * weights).sum(), leaves)
+    want = _segment_reference(q, k, v, pk, pv, segments, scale)
+    want_grads = torch.autograd.grad((want * weights).sum(), leaves)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for name, g, w in zip("q k v pk pv".split(), grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=name)
+
+    # a prefix pass (no prompt keys, causal segments): the same against the reference with empty prompts
+    prompts = [(0, 5, 0, 0), (5, 12, 0, 0)]
+    got = PackedAttention(prompts, record=True).attend(0, q, k, v, scale)
+    torch.testing.assert_close(got, _segment_reference(q, k, v, pk, pv, prompts, scale), atol=1e-6, rtol=1e-5)
+
+
+def test_layout_refuses_segments_that_do_not_cover_the_row_in_order():
+    with pytest.raises(ValueError, match="cover the row in order"):
+        PackedLayout([(0, 3, 0, 0), (4, 6, 0, 0)], 0, "cpu")

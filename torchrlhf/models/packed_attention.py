@@ -28,10 +28,12 @@ ATTN_IMPLEMENTATION = "torchrlhf_sdpa"
 class PackedAttention:
     """One forward's attention plan over a packed row: its segments, and a recorded or read prompt K/V.
 
-    ``segments`` lists ``(start, end, prefix_start, prefix_end)``: row tokens ``start:end`` form one
-    sequence that attends to ``prefix`` tokens ``prefix_start:prefix_end`` and causally to itself.
-    Each segment is its own SDPA call, so the cost grows with the sum of the segments' squares, not
-    with the square of the packed row.
+    ``segments`` lists ``(start, end, prefix_start, prefix_end)``, in row order and covering the row:
+    row tokens ``start:end`` form one sequence that attends to ``prefix`` tokens ``prefix_start:prefix_end``
+    and causally to itself. All segments go through one SDPA call per layer: each becomes a row of a
+    padded batch ``[segments, heads, longest segment, longest prefix + longest segment]`` under a
+    block mask (`PackedLayout`), so the cost grows with segments x longest segment x its keys, not with
+    the square of the packed row, and a layer costs one kernel call, not one per sample.
 
     - Prefix pass (``record=True``, empty prefix ranges): each layer's post-RoPE keys/values are kept
       so the suffix passes can attend to them.
@@ -53,56 +55,58 @@ class PackedAttention:
         self.prefix = prefix
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _mask(self, length: int, prefix_len: int, device) -> torch.Tensor:
-        """[length, prefix_len + length]: every prefix column, then causal (bottom-right aligned)."""
-        key = (length, prefix_len)
-        if key not in self._masks:
-            full = torch.ones(length, prefix_len + length, dtype=torch.bool, device=device)
-            self._masks[key] = full.tril(diagonal=prefix_len)
-        return self._masks[key]
+        self._layout: PackedLayout | None = None  # the same for every layer: built at the first
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
         if self.record and layer not in self.keys:  # activation checkpointing re-runs the forward: keep the first
             self.keys[layer], self.values[layer] = k, v
-        rows = [(start, end) for start, end, _, _ in self.segments]
-        qs_, ks_, vs_ = (_pieces(t, rows) for t in (q, k, v))
         if self.prefix is not None:
             pk, pv = self.prefix.get(layer)
-            spans = [(p_start, p_end) for _, _, p_start, p_end in self.segments if p_end > p_start]
-            pks, pvs = _pieces(pk, spans), _pieces(pv, spans)
-        outs = []
-        for start, end, p_start, p_end in self.segments:
-            qs, ks, vs = qs_[start, end], ks_[start, end], vs_[start, end]
-            if p_end > p_start:
-                ks = torch.cat([pks[p_start, p_end], ks], dim=2)
-                vs = torch.cat([pvs[p_start, p_end], vs], dim=2)
-                mask = self._mask(end - start, p_end - p_start, q.device)
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True))
-            else:
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.transpose(1, 2).contiguous()
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # the row's keys after the prompts'
+        if self._layout is None:
+            self._layout = PackedLayout(self.segments, k.shape[2] - q.shape[2], q.device)
+        lay = self._layout
+        heads, dim = q.shape[1], q.shape[3]
+        qs = q[0].index_select(1, lay.query_index).view(heads, lay.num, lay.q_len, dim).transpose(0, 1)
+        ks, vs = (x[0].index_select(1, lay.key_index).view(x.shape[1], lay.num, lay.k_len, dim).transpose(0, 1)
+                  for x in (k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=lay.mask, scale=scale, enable_gqa=True)
+        # [S, H, Lq, D] -> the row's tokens in order, [1, T, H, D]
+        return out.transpose(1, 2).reshape(lay.num * lay.q_len, heads, dim).index_select(0, lay.row_index)[None]
 
 
-def _pieces(x: torch.Tensor, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
-    """``x[:, :, a:b]`` for each range, cut by one `torch.split` at every range's ends.
+class PackedLayout:
+    """Where a packed row's segments sit in the padded batch of `PackedAttention`'s one SDPA call.
 
-    Why not plain slices: each slice's backward allocates a zero tensor of ``x``'s full size and
-    the autograd engine adds them all up, which costs (segments x row) per layer in training.
-    A split's backward is one concatenation. A range spanning several pieces is their concatenation.
+    Segment i's queries are batch row i, positions ``0:L_i`` (``Lq`` = the longest ``L``); its keys are its
+    prompt's ``Q_i`` cached keys at ``0:Q_i`` and its own at ``Qmax:Qmax + L_i``. Indices point into the
+    keys ``[prompts' cached keys (P), the row's own (T)]``. A padding query repeats its segment's last
+    token and mask row (never a row with no key, whose softmax would be NaN); its output is dropped, so
+    its gradient is exactly zero. Padding keys point at index 0 and are masked out.
     """
-    bounds = sorted({0, x.shape[2], *(a for a, _ in ranges), *(b for _, b in ranges)})
-    parts = torch.split(x, [b - a for a, b in zip(bounds, bounds[1:])], dim=2)
-    index = {a: i for i, a in enumerate(bounds)}
-    out = {}
-    for a, b in ranges:
-        if (a, b) not in out:
-            chunk = parts[index[a] : index[b]]
-            out[a, b] = chunk[0] if len(chunk) == 1 else torch.cat(chunk, dim=2)
-    return out
+
+    def __init__(self, segments: list[tuple[int, int, int, int]], prefix_tokens: int, device) -> None:
+        ends = [0] + [end for _, end, _, _ in segments[:-1]]
+        if [start for start, *_ in segments] != ends:
+            raise ValueError(f"packed segments must cover the row in order: {segments}")
+        lens = torch.tensor([end - start for start, end, _, _ in segments])
+        prompt = torch.tensor([p_end - p_start for _, _, p_start, p_end in segments])
+        starts = torch.tensor([start for start, *_ in segments])
+        p_starts = torch.tensor([p_start for _, _, p_start, _ in segments])
+        self.num, self.q_len, q_max = len(segments), int(lens.max()), int(prompt.max())
+        self.k_len = q_max + self.q_len
+        j = torch.arange(self.q_len).clamp(max=(lens - 1)[:, None])  # [S, Lq] query position, padding repeats
+        self.query_index = (starts[:, None] + j).flatten().to(device)
+        c = torch.arange(self.k_len)
+        is_prompt, own = c < q_max, c - q_max  # [K]: prompt columns, then own columns
+        key_valid = torch.where(is_prompt, c < prompt[:, None], own < lens[:, None])  # [S, K]
+        key = torch.where(is_prompt, p_starts[:, None] + c, prefix_tokens + starts[:, None] + own)
+        self.key_index = torch.where(key_valid, key, 0).flatten().to(device)
+        causal = is_prompt | (own[None, None, :] <= j[:, :, None])  # [S, Lq, K]
+        self.mask = (key_valid[:, None, :] & causal)[:, None].to(device)  # [S, 1, Lq, K]
+        valid = torch.arange(self.q_len) < lens[:, None]
+        self.row_index = (torch.arange(self.num * self.q_len).view(self.num, self.q_len))[valid].to(device)
 
 
 class PrefixKV:
