@@ -122,6 +122,23 @@ def test_algorithm_runs(tiny_model_dir, tmp_path, name):
         assert metrics[1]["safe_rlhf/lambda"] != metrics[0]["safe_rlhf/lambda"]
 
 
+def test_every_pass_logs_its_mfu(tiny_model_dir, tmp_path):
+    """PPO with a critic, a KL loss (the reference) and two mini-batches (old log-probs recomputed): every
+    pass logs its MFU against the peak each role's ranks measured at start-up (`torchrlhf.utils.flops`)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, algorithm={"adv_estimator": "gae"},
+                       actor={"use_kl_loss": True, "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
+                       critic={"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 2,
+                                                                          "ppo_micro_batch_size_per_device": 4}},
+                       trainer={"total_steps": 2, "test_freq": 0, "output_dir": str(out), "loggers": ["jsonl"]})
+    assert_ok(run_recipe(cfg))
+    for m in metrics_of(out):
+        for role in ("actor", "critic", "ref", "rollout"):
+            assert m[f"perf/peak_flops/{role}"] > 1e8, m  # any CPU does 0.1 GFLOP/s
+        for name in ("actor", "critic", "ref", "old_log_prob", "values", "rollout"):
+            assert 0 < m[f"perf/mfu/{name}"] < 1, (name, m)
+
+
 def test_two_ranks_resume_continues_the_same_run(tiny_model_dir, tmp_path):
     """torchrun, 2 FSDP ranks: stop after a checkpoint at step 2, resume; step 3 equals an uninterrupted run's."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

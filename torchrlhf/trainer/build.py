@@ -154,7 +154,7 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
                           project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=raw_config)
     groups = build_groups(cfg, world_size)
     rollouts = build_rollouts(cfg, world_size, groups, reward_fn, train_prompts)
-    roles = Roles(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"))
+    roles = Roles(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"), rollout=groups["rollout"])
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
                      rollouts=rollouts, reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),

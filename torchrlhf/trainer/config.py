@@ -83,6 +83,8 @@ class TrainerConfig:
     while the actor trains; the ``async_training`` section says how far they may run ahead).
     ``stall_timeout_s``: a worker call running longer ends the job with a report of what every rank is
     doing (method, seconds, the collective it waits in, its stack; `runtime.stall`); 0 turns it off.
+    ``peak_flops``: one device's peak FLOP/s, the denominator of the ``perf/mfu/*`` metrics (`utils.flops`);
+    None: each rank measures its matmul peak in each role's dtype once, at start-up.
     """
 
     total_steps: int = 10
@@ -100,6 +102,11 @@ class TrainerConfig:
     experiment_name: str = "run"
     log_val_generations: int = 4
     seed: int = 0
+    peak_flops: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"peak_flops: must be > 0 (FLOP/s per device) or null, got {self.peak_flops}")
 
 
 @dataclass

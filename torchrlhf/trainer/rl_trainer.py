@@ -33,11 +33,13 @@ from torchrlhf.utils.timer import timer
 
 @dataclass
 class Roles:
-    """Controller handles of the training worker groups; absent roles are None."""
+    """Controller handles of the training worker groups; absent roles are None. ``rollout`` is only asked
+    for its peak FLOP/s at start-up: generation goes through the rollout source."""
 
     actor: Any
     ref: Any = None
     critic: Any = None
+    rollout: Any = None
 
 
 class RLTrainer:
@@ -107,6 +109,7 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
         self._maybe_resume()
+        self.peak_flops = self._peak_flops()
         self.rollouts.start(self.weight_version)
         try:
             return self._fit()
@@ -136,9 +139,25 @@ class RLTrainer:
             self.logger.message(summary)
         return metrics
 
+    def _peak_flops(self) -> dict[str, float]:
+        """Each role's peak FLOP/s per device, the ``perf/mfu/*`` denominators: ``trainer.peak_flops``, or
+        measured now on the role's ranks in its dtype (the mean over its ranks is logged)."""
+        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "critic": self.roles.critic,
+                  "rollout": self.roles.rollout}
+        peaks = {}
+        for role, group in groups.items():
+            if group is not None:
+                per_rank = group.peak_flops(self.cfg.peak_flops)
+                peaks[f"perf/peak_flops/{role}"] = sum(per_rank) / len(per_rank)
+        how = "given (trainer.peak_flops)" if self.cfg.peak_flops else "measured (matmul probe)"
+        self.logger.message(f"torchrlhf: peak FLOP/s per device, {how}: "
+                            + ", ".join(f"{k.rsplit('/', 1)[1]} {v / 1e9:.1f} G" for k, v in peaks.items()))
+        return peaks
+
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
         batch, metrics = self.rollouts.next_batch(self.global_step, self.weight_version)
+        metrics.update(self.peak_flops)
         roles, algo, temperature = self.roles, self.algo, self.temperature
 
         if self.recompute_old_log_prob:
@@ -153,6 +172,7 @@ class RLTrainer:
         if roles.critic is not None:
             with timer("values", metrics):
                 batch = batch.union(roles.critic.compute_values(batch))
+        metrics.update(_pop_perf(batch))  # the MFU of each pass so far (rollout, old log-probs, ref, values)
 
         with timer("adv", metrics):
             if algo.use_kl_in_reward:
@@ -317,6 +337,11 @@ def _legacy_rollout_state(state: dict[str, Any]) -> dict[str, Any]:
         old = state["async_rollouts"]
         return {**old, "schedule": {"stream": "StreamRollouts", "deterministic": "DeterministicRollouts"}[old["schedule"]]}
     return {"schedule": "SyncRollouts", "generator": state["rng"]}
+
+
+def _pop_perf(batch: Batch) -> dict[str, float]:
+    """The ``perf/*`` figures the workers' passes left in ``batch.meta``, taken out of it."""
+    return {k: float(batch.meta.pop(k)) for k in [k for k in batch.meta if k.startswith("perf/")]}
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

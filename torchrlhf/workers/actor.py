@@ -155,7 +155,7 @@ class ActorWorker(FSDPWorker):
             lp, ent = self._forward(mb, rows, plan, prefix, temperature, entropy)
             return {key: lp} if ent is None else {key: lp, "entropys": ent}
 
-        return self.infer(batch, fn)
+        return self.infer(batch, fn, "ref" if self.freeze else "old_log_prob")
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch, *, temperature: float, entropy: bool = False) -> Batch:

@@ -9,6 +9,7 @@ supplies only its forward and its loss (`FSDPWorker.micro_batch_loss`) and the n
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ from torchrlhf.data import Batch
 from torchrlhf.models.parallelize import parallelize
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
+from torchrlhf.utils import flops
 from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.utils.optim import build_optimizer
 from torchrlhf.workers.microbatch import Batching, micro_batch_groups, strided_mini_batches
-from torchrlhf.workers.shared_prefix import SharedPrefixPlan, run_prefixes
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts, run_prefixes
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -97,6 +99,9 @@ class FSDPWorker(Worker):
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.compute_dtype = torch.float32  # the dtype its matmuls run in (`_shard`), for the MFU's peak
+        self._flops_of: flops.TransformerFlops | None = None
+        self._step_flops = 0  # model FLOPs of the `train` call in progress
 
     # ------------------------------------------------------------------ setup
     def _build_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
@@ -168,6 +173,7 @@ class FSDPWorker(Worker):
     def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
         """FSDP2 (× TP) over the group's ranks (a meta-device model stays on meta); the plain module when
         the group is one fp32 rank (see `_is_plain`)."""
+        self.compute_dtype = dtype
         if self._is_plain(dtype, cpu_offload):
             if activation_checkpointing:
                 from torchrlhf.models.parallelize import enable_activation_checkpointing
@@ -272,12 +278,13 @@ class FSDPWorker(Worker):
     def mini_batches(self, batch: Batch, num_mini_batches: int) -> list[Batch]:
         return strided_mini_batches(batch, num_mini_batches)
 
-    def infer(self, batch: Batch, fn: Callable[..., dict[str, torch.Tensor]]) -> Batch:
+    def infer(self, batch: Batch, fn: Callable[..., dict[str, torch.Tensor]], name: str) -> Batch:
         """A no-grad pass: ``fn(micro_batch, rows, plan, prefix)`` per micro-batch, outputs in batch order.
 
         With ``shared_prefix`` every distinct prompt runs once first and ``fn`` reads its keys/values
-        (``plan``/``prefix`` are None otherwise).
+        (``plan``/``prefix`` are None otherwise). The pass's MFU goes in ``meta["perf/mfu/<name>"]``.
         """
+        start = time.perf_counter()
         self.model.eval()
         plan = prefix = lengths = None
         if self.shared_prefix:
@@ -286,7 +293,9 @@ class FSDPWorker(Worker):
         outs = self.map_micro_batches(batch, lambda mb, rows: fn(mb, rows, plan, prefix),
                                       micro_batch_size=self.batching.log_prob_micro_batch_size,
                                       max_tokens=self.batching.max_tokens, lengths=lengths)
-        return Batch(outs)
+        seconds = time.perf_counter() - start
+        model_flops = self.flops_of.forward(*forward_counts(batch, plan))
+        return Batch(outs, meta={f"perf/mfu/{name}": self.mfu(model_flops, seconds)})
 
     # ------------------------------------------------------------------ the training loop
     def train(self, batch: Batch, *, needs: Sequence[str], **loss_kwargs) -> dict[str, float]:
@@ -303,6 +312,7 @@ class FSDPWorker(Worker):
         if missing:
             raise KeyError(f"{self.role}.update: batch lacks columns {missing}; it has {batch.keys()}")
         lr = self.current_lr
+        start, self._step_flops = time.perf_counter(), 0
         self.model.train()
         sums: dict[str, list[float]] = defaultdict(list)
         skipped = 0
@@ -320,6 +330,7 @@ class FSDPWorker(Worker):
         metrics[f"{self.role}/lr"] = lr
         metrics[f"{self.role}/grad_norm_nonfinite"] = float(skipped > 0)
         metrics[f"{self.role}/skipped_steps"] = float(skipped)
+        metrics[f"perf/mfu/{self.role}"] = self.mfu(self._step_flops, time.perf_counter() - start)
         return metrics
 
     def _train_mini_batch(self, mini: Batch, loss_kwargs: dict) -> dict[str, float]:
@@ -332,6 +343,7 @@ class FSDPWorker(Worker):
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
             plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
+        self._step_flops += flops.TRAIN_FORWARDS * self.flops_of.forward(*forward_counts(mini, plan))
         for mb, index in self.micro_batches(mini, micro_batch_size=self.batching.ppo_micro_batch_size_per_device,
                                             max_tokens=self.batching.max_tokens, lengths=lengths):
             real = index is not None  # filler micro-batches only keep collectives in step
@@ -381,6 +393,25 @@ class FSDPWorker(Worker):
     def current_lr(self) -> float:
         assert self.optimizer is not None
         return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ MFU
+    @property
+    def flops_of(self) -> flops.TransformerFlops:
+        """The model's FLOP counts (`utils.flops`), read off it once."""
+        if self._flops_of is None:
+            self._flops_of = flops.TransformerFlops.from_model(self.model)
+        return self._flops_of
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def peak_flops(self, given: float | None = None) -> float:
+        """This rank's peak FLOP/s in its compute dtype: ``given`` (``trainer.peak_flops``), else measured
+        now, once per process (`utils.flops.matmul_peak`, with the threads its calls run on)."""
+        flops.set_peak_flops(given)
+        return flops.peak_flops(self.compute_dtype, self.device)
+
+    def mfu(self, model_flops: float, seconds: float) -> float:
+        """``model_flops`` done in ``seconds`` on this rank as a fraction of its peak."""
+        return model_flops / max(seconds, 1e-9) / flops.peak_flops(self.compute_dtype, self.device)
 
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL)

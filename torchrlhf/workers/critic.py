@@ -88,7 +88,7 @@ class CriticWorker(FSDPWorker):
             values = self._values(mb, rows, plan, prefix)
             return {"values": values * mb["response_mask"].to(values.dtype)}
 
-        return self.infer(batch, fn)
+        return self.infer(batch, fn, "values")
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update(self, batch: Batch) -> dict[str, float]:

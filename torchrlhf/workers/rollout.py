@@ -23,6 +23,7 @@ produced it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
 from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
+from torchrlhf.utils import flops
 from torchrlhf.workers.base import resolve_dtype
 
 ENGINE_ARGS_SET_BY_ROLE = ("model_or_path", "model_path", "tokenizer", "device", "dtype", "tp_mesh")
@@ -77,6 +79,7 @@ class RolloutWorker(Worker):
         self.engine = None
         self.weight_version = 0
         self.relay: WeightRelay | None = None  # asynchronous training only
+        self._flops_of: flops.TransformerFlops | None = None
         if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
             self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
             self._is_dp_leader = self.group_rank % tp_size == 0
@@ -118,7 +121,9 @@ class RolloutWorker(Worker):
         boundary (the controller chooses it, so the ranks of a TP group agree); with ``partial`` (TP 1) it
         also loads each newer version the relay receives between two decode steps, records the version
         per token; the samples keep the version asked for (their oldest tokens' at most).
+        The call's MFU (colocated: streaming the weights in included) is ``meta["perf/mfu/rollout"]``.
         """
+        start = time.perf_counter()
         if self.actor_group is not None:
             if self.engine is None:
                 self.engine = self._build_engine()
@@ -136,7 +141,28 @@ class RolloutWorker(Worker):
             else:
                 out = self.engine.generate(prompts, sampling)
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
+        out.meta["perf/mfu/rollout"] = self._mfu(prompts, out, time.perf_counter() - start)
         return out
+
+    # ------------------------------------------------------------------ MFU
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def peak_flops(self, given: float | None = None) -> float:
+        """This rank's peak FLOP/s in the engine's dtype: ``given``, else measured once per process (`utils.flops`)."""
+        flops.set_peak_flops(given)
+        return flops.peak_flops(self.dtype, self.device)
+
+    def _mfu(self, prompts: Batch, out: Batch, seconds: float) -> float:
+        """Generation's model FLOPs (`utils.flops.generation_counts`) over ``seconds`` and the peak."""
+        if self._flops_of is None:
+            from torchrlhf.models import build_meta_causal_lm
+
+            self._flops_of = flops.TransformerFlops.from_model(build_meta_causal_lm(self.model_path))
+        width = out["responses"].shape[1]
+        mask = out["attention_mask"]
+        prompt_lens = prompts["attention_mask"].sum(-1).tolist()
+        response_lens = mask[:, mask.shape[1] - width:].sum(-1).tolist()
+        counts = flops.generation_counts(prompt_lens, response_lens)
+        return self._flops_of.forward(*counts) / max(seconds, 1e-9) / flops.peak_flops(self.dtype, self.device)
 
     # ------------------------------------------------------------------ split placement
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -30,6 +30,7 @@ import torch
 
 from torchrlhf.data import Batch
 from torchrlhf.models.packed_attention import PackedAttention, PrefixKV
+from torchrlhf.utils.flops import causal_keys
 
 
 @dataclass
@@ -160,6 +161,24 @@ def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     out = model(input_ids=row.input_ids, position_ids=row.position_ids, logits_to_keep=row.keep,
                 attention_plan=row.attention)
     return getattr(out, "logits", out)[0]
+
+
+def forward_counts(batch: Batch, plan: SharedPrefixPlan | None) -> tuple[int, int, int]:
+    """(tokens, keys, scored positions) of one forward over ``batch``, padding excluded (`utils.flops`).
+
+    With ``plan`` (shared prompts): each distinct prompt but its last token once, causal; then per sample
+    its last prompt token and response, reading its prompt's keys too. Without (dense): every sample's
+    prompt and response, causal. Either way the head scores the positions that predict a response token.
+    """
+    if plan is None:
+        mask = batch["attention_mask"]
+        lengths = mask.sum(-1).tolist()
+        scored = int(mask[:, mask.shape[1] - batch["responses"].shape[1]:].sum())
+        return sum(lengths), sum(causal_keys(n) for n in lengths), scored
+    tokens = sum(plan.prefix_len) + plan.suffix_tokens()
+    keys = sum(causal_keys(q) for q in plan.prefix_len)
+    keys += sum(causal_keys(1 + r, plan.prefix_len[g]) for g, r in zip(plan.group_of, plan.response_len))
+    return tokens, keys, sum(plan.response_len)
 
 
 def scatter_responses(values: torch.Tensor, row: PackedRow, num_samples: int, width: int) -> torch.Tensor:
