@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import transformers
 from conftest import RECIPE, ROOT, write_config
@@ -12,6 +13,7 @@ from conftest import RECIPE, ROOT, write_config
 from torchrlhf.config import load_config
 from torchrlhf.trainer.explain import explain, model_shape
 from torchrlhf.trainer.schema import load_recipe_config
+from torchrlhf.utils.flops import TransformerFlops
 
 
 def _hf_params(path: str) -> int:
@@ -52,3 +54,22 @@ def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir
     bad = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4",
                           "actor.optim.lrr=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "actor.optim.lrr: unknown key (did you mean 'lr'?)" in bad.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_flops_per_step_worked_out_by_hand(tiny_model_dir, tmp_path, shared):
+    # 4 prompts x 4 = 16 samples of 64 + 8 tokens at most, one rank, one mini-batch: no old log-prob pass, no ref.
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir, actor={"shared_prefix": shared})
+    text = explain(load_recipe_config(load_config(cfg_path), 1), 1)
+    model = TransformerFlops.from_model(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    b, p, r, prompts = 16, 64, 8, 4
+    if shared:  # prompts but their last token once; then last prompt token + response, reading the prompt
+        counts = (prompts * (p - 1) + b * (1 + r),
+                  prompts * (p - 1) * p // 2 + b * sum(p - 1 + t for t in range(1, r + 2)), b * r)
+    else:
+        counts = (b * (p + r), b * (p + r) * (p + r + 1) // 2, b * r)
+    # generation: each prompt prefilled once (last position scored), each sample feeds back r - 1 tokens
+    rollout = (prompts * p + b * (r - 1), prompts * p * (p + 1) // 2 + b * sum(p + t for t in range(1, r)),
+               prompts + b * (r - 1))
+    assert (f"actor update {3 * model.forward(*counts) / 1e12:.3g} TFLOP, rollout "
+            f"{model.forward(*rollout) / 1e12:.3g} TFLOP") in text

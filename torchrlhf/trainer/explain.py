@@ -18,6 +18,7 @@ plus the fp32 log-softmax of the response positions).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -27,6 +28,8 @@ import torch
 
 from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
 from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_kwargs, role_ranks
+from torchrlhf.utils.flops import TRAIN_FORWARDS, TransformerFlops, generation_counts
+from torchrlhf.workers.shared_prefix import layout_counts
 
 GIB = 1 << 30
 ACTIVATION_VALUES_PER_HIDDEN = 16  # saved tensors per token, layer and hidden unit in a Llama block (approx.)
@@ -42,6 +45,7 @@ class ModelShape:
     vocab: int
     kv_heads: int
     head_dim: int
+    flops: TransformerFlops  # the model FLOP counts of `torchrlhf.utils.flops`
 
 
 def model_shape(path: str) -> ModelShape:
@@ -57,6 +61,7 @@ def model_shape(path: str) -> ModelShape:
         layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        flops=TransformerFlops.from_model(model),
     )
 
 
@@ -127,6 +132,58 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     return lines, memory
 
 
+def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: list[int], mini_batches: int) -> float:
+    """Model FLOPs of one forward over a step's samples, at the longest prompts and responses, as the role
+    computes them: each data-parallel rank its contiguous shard, in strided mini-batches (`layout_counts`
+    of each; with shared prompts, a prompt recurs in every mini-batch and on every rank that has one of its
+    samples)."""
+    n, samples = cfg.rollout.n, cfg.data.train_batch_size * cfg.rollout.n
+    p_len, r_len = cfg.data.max_prompt_length, cfg.rollout.max_tokens
+    dp = len(ranks) // getattr(sec, "tp_size", 1)
+    shard = math.ceil(samples / dp)
+    total = 0
+    for r in range(dp):
+        rows = range(r * shard, min((r + 1) * shard, samples))
+        for part in (rows[j::mini_batches] for j in range(mini_batches)):
+            if not part:
+                continue
+            if sec.shared_prefix:
+                groups = {g: k for k, g in enumerate(sorted({i // n for i in part}))}
+                counts = layout_counts([p_len] * len(groups), [r_len] * len(part), [groups[i // n] for i in part])
+            else:
+                counts = layout_counts([p_len] * len(part), [r_len] * len(part), None)
+            total += model.forward(*counts)
+    return total
+
+
+def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[str, ModelShape]) -> list[str]:
+    """Model FLOPs per step of every pass (`torchrlhf.utils.flops`, what ``perf/mfu/*`` divides by the
+    time and the peak), at the longest prompts and responses: an upper bound."""
+    from torchrlhf.trainer.build import on_policy_update
+
+    actor, batching, lm = cfg.actor, cfg.actor.batching, shapes["actor"].flops
+    minis = cfg.data.train_batch_size // batching.ppo_mini_batch_size
+    passes = {"actor update": TRAIN_FORWARDS * batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis)}
+    if not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward:
+        passes["old log-probs"] = _pass_flops(lm, cfg, actor, ranks["actor"], 1)
+    if "ref" in shapes:
+        ref = SimpleNamespace(**reference_kwargs(cfg))
+        passes["ref"] = _pass_flops(shapes["ref"].flops, cfg, ref, ranks["ref"], 1)
+    if "critic" in shapes:
+        value = dataclasses.replace(shapes["critic"].flops, head_out=1)
+        c_minis = cfg.data.train_batch_size // cfg.critic.batching.ppo_mini_batch_size
+        passes["critic update"] = TRAIN_FORWARDS * cfg.critic.batching.ppo_epochs * _pass_flops(
+            value, cfg, cfg.critic, ranks["critic"], c_minis)
+        passes["values"] = _pass_flops(value, cfg, cfg.critic, ranks["critic"], 1)
+    prompts = cfg.data.train_batch_size
+    passes["rollout"] = lm.forward(*generation_counts([cfg.data.max_prompt_length] * prompts,
+                                                               [cfg.rollout.max_tokens] * prompts * cfg.rollout.n))
+    return ["model FLOPs per step (fwd + bwd of the tokens processed, at the longest prompts and responses: "
+            "an upper bound; perf/mfu/* divide the measured ones by time × peak):",
+            "  " + ", ".join(f"{k} {v / 1e12:.3g} TFLOP" for k, v in passes.items())
+            + f"; total {sum(passes.values()) / 1e12:.3g} TFLOP"]
+
+
 def explain(cfg: RecipeConfig, world_size: int) -> str:
     """The dry-run report of a validated config (see the module docstring)."""
     from torchrlhf.trainer.build import resolve_model_path
@@ -146,17 +203,20 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             for k, v in memory.items():
                 per_rank[r][f"{role} {k}"] = v
 
+    shapes = {"actor": shape}  # each role's, for the FLOPs per step
     lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape)
     out += lines
     add("actor", ranks["actor"], mem)
     if needs_reference(cfg):
         ref = SimpleNamespace(**reference_kwargs(cfg))
         ref_shape = model_shape(resolve_model_path(ref.model_path)) if cfg.ref.model_path else shape
+        shapes["ref"] = ref_shape
         lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, frozen=True)
         out += lines
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
+        shapes["critic"] = critic_shape
         lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape)
         out += lines
         add("critic", ranks["critic"], mem)
@@ -189,6 +249,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
             add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
 
+    out += _flops_lines(cfg, ranks, shapes)
     out.append("memory per rank (estimate; colocated roles add up — the hybrid engine frees the actor's grads "
                "during generation):")
     for r in range(world_size):

@@ -164,21 +164,33 @@ def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
 
 
 def forward_counts(batch: Batch, plan: SharedPrefixPlan | None) -> tuple[int, int, int]:
-    """(tokens, keys, scored positions) of one forward over ``batch``, padding excluded (`utils.flops`).
-
-    With ``plan`` (shared prompts): each distinct prompt but its last token once, causal; then per sample
-    its last prompt token and response, reading its prompt's keys too. Without (dense): every sample's
-    prompt and response, causal. Either way the head scores the positions that predict a response token.
-    """
+    """(tokens, keys, scored positions) of one forward over ``batch``, padding excluded (`utils.flops`):
+    with ``plan`` in the shared-prefix layout, else dense (`layout_counts`)."""
     if plan is None:
         mask = batch["attention_mask"]
-        lengths = mask.sum(-1).tolist()
-        scored = int(mask[:, mask.shape[1] - batch["responses"].shape[1]:].sum())
+        split = mask.shape[1] - batch["responses"].shape[1]
+        return layout_counts(mask[:, :split].sum(-1).tolist(), mask[:, split:].sum(-1).tolist(), None)
+    return layout_counts([q + 1 for q in plan.prefix_len], plan.response_len, plan.group_of)
+
+
+def layout_counts(prompt_lens: list[int], response_lens: list[int], group_of: list[int] | None
+                  ) -> tuple[int, int, int]:
+    """(tokens, keys, scored positions) of one forward over samples of ``response_lens`` tokens.
+
+    Dense (``group_of`` None; ``prompt_lens`` per sample): every sample's prompt and response, causal.
+    Shared prompts (sample i answers prompt ``group_of[i]`` of ``prompt_lens``): each prompt but its last
+    token once, causal; then per sample its last prompt token and response, reading its prompt's keys too.
+    Either way the head scores the positions that predict a response token.
+    """
+    scored = sum(response_lens)
+    if group_of is None:
+        lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
         return sum(lengths), sum(causal_keys(n) for n in lengths), scored
-    tokens = sum(plan.prefix_len) + plan.suffix_tokens()
-    keys = sum(causal_keys(q) for q in plan.prefix_len)
-    keys += sum(causal_keys(1 + r, plan.prefix_len[g]) for g, r in zip(plan.group_of, plan.response_len))
-    return tokens, keys, sum(plan.response_len)
+    prefix = [p - 1 for p in prompt_lens]
+    tokens = sum(prefix) + sum(1 + r for r in response_lens)
+    keys = sum(causal_keys(q) for q in prefix)
+    keys += sum(causal_keys(1 + r, prefix[g]) for g, r in zip(group_of, response_lens))
+    return tokens, keys, scored
 
 
 def scatter_responses(values: torch.Tensor, row: PackedRow, num_samples: int, width: int) -> torch.Tensor:
