@@ -15,6 +15,18 @@ its own. Tokens computed per step are printed beside the ideal shared/dense rati
 n(P+R) / (P+nR) (P, R: mean prompt and response tokens).
 
     python tools/bench/bench_train.py [--n 4 8 16 --prompts 2 --prompt-len 150 --response-len 48 --steps 3]
+
+``--mfu``: the update's model FLOPs utilisation instead, dense and shared, for each of ``--shapes``
+(`SHAPES`: the learning config's update and a GSM8K-shaped one) and ``--dtypes`` (bf16: FSDP2 mixed
+precision with fp32 master weights, as a one-process recipe run). Per row: seconds per update (median of
+``--steps`` after one warm-up), the main thread's CPU seconds (close to the wall time when no other
+process took the cores), model FLOPs (`torchrlhf.utils.flops`: fwd + bwd of the tokens processed), the
+achieved GFLOP/s, the matmul peak of the dtype at ``--threads`` threads (`utils.flops.matmul_peak`,
+measured before and after the rows: the spread says how quiet the host was), MFU, the process's peak RSS
+and its rise over the built model. With ``--baseline DIR`` (another checkout of the library, e.g. an
+export of an older commit) every row also runs that code, interleaved, and prints after/before:
+
+    python tools/bench/bench_train.py --mfu --threads 2 --baseline /tmp/base [--shapes learn gsm8k]
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -59,10 +72,35 @@ def group_rollouts(prompts: int, n: int, prompt_len: int, response_len: int, voc
     )
 
 
-def worker_step(path: str, batch: Batch, micro: int, shared: bool) -> Callable[[], None]:
+# Update shapes for ``--mfu`` and `profile_update.py`: 8 prompts x 8 samples; responses of
+# response_len/2..response_len tokens (mean 3/4 of it); micro-batches as their recipe configs.
+SHAPES = {
+    "learn": dict(prompts=8, n=8, prompt_len=40, response_len=19, micro=32),  # grpo_arithmetic_learn.yaml
+    "gsm8k": dict(prompts=8, n=8, prompt_len=150, response_len=64, micro=8),  # GSM8K-shaped
+}
+
+
+def shape_batch(shape: dict) -> dict:
+    """`group_rollouts` arguments of a `SHAPES` entry."""
+    return {k: shape[k] for k in ("prompts", "n", "prompt_len", "response_len")}
+
+
+def one_rank_group() -> None:
+    """A one-rank gloo process group, as a one-process recipe run has (with it a bf16 actor is FSDP2 with
+    mixed precision (fp32 master weights), as in training; an fp32 one stays a plain module)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "float32",
+               ) -> Callable[[], dict[str, float]]:
+    """One `ActorWorker.update` over ``batch`` (one optimizer step, micro-batches of ``micro`` samples)."""
     from torchrlhf.workers import ActorWorker, Batching
 
-    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared,
+    one_rank_group()
+    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype,
                         batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
     return lambda: actor.update(batch, temperature=1.0)
 
@@ -107,7 +145,7 @@ def measure(side: str, n: int, args: argparse.Namespace) -> dict:
     if side == "plain HF":
         step = plain_hf_step(path, batch, args.micro)
     else:
-        step = worker_step(path, batch, args.micro, shared=side == "shared")
+        step = actor_step(path, batch, args.micro, shared=side == "shared")
     step()  # warm-up (also allocates the optimizer state)
     base = _rss_mb()
     times = []
@@ -117,6 +155,93 @@ def measure(side: str, n: int, args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"s": statistics.median(times), "peak_over_mb": max(peak - base, 0.0), "all": times}
+
+
+def measure_mfu(shape_name: str, dtype: str, side: str, args: argparse.Namespace) -> dict:
+    """One ``--mfu`` row in this process (whichever library is on the path): seconds and memory per update."""
+    from torchrlhf.models import smollm2_model_dir
+    from torchrlhf.runtime.launch import _tune_malloc
+
+    _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run
+    torch.set_num_threads(args.threads)
+    shape = SHAPES[shape_name]
+    batch = group_rollouts(**shape_batch(shape), vocab=49152)
+    step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=side == "shared", dtype=dtype)
+    built = _rss_mb()
+    step()  # warm-up (also allocates the optimizer state)
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        step()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import torchrlhf
+
+    return {"s": statistics.median(wall), "cpu_s": statistics.median(cpu), "all": wall, "peak_mb": peak,
+            "over_mb": peak - built, "library": os.path.dirname(torchrlhf.__file__)}
+
+
+def update_flops(shape_name: str, shared: bool) -> int:
+    """Model FLOPs of one update of ``shape_name``'s batch (forward + backward, `torchrlhf.utils.flops`)."""
+    from torchrlhf.models import build_meta_causal_lm, smollm2_model_dir
+    from torchrlhf.utils.flops import TRAIN_FORWARDS, TransformerFlops
+    from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts
+
+    batch = group_rollouts(**shape_batch(SHAPES[shape_name]), vocab=49152)
+    counts = forward_counts(batch, SharedPrefixPlan(batch) if shared else None)
+    return TRAIN_FORWARDS * TransformerFlops.from_model(build_meta_causal_lm(str(smollm2_model_dir()))).forward(*counts)
+
+
+def _host() -> str:
+    model, flags = "", set()
+    if os.path.exists("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model or platform.processor()} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} CPUs"
+
+
+def mfu_main(args: argparse.Namespace) -> None:
+    from torchrlhf.utils.flops import matmul_peak
+
+    torch.set_num_threads(args.threads)
+    codes = [("before", args.baseline), ("after", None)] if args.baseline else [("after", None)]
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    peaks = {d: [matmul_peak(getattr(torch, d), torch.device("cpu"), min_seconds=1.0)] for d in args.dtypes}
+    print(f"actor update MFU: SmolLM2-135M, {args.threads} threads, {_host()}, torch {torch.__version__}, median of "
+          f"{args.steps} updates after a warm-up; matmul peak GFLOP/s (before the rows): "
+          + ", ".join(f"{d} {v[0] / 1e9:.1f}" for d, v in peaks.items()))
+    print(f"{'shape':<6} {'dtype':<9} {'side':<7} {'code':<7} {'s/update':>9} {'cpu s':>7} {'GFLOP':>7} "
+          f"{'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8} {'+MB':>6} {'after/before':>12}")
+    for shape_name in args.shapes:
+        for dtype in args.dtypes:
+            for side in ("dense", "shared"):
+                flops = update_flops(shape_name, side == "shared")
+                res = {}
+                for code, path in codes:
+                    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                           "PYTHONPATH": os.pathsep.join(filter(None, [path or here, os.environ.get("PYTHONPATH")]))}
+                    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--threads", str(args.threads),
+                           "--mfu-one", shape_name, dtype, side]
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                    if proc.returncode != 0:
+                        raise SystemExit(f"{shape_name} {dtype} {side} ({code}) failed:\n{proc.stderr[-3000:]}")
+                    res[code] = json.loads(next(ln for ln in proc.stdout.splitlines()
+                                                if ln.startswith("RESULT")).split(" ", 1)[1])
+                for code, r in res.items():
+                    rate = flops / r["s"]
+                    ratio = f"{res['before']['s'] / r['s']:11.2f}x" if code == "after" and "before" in res else ""
+                    print(f"{shape_name:<6} {dtype:<9} {side:<7} {code:<7} {r['s']:9.2f} {r['cpu_s']:7.2f} "
+                          f"{flops / 1e9:7.0f} {rate / 1e9:8.1f} {rate / peaks[dtype][0]:6.1%} {r['peak_mb']:8.0f} "
+                          f"{r['over_mb']:6.0f} {ratio:>12}", flush=True)
+    for d in args.dtypes:
+        peaks[d].append(matmul_peak(getattr(torch, d), torch.device("cpu"), min_seconds=1.0))
+    print("matmul peak GFLOP/s before / after the rows: "
+          + ", ".join(f"{d} {v[0] / 1e9:.1f} / {v[1] / 1e9:.1f}" for d, v in peaks.items()))
 
 
 def token_counts(n: int, args: argparse.Namespace) -> dict[str, float]:
@@ -145,10 +270,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    ap.add_argument("--mfu", action="store_true", help="MFU of the update per shape, dtype and side (see above)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="with --mfu")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                    help="with --mfu")
+    ap.add_argument("--baseline", help="with --mfu: a checkout of the library to run side by side ('before')")
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--mfu-one", nargs=3, metavar=("SHAPE", "DTYPE", "SIDE"), help=argparse.SUPPRESS)  # child
     args = ap.parse_args()
     if args.one:
         print("RESULT", json.dumps(measure(args.one[0], int(args.one[1]), args)))
+        return
+    if args.mfu_one:
+        print("RESULT", json.dumps(measure_mfu(*args.mfu_one, args)))
+        return
+    if args.mfu:
+        mfu_main(args)
         return
 
     print(f"SmolLM2-135M fp32 actor update, {args.prompts} prompts x n, prompt {args.prompt_len} tokens, response "
