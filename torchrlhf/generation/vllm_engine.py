@@ -315,6 +315,10 @@ class VLLMEngine:
         """Name -> the shape `update_weights` expects (the full tensor's)."""
         return dict(self._shapes)
 
+    def load_groups(self) -> list[set[str]]:
+        """Names `update_weights` must receive together (vLLM's fused modules: q/k/v, gate/up)."""
+        return [set(names) for names in self._modules.values() if len(names) > 1]
+
     def _module_members(self, packed: dict[str, list[str]]) -> dict[str, set[str]]:
         """vLLM module -> the HF names it loads (q/k/v_proj.* -> qkv_proj): loaded together or not at all."""
         fused = {part: name for name, parts in packed.items() for part in parts}

@@ -33,6 +33,7 @@ from torchrlhf.trainer.schema import (
     RecipeConfig,
     models_in_unit,
     needs_reference,
+    reference_is_actor,
     reference_kwargs,
     role_ranks,
     section_kwargs,
@@ -52,8 +53,9 @@ def resolve_model_path(path: str) -> str:
 def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
 
-    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs. The rollout
-    comes right after the actor: colocated, it reads the actor worker built before it in the same process.
+    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs; a LoRA actor
+    serves it itself (no reference role). The rollout comes right after the actor: colocated, it reads the
+    actor worker built before it in the same process.
     """
     actor = {**section_kwargs(cfg, "actor"), "model_path": resolve_model_path(cfg.actor.model_path)}
     specs: dict[str, tuple] = {"actor": (get_component(cfg.actor._component_), (), actor)}
@@ -61,9 +63,9 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     engine = {f.name: getattr(cfg.rollout.engine, f.name) for f in dataclasses.fields(cfg.rollout.engine)}
     specs["rollout"] = (RolloutWorker, (), {
         "model_path": actor["model_path"], "engine": engine, "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
-        "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None,
+        "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None, "lora": actor["lora"],
     })
-    if needs_reference(cfg):
+    if needs_reference(cfg) and not reference_is_actor(cfg):
         ref = reference_kwargs(cfg)
         specs["ref"] = (ActorWorker, (), {**ref, "model_path": resolve_model_path(ref["model_path"])})
     for role in ("critic", "reward_model", "cost_model"):
@@ -154,7 +156,8 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
                           project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=raw_config)
     groups = build_groups(cfg, world_size)
     rollouts = build_rollouts(cfg, world_size, groups, reward_fn, train_prompts)
-    roles = Roles(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"))
+    ref = groups["actor"] if reference_is_actor(cfg) else groups.get("ref")
+    roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"))
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
                      rollouts=rollouts, reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),

@@ -17,6 +17,10 @@ for (chosen by the controller so the ranks of a TP group agree) at that
 trajectory boundary. With ``partial`` (TP 1) the engine also loads each newer version
 the relay receives between two decode steps, inside the trajectory, and records the version per token.
 
+A LoRA actor (``lora``) on ranks of its own sends its adapter factors only; an `AdapterMerger` in front of
+the engine (and of the relay) merges them into the frozen base. Colocated, the merged weights stream in
+from the actor's model (`hybrid.generation_mode`).
+
 Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
 produced it.
 """
@@ -32,9 +36,11 @@ from torchrlhf import hybrid
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
+from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
+from torchrlhf.models.lora import LoRAConfig
 from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
@@ -52,6 +58,8 @@ class RolloutWorker(Worker):
         tp_size: tensor-parallel size of each engine (ranks of one TP group generate together).
         dtype: the engine's weights and KV cache (the actor's ``dtype``).
         actor_group: name of the colocated actor's group (hybrid engine); None when on its own ranks.
+        lora: the actor's ``lora`` section: on ranks of its own, the weight syncs carry adapter factors,
+            merged here into the base (``model_path``).
     """
 
     def __init__(
@@ -62,8 +70,10 @@ class RolloutWorker(Worker):
         tp_size: int = 1,
         dtype: str = "float32",
         actor_group: str | None = None,
+        lora: LoRAConfig | dict | None = None,
     ) -> None:
         super().__init__()
+        self.lora = LoRAConfig.of(lora)
         if tp_size < 1 or self.group_size % tp_size:
             raise ValueError(f"rollout.tp_size={tp_size} must be positive and divide the rollout group's "
                              f"{self.group_size} ranks")
@@ -77,6 +87,7 @@ class RolloutWorker(Worker):
         self.engine = None
         self.weight_version = 0
         self.relay: WeightRelay | None = None  # asynchronous training only
+        self.weights_in: Any = None  # what receives synced weights: the engine, or its AdapterMerger
         if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
             self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
             self._is_dp_leader = self.group_rank % tp_size == 0
@@ -85,6 +96,8 @@ class RolloutWorker(Worker):
             self.tp_mesh = None
         if actor_group is None:
             self.engine = self._build_engine()
+            self.weights_in = self.engine if self.lora is None else \
+                AdapterMerger(self.engine, model_path, self.lora.scaling)
 
     @property
     def actor(self):
@@ -151,12 +164,12 @@ class RolloutWorker(Worker):
         if self.actor_group is not None:
             raise RuntimeError("a colocated rollout gets its weights from the actor at each generate")
         if relay_capacity <= 0:
-            stats = receive_weights(self.engine, process_group(sync_key), src, manifest, self.dtype, bucket_bytes,
-                                    device=self.device)
+            stats = receive_weights(self.weights_in, process_group(sync_key), src, manifest, self.dtype,
+                                    bucket_bytes, device=self.device)
             self.weight_version = version
             return stats.as_dict()
         if self.relay is None:
-            self.relay = WeightRelay(self.engine, capacity=relay_capacity)
+            self.relay = WeightRelay(self.weights_in, capacity=relay_capacity)
         inbox = self.relay.inbox()
         stats = receive_weights(inbox, process_group(sync_key), src, manifest, self.dtype, bucket_bytes)
         self.relay.publish(version, inbox)
@@ -171,13 +184,13 @@ class RolloutWorker(Worker):
             return
         if self.relay is None:
             raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
-        self.weight_version = self.relay.load(self.engine, want)
+        self.weight_version = self.relay.load(self.weights_in, want)
 
     def _load_newest(self) -> int:
         """Partial rollouts, between two decode steps: load the relay's newest version if it is newer."""
         newest = self.relay.newest() if self.relay is not None else None
         if newest is not None and newest > self.weight_version:
-            self.weight_version = self.relay.load(self.engine, newest)
+            self.weight_version = self.relay.load(self.weights_in, newest)
         return self.weight_version
 
     def close(self) -> None:
