@@ -166,6 +166,7 @@ class IsolatedPool:
             now = time.monotonic()
             expired = [f for f, (_, deadline) in inflight.items() if deadline <= now]
             if expired or broken:
+                self.restarts += 1
                 for fut in expired:
                     job, _ = inflight.pop(fut)
                     _resolve(job.future, CallTimeout(f"call ran past its time limit of {job.timeout_s}s"), None)
@@ -174,7 +175,6 @@ class IsolatedPool:
                     self._queue.extendleft(job for job, _ in reversed(list(inflight.values())))
                 inflight.clear()
                 self._kill_pool()
-                self.restarts += 1
         self._kill_pool()
         with self._lock:
             self._thread = None
