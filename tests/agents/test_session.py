@@ -204,7 +204,7 @@ def test_max_turns_budgets_and_length(smollm2_tok):
     s = build_agent({"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"}, "isolate": False},
                     tok, max_tokens=200, max_trajectory_tokens=cap).session({"prompt": QUESTION})
     assert s.turn_budget() == len(call) + 5
-    with pytest.raises(ValueError, match="exceed the turn budget"):
+    with pytest.raises(ValueError, match="a turn has 1 to turn_budget"):
         s.end_turn(list(range(len(call) + 6)), "stop")
     assert s.end_turn(call, "stop").result().done
     assert s.result().finish_reason == "budget" and s.result().response_tokens == call

@@ -9,8 +9,8 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)
         format: hermes             # hermes: <tool_call>{"name":..,"arguments":{..}}</tool_call>; tags: <calc>..</calc>
         tags: {calc: calculator}   # format tags: tag -> tool (its one string argument is the tag's text)
         env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}
-        max_turns: 4               # model turns (verl: max_assistant_turns)
-        max_tool_response_tokens: 256   # longer observations are cut and marked
+        max_turns: 4               # model turns (verl: multi_turn.max_assistant_turns)
+        max_tool_response_tokens: 256   # longer observations are cut and marked (verl: max_tool_response_length)
         max_parallel_calls: 4      # tool calls run per turn; more become error observations
         timeout_s: 10              # per tool call, in a worker process
         num_workers: 1             # tool worker processes
@@ -22,15 +22,20 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)
         observation_prefix: ""     # before a user-role observation's content
 
 The whole trajectory (prompt + model turns + observations) is capped by ``max_trajectory_tokens``,
-which the trainer derives from ``max_seq_len``. How this differs from verl's ``ToolAgentLoop`` and
-TRL's ``environment_factory``: trajectories are token-exact (observations are the chat template's
-delta, the model's tokens are never re-tokenized), engines keep a trajectory's KV cache between
-turns, and the same `AgentSession` serves every engine and schedule.
+which the trainer derives from ``max_seq_len``. A model turn with tool calls gets their results; a
+turn without one ends the trajectory (its text is the final answer the reward function grades,
+`Trajectory.final_text`), unless an env is configured: then it is the env's action (as verl's
+``interaction``), and the env says when the episode is done. As with TRL's ``environment_factory``,
+the env is built per trajectory and ``reset`` sees the data row. How this differs from verl's
+``ToolAgentLoop``: trajectories are token-exact (observations are the chat template's delta; the
+model's tokens are never re-tokenized), engines keep a trajectory's KV cache between turns, and the
+same `AgentSession` serves every engine and schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +47,8 @@ from torchrlhf.agents.session import AgentSession
 from torchrlhf.agents.tools import ToolExecutor, load_tools
 from torchrlhf.config import ConfigError
 from torchrlhf.config._errors import close_matches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,9 @@ class Agent:
             observation_role=spec.observation_role, observation_prefix=spec.observation_prefix,
             max_observation_tokens=spec.max_tool_response_tokens)
         self.executor = ToolExecutor(spec.num_workers, spec.timeout_s, isolate=spec.isolate)
+        if self.tools and spec.format == "hermes" and not self.renderer.template_uses_tools:
+            log.warning("rollout.agent: the chat template ignores tools=, so the model is not shown the tools' "
+                        "schemas; describe them (and the <tool_call> format) in the prompt")
 
     def session(self, row: Mapping[str, Any], prompt_messages: Sequence[Mapping[str, Any]] | None = None) -> AgentSession:
         """A new trajectory for a data row (its ``prompt`` messages, unless ``prompt_messages`` are given)."""

@@ -13,6 +13,8 @@ Engines only schedule tokens; the agent logic lives here, once. For each traject
         tokens += turn + result.observation_tokens # prefill only these (the KV cache holds the rest)
     trajectory = session.result()
 
+Between turns the engine keeps the trajectory's KV cache: the observation tokens are the only new
+input (no re-prefill). Every `TurnResult` with observation tokens leaves ``turn_budget() >= 1``.
 Threading: a session is driven by one engine thread. ``end_turn`` returns at once; tool calls run
 in `IsolatedPool` worker processes and the future is completed from the pool's dispatcher thread
 (the session's state is guarded by a lock). Environment steps run in-process in ``end_turn``
@@ -26,13 +28,16 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrlhf.agents.env import Environment, check_step
 from torchrlhf.agents.parsing import CallError, ToolCall, ToolCallParser
 from torchrlhf.agents.render import ChatRenderer, TokenCheck
 from torchrlhf.agents.tools import Tool, ToolExecutor
 from torchrlhf.utils.isolated import CallTimeout
+
+if TYPE_CHECKING:
+    from torchrlhf.agents.agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +89,7 @@ class AgentSession:
 
     def __init__(
         self,
-        agent: Any,
+        agent: Agent,
         row: Mapping[str, Any],
         prompt_messages: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
@@ -146,9 +151,11 @@ class AgentSession:
         with self._lock:
             if self.done or self._pending is not None:
                 raise RuntimeError("end_turn: the trajectory is done or its last turn is still pending")
+            if finish_reason not in ("stop", "length"):
+                raise ValueError(f"end_turn: finish_reason must be 'stop' or 'length', got {finish_reason!r}")
             tokens = [int(t) for t in tokens]
-            if len(tokens) > self._budget():
-                raise ValueError(f"end_turn: {len(tokens)} tokens exceed the turn budget {self._budget()}")
+            if not tokens or len(tokens) > self._budget():
+                raise ValueError(f"end_turn: a turn has 1 to turn_budget()={self._budget()} tokens, got {len(tokens)}")
             traj = self.trajectory
             start = len(traj.response_tokens)
             traj.response_tokens.extend(tokens)
