@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchrlhf.config import load_callable
-from torchrlhf.rewards import arithmetic, countdown, gsm8k, math_answer
+from torchrlhf.rewards import arithmetic, calculator, countdown, gsm8k, math_answer
 
 RewardFn = Callable[..., float]
 
@@ -28,11 +28,13 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "HuggingFaceH4/MATH-500": math_answer.compute_score,
     "countdown": countdown.compute_score,
     "arithmetic": arithmetic.compute_score,
+    "calculator": calculator.compute_score,
 }
 
 # Built-ins whose cost is bounded (regex / AST walk over the response): safe to run in-process
 # without a time limit. Everything else (sympy-based math, user code) runs in worker processes.
-IN_PROCESS_SAFE: frozenset[RewardFn] = frozenset({gsm8k.compute_score, countdown.compute_score, arithmetic.compute_score})
+IN_PROCESS_SAFE: frozenset[RewardFn] = frozenset(
+    {gsm8k.compute_score, countdown.compute_score, arithmetic.compute_score, calculator.compute_score})
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
