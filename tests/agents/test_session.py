@@ -181,6 +181,28 @@ def test_bad_config_fails_before_anything_runs(user_tools):
         AgentSpec.from_config({"env": {"_component_": "agent_user_tools.Counter", "stop": 3}, "reward": "env"})
 
 
+def test_config_from_yaml(smollm2_tok, user_tools):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create("tools: [calculator]\nformat: tags\ntags: {calc: calculator}\ncheck_tokens: off\n"
+                           "env: {_component_: agent_user_tools.Counter, start: 2}\nreward: sum\nmax_turns: 3\n")
+    spec = AgentSpec.from_config(cfg)
+    assert spec.check_tokens == "off" and spec.tools == ("calculator",) and spec.env["start"] == 2
+    agent = build_agent(cfg, smollm2_tok, max_tokens=64)
+    s = agent.session({"prompt": QUESTION})
+    r = s.end_turn(turn(smollm2_tok, "<calc>6 * 7</calc>"), "stop").result()  # a tool turn: the env is not stepped
+    assert "42" in smollm2_tok.decode(r.observation_tokens) and s.env.n == 0
+    r = s.end_turn(turn(smollm2_tok, "The answer is 42."), "stop").result()  # no call: the env's action
+    assert s.env.n == 1 and r.reward == 0.5 and not r.done
+
+
+def test_env_reset_failure_without_a_prompt_still_ends_cleanly(smollm2_tok, user_tools):
+    agent = build_agent({"env": {"_component_": "agent_user_tools.BadReset"}, "reward": "env"}, smollm2_tok,
+                        max_tokens=8)
+    s = agent.session({"ground_truth": "1"})
+    assert s.turn_budget() == 0 and s.result().error and s.result().metrics["env_errors"] == 1
+
+
 def test_max_turns_budgets_and_length(smollm2_tok):
     tok = smollm2_tok
     call = turn(tok, "<calc>1 + 1</calc>")

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from torchrlhf.agents.env import load_env_factory
 from torchrlhf.agents.parsing import ToolCallParser
 from torchrlhf.agents.render import ChatRenderer
@@ -93,6 +95,8 @@ class AgentSpec:
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AgentSpec:
         """Validate a ``rollout.agent`` mapping, loading its tools and env class so a bad name fails now."""
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
         known = {f.name for f in dataclasses.fields(cls)}
         for key in cfg:
             if key not in known:

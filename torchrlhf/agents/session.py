@@ -118,7 +118,9 @@ class AgentSession:
             except Exception as e:  # noqa: BLE001 - a bad environment is counted, never stops the run
                 reset_error = e
         if not messages:
-            raise ValueError("AgentSession: the row has no prompt and the environment gave no first observation")
+            if reset_error is None:
+                raise ValueError("AgentSession: the row has no prompt and the environment gave no first observation")
+            messages = [{"role": "user", "content": ""}]  # the trajectory ends before any turn; it needs a prompt
         self.messages: list[Message] = messages
         self.prompt_tokens: list[int] = self._renderer.prompt_tokens(messages)
         self.trajectory = Trajectory(prompt_tokens=list(self.prompt_tokens))
