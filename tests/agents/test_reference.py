@@ -37,7 +37,7 @@ def test_reference_driver_turns_equal_a_fresh_full_prefill(tiny_lm, smollm2_tok,
                                               {"role": "user", "content": "Count to three."}]}]
     sessions = [agent.session(row) for row in rows]
     trajectories = run_sessions_reference(tiny_lm, tok, sessions, stop_token_ids=stops)
-    for session, traj in zip(sessions, trajectories):
+    for traj in trajectories:
         assert traj.metrics["num_turns"] >= 2
         response = traj.response_tokens
         for k, (start, end) in enumerate(traj.turn_spans):

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchrlhf.agents.env import Environment, check_step
-from torchrlhf.agents.parsing import CallError, ToolCall, ToolCallParser
+from torchrlhf.agents.parsing import CallError, ToolCall
 from torchrlhf.agents.render import ChatRenderer, TokenCheck
-from torchrlhf.agents.tools import Tool, ToolExecutor
 from torchrlhf.utils.isolated import CallTimeout
 
 if TYPE_CHECKING:
@@ -94,7 +93,6 @@ class AgentSession:
         prompt_messages: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         self._agent = agent
-        spec = agent.spec
         self._renderer: ChatRenderer = agent.renderer
         self._lock = threading.RLock()  # re-entered when a tool future is already done
         self._pending: Future | None = None
