@@ -213,7 +213,7 @@ def test_max_turns_budgets_and_length(smollm2_tok):
     assert s.result().finish_reason == "max_turns" and s.result().metrics["tool_calls"] == 1
     assert s.result().response_tokens == call + r.observation_tokens + call
 
-    s = calc_agent(tok, max_tokens=len(call) + 3).session({"prompt": QUESTION})
+    s = calc_agent(tok).session({"prompt": QUESTION, "max_tokens": len(call) + 3})  # the row's own budget
     s.end_turn(call, "stop").result()
     assert s.turn_budget() == 3  # model tokens count over all turns; observation tokens do not
     s.end_turn([5, 6, 7], "length").result()

@@ -123,6 +123,8 @@ class AgentSession:
         self.prompt_tokens: list[int] = self._renderer.prompt_tokens(messages)
         self.trajectory = Trajectory(prompt_tokens=list(self.prompt_tokens))
         self._model_tokens = 0
+        # A row may carry its own, smaller response budget (as single-turn prompts may).
+        self._max_tokens = min(agent.max_tokens, int(row.get("max_tokens") or agent.max_tokens))
         if reset_error is not None:
             self._counts["env_errors"] += 1
             _log_failure("environment reset", reset_error)
@@ -224,7 +226,7 @@ class AgentSession:
 
     # ------------------------------------------------------------------ internals
     def _budget(self) -> int:
-        left = self._agent.max_tokens - self._model_tokens
+        left = self._max_tokens - self._model_tokens
         if self._agent.max_trajectory_tokens is not None:
             left = min(left, self._agent.max_trajectory_tokens - len(self.prompt_tokens)
                        - len(self.trajectory.response_tokens))
@@ -287,7 +289,7 @@ class AgentSession:
         messages, truncated = renderer.observation_messages(results)
         delta = renderer.delta_tokens(self._last_turn, messages)
         traj = self.trajectory
-        room = self._agent.max_tokens - self._model_tokens
+        room = self._max_tokens - self._model_tokens
         if self._agent.max_trajectory_tokens is not None:
             room = min(room, self._agent.max_trajectory_tokens - len(self.prompt_tokens)
                        - len(traj.response_tokens) - len(delta))
