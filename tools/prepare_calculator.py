@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 
 DEMO_QUESTION, DEMO_EXPRESSION, DEMO_ANSWER = "What is 231 * 47?", "231 * 47", 10857
 
 
-def make_problem(a: int, b: int, c: int, *, tool: bool = True) -> dict:
+def make_problem(factors: tuple[int, ...], *, tool: bool = True) -> dict:
     if tool:
         demo = [{"role": "user", "content": DEMO_QUESTION},
                 {"role": "assistant", "content": f"<calc>{DEMO_EXPRESSION}</calc>"},
@@ -36,18 +37,18 @@ def make_problem(a: int, b: int, c: int, *, tool: bool = True) -> dict:
         demo = [{"role": "user", "content": DEMO_QUESTION},
                 {"role": "assistant", "content": f"The answer is {DEMO_ANSWER}."}]
     return {
-        "prompt": [*demo, {"role": "user", "content": f"What is {a} * {b} * {c}?"}],
-        "ground_truth": str(a * b * c),
+        "prompt": [*demo, {"role": "user", "content": f"What is {' * '.join(map(str, factors))}?"}],
+        "ground_truth": str(math.prod(factors)),
         "data_source": "calculator",
     }
 
 
-def sample_problems(n: int, seed: int) -> list[tuple[int, int, int]]:
-    """``n`` distinct (a, b, c): a in [100, 999], b and c in [10, 99]."""
+def sample_problems(n: int, seed: int, num_factors: int = 3) -> list[tuple[int, ...]]:
+    """``n`` distinct factor tuples: a three-digit number, then two-digit ones."""
     rng = random.Random(seed)
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, ...]] = set()
     while len(seen) < n:
-        seen.add((rng.randint(100, 999), rng.randint(10, 99), rng.randint(10, 99)))
+        seen.add((rng.randint(100, 999), *(rng.randint(10, 99) for _ in range(num_factors - 1))))
     problems = sorted(seen)
     rng.shuffle(problems)
     return problems
@@ -59,11 +60,12 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=1024)
     parser.add_argument("--test", type=int, default=128, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--factors", type=int, default=3, help="numbers multiplied per question")
     parser.add_argument("--no-tool", action="store_true", help="also write the no-tool baseline prompts")
     args = parser.parse_args()
-    if args.train < 1 or args.test < 1:
-        raise SystemExit("--train and --test must be >= 1")
-    problems = sample_problems(args.train + args.test, args.seed)
+    if args.train < 1 or args.test < 1 or args.factors < 2:
+        raise SystemExit("--train and --test must be >= 1, --factors >= 2")
+    problems = sample_problems(args.train + args.test, args.seed, args.factors)
     splits = {"test": problems[: args.test], "train": problems[args.test :]}
     os.makedirs(args.out, exist_ok=True)
     variants = [("calculator", True)] + ([("calculator_notool", False)] if args.no_tool else [])
@@ -71,8 +73,8 @@ def main() -> None:
         for split, rows in splits.items():
             path = os.path.join(args.out, f"{prefix}_{split}.jsonl")
             with open(path, "w") as f:
-                for a, b, c in rows:
-                    f.write(json.dumps(make_problem(a, b, c, tool=tool)) + "\n")
+                for factors in rows:
+                    f.write(json.dumps(make_problem(factors, tool=tool)) + "\n")
             print(f"wrote {len(rows)} problems to {path}")
 
 
