@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.data.batch import Batch
 from torchrlhf.rewards.registry import IN_PROCESS_SAFE, RewardFn, get_reward_fn, load_reward_fn
 from torchrlhf.utils.isolated import CallTimeout, IsolatedPool, WorkerStartupError
@@ -91,10 +92,7 @@ class RewardManager:
         scores, metrics = self.score(
             texts, batch.get("ground_truth", [None] * n), batch.get("data_source", ["unknown"] * n)
         )
-        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        last = (mask.sum(-1) - 1).clamp(min=0).cpu()
-        token_scores[torch.arange(n), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_scores.to(responses.device), metrics
+        return at_last_token(torch.tensor(scores, dtype=torch.float32), mask).to(responses.device), metrics
 
     def score(
         self, solutions: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str]

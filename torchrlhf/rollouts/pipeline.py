@@ -13,20 +13,13 @@ from typing import Any
 import torch
 
 from torchrlhf import algorithms
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.data import Batch
 from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.utils.timer import timer
 
 # (prompts, sampling) -> generation: where a unit generates (every replica, or one)
 Generate = Callable[[Batch, SamplingParams], Batch]
-
-
-def at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place a per-sequence value at the last valid response token of a [B, R] tensor."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
-    out[torch.arange(len(out)), last] = values.float()
-    return out
 
 
 class Scorer:

@@ -17,7 +17,7 @@ import torch
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
-from torchrlhf.rollouts.pipeline import at_last_token
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from torchrlhf.trainer.metrics import (
