@@ -69,13 +69,15 @@ class AgentSpec:
     on_error: str = "observe"
     on_error_score: float = 0.0
     reward: str = "reward_fn"
-    check_tokens: str = "off"
+    check_tokens: str | bool = "off"  # YAML reads a bare `off` as False
     observation_role: str = "auto"
     observation_prefix: str = ""
     isolate: bool = True  # False: tools run in the calling thread, no time limit (tests, notebooks)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
+        if isinstance(self.check_tokens, bool):
+            object.__setattr__(self, "check_tokens", "metric" if self.check_tokens else "off")
         checks = [
             (self.tools or self.env, "needs tools or an env"),
             (self.format in ("hermes", "tags"), f"format must be 'hermes' or 'tags', got {self.format!r}"),
@@ -101,10 +103,7 @@ class AgentSpec:
         for key in cfg:
             if key not in known:
                 raise ConfigError(f"rollout.agent: unknown key {key!r}{close_matches(str(key), known)}")
-        values = dict(cfg)
-        if isinstance(values.get("check_tokens"), bool):  # YAML reads a bare `off` as False
-            values["check_tokens"] = "off" if not values["check_tokens"] else "metric"
-        spec = cls(**values)
+        spec = cls(**dict(cfg))
         spec.load()
         return spec
 

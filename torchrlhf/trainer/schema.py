@@ -312,6 +312,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
+    errors += _agent_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -371,6 +372,22 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
                 "group returns; the reward/cost model shares ranks with a role that trains meanwhile (two "
                 "threads' collectives would interleave on one process group): place reward_model / cost_model "
                 "on ranks of their own or on the rollout ranks (placement.reward_model)")
+    return errors
+
+
+def _agent_errors(cfg: RecipeConfig) -> list[str]:
+    """What an agent rollout needs: tools and an environment that load, one rank per engine."""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return []
+    errors = []
+    try:
+        agent.load()
+    except ConfigError as e:
+        errors.append(str(e))
+    if cfg.rollout.tp_size != 1:
+        errors.append(f"rollout.agent runs with rollout.tp_size=1 (got {cfg.rollout.tp_size}): every rank of a "
+                      "tensor-parallel engine would run each tool call and environment step itself")
     return errors
 
 
