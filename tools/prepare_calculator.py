@@ -9,8 +9,8 @@ into a marked final answer.
 
 Measured on the first 8 test prompts x 8 samples, T = 0.7, HF generate, through `AgentSession`
 (``tools/bench/probe_agent.py``), two seeds: 44/128 right with the tool (34 %; failures: 48 no
-call, 20 wrong expression, 16 right result not copied). Three factors: 54/128 (42 %) with the
-tool, 0/64 without it (the no-tool prompts, max 128 tokens).
+call, 20 wrong expression, 16 right result not copied); 0/64 without it (the no-tool prompts,
+max 64 tokens). Three factors: 54/128 (42 %) with the tool, 0/64 without.
 
 Each line: chat ``prompt`` messages, ``ground_truth`` (the product) and ``data_source``
 "calculator" (reward: `torchrlhf.rewards.calculator`, the marked final answer). The test problems
