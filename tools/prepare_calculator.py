@@ -1,19 +1,23 @@
-"""Write the calculator-agent prompt sets: "What is a * b * c?" (a three-digit, b and c two-digit).
+"""Write the calculator-agent prompt sets: "What is a * b * c * d?" (a three-digit, the rest two-digit).
 
-SmolLM2-135M cannot multiply three numbers in its head, and is told about the calculator only by
+SmolLM2-135M cannot multiply four numbers in its head, and is told about the calculator only by
 one demonstration exchange at the start of the conversation (user question -> assistant
 ``<calc>231 * 47</calc>`` -> user turn with the result -> assistant "The answer is 10857."). The
-demonstration multiplies two numbers; the questions multiply three, so a policy has to learn to
-call the tool (instead of guessing), to put all three factors in the expression, and to copy the
-result into a marked final answer. Measured with HF generate (T = 0.7, 8 prompts x 8 samples):
-about a third answer right with the tool, none without it (see the agents README section).
+demonstration multiplies two numbers, the questions four, so a policy has to learn to call the
+tool instead of guessing, to put every factor in the expression, and to copy the 7-9 digit result
+into a marked final answer.
+
+Measured on the first 8 test prompts x 8 samples, T = 0.7, HF generate, through `AgentSession`
+(``tools/bench/probe_agent.py``), two seeds: 44/128 right with the tool (34 %; failures: 48 no
+call, 20 wrong expression, 16 right result not copied); 0/64 without it (the no-tool prompts,
+max 64 tokens). Three factors: 54/128 (42 %) with the tool, 0/64 without.
 
 Each line: chat ``prompt`` messages, ``ground_truth`` (the product) and ``data_source``
 "calculator" (reward: `torchrlhf.rewards.calculator`, the marked final answer). The test problems
-never appear in the train file. ``--no-tool`` writes the baseline prompts for the same problems:
-the demonstration answers directly, without a tool call.
+never appear in the train file. ``--no-tool`` also writes the baseline prompts for the same
+problems: the demonstration answers directly, without a tool call.
 
-    python tools/prepare_calculator.py --out recipes/data
+    python tools/prepare_calculator.py --out recipes/data --no-tool
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=1024)
     parser.add_argument("--test", type=int, default=128, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--factors", type=int, default=3, help="numbers multiplied per question")
+    parser.add_argument("--factors", type=int, default=4, help="numbers multiplied per question")
     parser.add_argument("--no-tool", action="store_true", help="also write the no-tool baseline prompts")
     args = parser.parse_args()
     if args.train < 1 or args.test < 1 or args.factors < 2:

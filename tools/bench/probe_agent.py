@@ -8,7 +8,7 @@ wrong or unmarked final answer (not copied). ``--no-tools`` samples one plain tu
 (the no-tool baseline). Prints one JSON line with the counts, then a few trajectories.
 
     python tools/bench/probe_agent.py --data recipes/data/calculator_test.jsonl
-    python tools/bench/probe_agent.py --data recipes/data/calculator_notool_test.jsonl --no-tools
+    python tools/bench/probe_agent.py --data recipes/data/calculator_notool_test.jsonl --no-tools --max-tokens 64
 """
 
 from __future__ import annotations

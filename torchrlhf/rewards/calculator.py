@@ -1,6 +1,6 @@
-"""The calculator-agent task ("What is 472 * 96 * 97?", answered with a calculator tool).
+"""The calculator-agent task ("What is 268 * 39 * 13 * 77?", answered with a calculator tool).
 
-The answer must be *marked* — "The answer is 4395264." as the prompt's demonstration shows (or
+The answer must be *marked* — "The answer is 10462452." as the prompt's demonstration shows (or
 ``#### N`` / ``\\boxed{N}``) — and the last marked answer must equal the reference. Marking is
 required because the tool's own output is in the conversation: with the flexible "last number"
 rule, a trajectory that called the tool and never stated an answer would be scored by the tool's
