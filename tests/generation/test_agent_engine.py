@@ -126,3 +126,37 @@ def test_rollout_log_probs_of_model_tokens_match_a_full_forward(tiny_dir, env_mo
     torch.testing.assert_close(out["rollout_log_probs"][model], want[model], atol=1e-4, rtol=1e-4)
     assert (out["rollout_log_probs"][~model] == 0).all()
     assert (~model & out["attention_mask"][:, -r:].bool()).any()  # there are observation tokens
+
+
+def test_vllm_engine_turns_equal_a_full_reprefill(tmp_path, env_module):
+    """vLLM runs the same sessions in rounds (whole sequences, its prefix cache reusing earlier turns):
+    token for token what the reference gives, observations included."""
+    from torchrlhf.generation import VLLMEngine, vllm_available
+
+    available, why = vllm_available()
+    if not available:
+        pytest.skip(f"vLLM is not importable here ({why})")
+    # vLLM's CPU attention needs head_dim >= 32: 4 heads of 32
+    model_dir = str(save_tiny_model(tmp_path / "wide", tokenizer_from="smollm2", initializer_range=1.0,
+                                    hidden_size=128, intermediate_size=192, head_dim=32))
+    tok = load_tokenizer(model_dir)
+    stops = [IM_END] + list(range(0, tok.vocab_size, 7))
+    spec = {"env": {"_component_": f"{env_module}.Counter"}, "reward": "env", "max_turns": 4}
+    agent = build_agent(spec, tok, max_tokens=30, max_trajectory_tokens=256)
+    rows = _rows(2)
+    sessions = [agent.session(row) for row in rows for _ in range(2)]
+    engine = VLLMEngine(model_dir, max_batch_size=8, max_seq_len=256)
+    try:
+        out = engine.generate(_prompt_batch(rows), SamplingParams(n=2, temperature=0.0, max_tokens=30,
+                                                                  stop_token_ids=stops), sessions=sessions)
+    finally:
+        engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = run_sessions_reference(hf, tok, [agent.session(row) for row in rows for _ in range(2)],
+                                       stop_token_ids=stops)
+    for i, (session, want) in enumerate(zip(sessions, reference)):
+        got = session.result()
+        assert got.response_tokens == want.response_tokens and got.loss_mask == want.loss_mask, i
+        r = len(got.response_tokens)
+        assert out["response_mask"][i, :r].tolist() == got.loss_mask
+    assert max(t.metrics["num_turns"] for t in reference) >= 2
