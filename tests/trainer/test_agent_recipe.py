@@ -38,10 +38,11 @@ def _check(metrics: list[dict], k: int = 0) -> None:
     assert "val/arithmetic/acc" in metrics[-1]  # validation runs the agent too
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_agent_sync_colocated(tiny_model_dir, tmp_path, shared_prefix):
-    metrics = _run(tmp_path, tiny_model_dir, f"colocated_{shared_prefix}", 1, *EXACT,
-                   f"actor.shared_prefix={str(shared_prefix).lower()}")
+@pytest.mark.parametrize("shared_prefix,nproc", [(True, 2), (False, 1)])
+def test_agent_sync_colocated(tiny_model_dir, tmp_path, shared_prefix, nproc):
+    """On 2 ranks each rank's trajectories come back as wide as its longest: the generate collect pads them."""
+    metrics = _run(tmp_path, tiny_model_dir, f"colocated_{shared_prefix}", nproc, *EXACT,
+                   f"actor.shared_prefix={str(shared_prefix).lower()}", "actor.batching.ppo_micro_batch_size_per_device=8")
     _check(metrics)
     assert all("training/rollout_probs_diff_max" in m for m in metrics)
 

@@ -65,6 +65,69 @@ class RolloutEngine(Protocol):
         """Re-allocate what `release` freed: ``"weights"`` (then refilled by `update_weights`), ``"kv_cache"``."""
 
 
+PROMPT_COLUMNS = ("prompts", "input_ids", "attention_mask", "position_ids")  # left-padded prompt width
+
+
+def _prompt_width(batch: Batch) -> int:
+    """Left-padded prompt width: the "prompts" column of a generation, or "input_ids" of a prompt batch."""
+    return batch["prompts" if "prompts" in batch else "input_ids"].shape[1]
+
+
+def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
+    """``gen`` (a generation or a prompt batch) with its prompt part left-padded to ``width`` tokens, so
+    batches of other widths concatenate."""
+    extra = width - _prompt_width(gen)
+    if extra < 0:
+        raise ValueError(f"cannot pad prompts of width {_prompt_width(gen)} to {width}")
+    if extra == 0:
+        return gen
+    out = gen.copy()
+    out.tensors = dict(gen.tensors)
+    for key in PROMPT_COLUMNS:
+        if key in gen:
+            t = gen[key]
+            fill = pad_id if key in ("prompts", "input_ids") else 0
+            out.tensors[key] = torch.cat([t.new_full((len(t), extra), fill), t], dim=1)
+    return out
+
+
+RESPONSE_COLUMNS = ("responses", "response_mask", "rollout_log_probs", "token_weight_versions")  # [B, R]
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
+
+
+def right_pad_responses(gen: Batch, width: int, pad_id: int) -> Batch:
+    """A generation with its response part right-padded to ``width`` tokens (agent trajectories of one call
+    are as wide as its longest), so generations of other calls concatenate."""
+    extra = width - gen["responses"].shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad responses of width {gen['responses'].shape[1]} to {width}")
+    if extra == 0:
+        return gen
+    out = gen.copy()
+    out.tensors = dict(gen.tensors)
+    for key in (*RESPONSE_COLUMNS, *SEQUENCE_COLUMNS):
+        if key in gen:
+            t = gen[key]
+            fill = pad_id if key in ("responses", "input_ids") else 0
+            out.tensors[key] = torch.cat([t, t.new_full((len(t), extra), fill)], dim=1)
+    return out
+
+
+def concat_generations(parts: list[Batch], pad_id: int = 0) -> Batch:
+    """Generations (or prompt batches) of different prompt (and response) widths as one Batch.
+
+    The padding is masked everywhere it matters (``attention_mask``, ``response_mask``), so ``pad_id`` only
+    decides which token id fills it: the collect of a data-parallel generate, which has no tokenizer at
+    hand, uses the default."""
+    width = max(_prompt_width(p) for p in parts)
+    parts = [left_pad_prompts(p, width, pad_id) for p in parts]
+    if all("responses" in p for p in parts):
+        response_width = max(p["responses"].shape[1] for p in parts)
+        parts = [right_pad_responses(p, response_width, pad_id) for p in parts]
+    return Batch.concat(parts)
+
+
+
 def check_resume_tags(tags: Sequence[str]) -> tuple[str, ...]:
     tags = (tags,) if isinstance(tags, str) else tuple(tags)
     bad = [t for t in tags if t not in RESUME_TAGS]

@@ -32,6 +32,7 @@ from torchrlhf import hybrid
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
+from torchrlhf.generation.base import concat_generations
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
@@ -129,7 +130,7 @@ class RolloutWorker(Worker):
         return [self.agent.session(row) for row in rows for _ in range(n)]
 
     # ------------------------------------------------------------------ generation
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
     def generate(self, prompts: Batch, sampling: SamplingParams, *, version: int | None = None,
                  partial: bool = False) -> Batch:
         """``sampling.n`` responses per prompt with weight ``version`` (default: the weights at hand).
