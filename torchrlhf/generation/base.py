@@ -91,25 +91,26 @@ def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
     return out
 
 
-RESPONSE_COLUMNS = ("responses", "response_mask", "rollout_log_probs", "token_weight_versions")  # [B, R]
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
 
 
 def right_pad_responses(gen: Batch, width: int, pad_id: int) -> Batch:
     """A generation with its response part right-padded to ``width`` tokens (agent trajectories of one call
-    are as wide as its longest), so generations of other calls concatenate."""
-    extra = width - gen["responses"].shape[1]
+    are as wide as its longest), so generations of other calls concatenate: every per-response-token column
+    (``responses``, ``response_mask``, ``rollout_log_probs``, ``token_level_scores``, ...: width R) and the
+    response end of the ``[B, P + R]`` columns."""
+    r = gen["responses"].shape[1]
+    extra = width - r
     if extra < 0:
-        raise ValueError(f"cannot pad responses of width {gen['responses'].shape[1]} to {width}")
+        raise ValueError(f"cannot pad responses of width {r} to {width}")
     if extra == 0:
         return gen
     out = gen.copy()
     out.tensors = dict(gen.tensors)
-    for key in (*RESPONSE_COLUMNS, *SEQUENCE_COLUMNS):
-        if key in gen:
-            t = gen[key]
+    for key, t in gen.tensors.items():
+        if key in SEQUENCE_COLUMNS or (key != "prompts" and t.dim() >= 2 and t.shape[1] == r):
             fill = pad_id if key in ("responses", "input_ids") else 0
-            out.tensors[key] = torch.cat([t, t.new_full((len(t), extra), fill)], dim=1)
+            out.tensors[key] = torch.cat([t, t.new_full((len(t), extra, *t.shape[2:]), fill)], dim=1)
     return out
 
 
