@@ -52,3 +52,15 @@ def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir
     bad = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run", "--world-size", "4",
                           "actor.optim.lrr=1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "actor.optim.lrr: unknown key (did you mean 'lr'?)" in bad.stderr
+
+
+def test_dry_run_explains_an_agents_budgets(tiny_model_dir, tmp_path):
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
+                            rollout={"max_tokens": 40, "engine": {"max_seq_len": 160},
+                                     "agent": {"tools": ["calculator"], "format": "tags",
+                                               "tags": {"calc": "calculator"}, "max_turns": 3}})
+    ok = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ("agent: tools ['calculator']; ≤ 3 model turns, ≤ 40 model tokens over all turns, observations ≤ 256 "
+            "tokens each, whole trajectory ≤ 160 tokens (rollout.engine.max_seq_len); reward: reward_fn") in ok.stdout

@@ -187,8 +187,10 @@ def generate_with_current_weights(
     optimizer: torch.optim.Optimizer | None = None,
     offload: bool = True,
     dtype: torch.dtype | None = None,
+    **generate_kwargs: Any,
 ) -> Batch:
-    """``engine.generate(prompts, sampling)`` with the training model's current weights: the actor's rollout.
+    """``engine.generate(prompts, sampling, **generate_kwargs)`` with the training model's current weights: the
+    actor's rollout.
 
     For ``RolloutWorker.generate`` colocated with the actor: one controller call per rollout, every rank of
     the actor group runs it (the transition is collective), each with its own DP_COMPUTE shard of prompts.
@@ -201,7 +203,7 @@ def generate_with_current_weights(
     with generation_mode(model, engine, optimizer=optimizer, offload=offload, dtype=dtype) as stats:
         mesh = resolve_generation_mesh(model, engine)
         if mesh is None or mesh.size(1) == 1:
-            out = engine.generate(prompts, sampling)
+            out = engine.generate(prompts, sampling, **generate_kwargs)
         else:
             pooled, offset, count = _gather_tp_prompts(prompts, mesh)
             out = engine.generate(pooled, sampling)

@@ -205,6 +205,14 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     if slots and seq:
         memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
         out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
+    agent = cfg.rollout.agent
+    if agent is not None:
+        what = ", ".join(filter(None, [f"tools {list(agent.tools)}" if agent.tools else "",
+                                       f"env {agent.env.get('_component_')}" if agent.env else ""]))
+        out.append(f"      agent: {what}; ≤ {agent.max_turns} model turns, ≤ {cfg.rollout.max_tokens} model tokens over "
+                   f"all turns, observations ≤ {agent.max_tool_response_tokens} tokens each"
+                   + (f", whole trajectory ≤ {seq} tokens (rollout.engine.max_seq_len)" if seq else "")
+                   + f"; reward: {agent.reward}")
     add("rollout", ranks["rollout"], memory)
     for role in ("reward_model", "cost_model"):
         sec = getattr(cfg, role)

@@ -325,6 +325,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
     errors += _lora_errors(cfg)
+    errors += _agent_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -413,6 +414,22 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
             target_module_names(build_meta_causal_lm(resolve_model_path(path)), lora.target_modules)
         except ValueError as e:
             errors.append(f"actor.lora.target_modules: {e}")
+    return errors
+
+
+def _agent_errors(cfg: RecipeConfig) -> list[str]:
+    """What an agent rollout needs: tools and an environment that load, one rank per engine."""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return []
+    errors = []
+    try:
+        agent.load()
+    except ConfigError as e:
+        errors.append(str(e))
+    if cfg.rollout.tp_size != 1:
+        errors.append(f"rollout.agent runs with rollout.tp_size=1 (got {cfg.rollout.tp_size}): every rank of a "
+                      "tensor-parallel engine would run each tool call and environment step itself")
     return errors
 
 
