@@ -26,6 +26,8 @@ PANELS = {
     "response length": [r"response_length/mean"],
     "entropy": [r"actor/entropy"],
     "kl to the reference": [r"actor/kl_loss", r"actor/reward_kl_penalty"],
+    "turns per trajectory": [r"num_turns/mean"],  # agents
+    "tool calls per trajectory": [r"agent/tool_calls/mean", r"agent/tool_errors/mean"],
 }
 
 

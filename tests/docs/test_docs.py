@@ -317,6 +317,7 @@ def schema_keys(sandbox) -> set[str]:
             (DEFAULT_CONFIG, ["rollout.engine._component_=torchrlhf.generation.VLLMEngine"], 2),
             ("recipes/configs/ppo_gsm8k_smollm2.yaml", [], 2),
             ("recipes/configs/safe_rlhf_example.yaml", [], 2),
+            ("recipes/configs/grpo_calculator_agent_cpu.yaml", [], 1),
         ]:
             keys |= _schema_keys(load(path, overrides, world)[0])
         return keys

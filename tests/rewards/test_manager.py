@@ -106,10 +106,9 @@ def test_unpicklable_function_is_a_clear_error():
 
 OWNER = """
 import sys
-from torchrlhf.rewards import RewardManager
+from torchrlhf.utils.isolated import IsolatedPool
 
-manager = RewardManager(num_workers=2)
-pool = manager._get_pool()  # starts the worker processes and waits until each answers
+pool = IsolatedPool(num_workers=2)._get_pool()  # starts the worker processes and waits until each answers
 print(" ".join(str(pid) for pid in pool._processes), flush=True)
 sys.stdin.read()  # until killed
 """
@@ -126,7 +125,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
 def test_reward_workers_exit_when_their_owner_is_sigkilled():
-    """A rank killed with SIGKILL (e.g. before torchrun restarts the job) leaves no reward workers behind."""
+    """A rank killed with SIGKILL (e.g. before torchrun restarts the job) leaves no reward (or tool) workers behind."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

@@ -18,7 +18,8 @@ import torch
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.rollouts import DeterministicRollouts, GroupFilter, Replicas, RolloutPipeline, Scorer, StreamRollouts
-from torchrlhf.rollouts.batches import concat_prompts, left_pad_prompts
+from torchrlhf.generation.base import left_pad_prompts
+from torchrlhf.rollouts.batches import concat_prompts
 from torchrlhf.runtime import WorkerError
 
 N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width

@@ -114,3 +114,15 @@ class KillOnceActor(ActorWorker):
                 f.write(f"killed rank {torch.distributed.get_rank()} at update {self._updates}\n")
             os.kill(os.getpid(), signal.SIGKILL)
         return super().update(batch, **kwargs)
+
+
+class CountingEnv:
+    """A multi-turn environment for agent runs: three model turns, reward 0.5 a turn, observations name the turn."""
+
+    def reset(self, row):
+        self.turns = 0
+        return None  # the data row's prompt is the first context
+
+    def step(self, text):
+        self.turns += 1
+        return f"turn {self.turns} done", 0.5, self.turns >= 3

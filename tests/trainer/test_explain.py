@@ -73,3 +73,15 @@ def test_flops_per_step_worked_out_by_hand(tiny_model_dir, tmp_path, shared):
                prompts + b * (r - 1))
     assert (f"actor update {3 * model.forward(*counts) / 1e12:.3g} TFLOP, rollout "
             f"{model.forward(*rollout) / 1e12:.3g} TFLOP") in text
+
+
+def test_dry_run_explains_an_agents_budgets(tiny_model_dir, tmp_path):
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
+                            rollout={"max_tokens": 40, "engine": {"max_seq_len": 160},
+                                     "agent": {"tools": ["calculator"], "format": "tags",
+                                               "tags": {"calc": "calculator"}, "max_turns": 3}})
+    ok = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ("agent: tools ['calculator']; ≤ 3 model turns, ≤ 40 model tokens over all turns, observations ≤ 256 "
+            "tokens each, whole trajectory ≤ 160 tokens (rollout.engine.max_seq_len); reward: reward_fn") in ok.stdout

@@ -129,6 +129,23 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert "actor.lrr" in str(e.value) and "actor.dtyp" in str(e.value)
 
 
+@pytest.mark.parametrize("agent, message", [
+    ({"tools": ["no_such_tool"]}, "rollout.agent.tools:"),
+    ({"env": {"_component_": "torchrlhf.data.Batch"}}, "rollout.agent.env:"),
+    ({"format": "xml", "tools": ["calculator"]}, "rollout.agent: format must be 'hermes' or 'tags'"),
+    ({}, "rollout.agent: needs tools or an env"),
+])
+def test_a_bad_agent_is_refused_before_anything_loads(tmp_path, agent, message):
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, rollout={"agent": agent})
+    assert message in str(e.value), str(e.value)
+
+
+def test_an_agent_needs_one_rank_per_engine(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.agent runs with rollout.tp_size=1"):
+        _check(tmp_path, world=2, rollout={"tp_size": 2, "agent": {"tools": ["calculator"]}})
+
+
 def test_a_missing_model_and_missing_data_are_reported_together(tmp_path):
     with pytest.raises(ConfigError) as e:
         _check(tmp_path, tiny=str(tmp_path / "no_model"), data={"train_files": ["nowhere.jsonl"]})

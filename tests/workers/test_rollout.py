@@ -17,6 +17,7 @@ from torchrlhf.generation import vllm_available
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = Path(__file__).with_name("rollout_scenarios.py")
+LORA_SCENARIOS = Path(__file__).with_name("lora_scenarios.py")
 VLLM_OK, VLLM_WHY = vllm_available()
 ENGINES = [
     "torchrlhf.generation.NativeEngine",
@@ -34,8 +35,8 @@ def model_dir(tmp_path_factory) -> str:
                                hidden_size=128, head_dim=32))
 
 
-def _run(nproc: int, *args: str, timeout: float = 300, monitor_interval: float | None = None
-         ) -> subprocess.CompletedProcess:
+def _run(nproc: int, *args: str, timeout: float = 300, monitor_interval: float | None = None,
+         script: Path = SCENARIOS) -> subprocess.CompletedProcess:
     torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
     env.update(OMP_NUM_THREADS="1",
@@ -45,7 +46,7 @@ def _run(nproc: int, *args: str, timeout: float = 300, monitor_interval: float |
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         if monitor_interval is not None:
             cmd.append(f"--monitor-interval={monitor_interval}")
-    return subprocess.run([*cmd, str(SCENARIOS), *args], env=env, cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([*cmd, str(script), *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -57,6 +58,18 @@ def test_next_rollout_uses_the_updated_weights(model_dir, engine, mode, nproc):
     assert p.returncode == 0 and "ALL PASSED" in p.stdout, out[-6000:]
     if mode == "split":
         assert "PASS weights went by bucketed broadcast" in p.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("mode, nproc", [("colocated", 1), ("split", 3), ("async", 3)])
+def test_next_rollout_uses_the_updated_lora_adapter(model_dir, engine, mode, nproc):
+    """A LoRA actor: merged weights into the colocated engine; adapter factors only to rollout ranks of their
+    own (directly, or through the async relay), merged there. Checked against PEFT greedy decoding."""
+    p = _run(nproc, mode, engine, model_dir, script=LORA_SCENARIOS, timeout=400)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "ALL PASSED" in p.stdout, out[-6000:]
+    if mode != "colocated":
+        assert "PASS v2: only the adapter factors travelled" in p.stdout
 
 
 @pytest.mark.parametrize("engine", ENGINES)

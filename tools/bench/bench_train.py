@@ -15,6 +15,7 @@ its own. Tokens computed per step are printed beside the ideal shared/dense rati
 n(P+R) / (P+nR) (P, R: mean prompt and response tokens).
 
     python tools/bench/bench_train.py [--n 4 8 16 --prompts 2 --prompt-len 150 --response-len 48 --steps 3]
+    python tools/bench/bench_train.py --lora [8 64] [--n 8 ...]   # full fine-tuning vs LoRA (bench_lora.py update)
 
 ``--mfu``: the update's model FLOPs utilisation instead, dense and shared, for each of ``--shapes``
 (`SHAPES`: the learning config's update and a GSM8K-shaped one) and ``--dtypes`` (bf16: FSDP2 mixed
@@ -277,7 +278,16 @@ def main() -> None:
     ap.add_argument("--baseline", help="with --mfu: a checkout of the library to run side by side ('before')")
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)  # child process
     ap.add_argument("--mfu-one", nargs=3, metavar=("SHAPE", "DTYPE", "SIDE"), help=argparse.SUPPRESS)  # child
+    ap.add_argument("--lora", type=int, nargs="*", metavar="RANK",
+                    help="full fine-tuning + reference vs LoRA of these ranks (default 8 64), n = the first --n")
     args = ap.parse_args()
+    if args.lora is not None:  # the comparison lives in bench_lora.py (same workload flags)
+        from bench_lora import main as lora_main
+
+        lora_main(["update", "--ranks", *map(str, args.lora or [8, 64]), "--n", str(args.n[0]), "--prompts",
+                   str(args.prompts), "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
+                   "--micro", str(args.micro), "--steps", str(args.steps), "--threads", str(args.threads)])
+        return
     if args.one:
         print("RESULT", json.dumps(measure(args.one[0], int(args.one[1]), args)))
         return

@@ -9,8 +9,8 @@ Every problem raises `ConfigError` (a ValueError), never ``sys.exit``.
 """
 
 from torchrlhf.config._errors import ConfigError
-from torchrlhf.config._instantiate import get_component, instantiate
+from torchrlhf.config._instantiate import get_component, instantiate, load_callable
 from torchrlhf.config._parse import apply_overrides, load_config, parse_args
 from torchrlhf.config._validate import schema_from_signature, validate
 
-__all__ = ["ConfigError", "apply_overrides", "get_component", "instantiate", "load_config", "parse_args", "schema_from_signature", "validate"]
+__all__ = ["ConfigError", "apply_overrides", "get_component", "instantiate", "load_callable", "load_config", "parse_args", "schema_from_signature", "validate"]

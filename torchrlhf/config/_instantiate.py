@@ -7,8 +7,11 @@ arguments; plain mappings and lists are passed as Python dicts and lists.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +45,31 @@ def get_component(path: str) -> Any:
             continue
         return _getattr_path(module, parts[cut:], path)
     raise ConfigError(f"cannot import component {path!r}: no module named {parts[0]!r}")
+
+
+def load_callable(spec: str, what: str = "function") -> Any:
+    """Import a user function (or class) from ``pkg.mod:fn``, ``pkg.mod.fn`` or ``/path/file.py:fn``.
+
+    The one loader for user code named in a config (reward functions, tools, environments). The
+    code runs with the permissions of the user who launched training: only name code you trust.
+    """
+    path, sep, name = spec.rpartition(":")
+    if sep and (path.endswith(".py") or os.sep in path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{what} file not found: {path} (from {spec!r})")
+        module_name = "torchrlhf_user_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        if not hasattr(module, name):
+            public = [n for n in vars(module) if not n.startswith("_")]
+            raise ValueError(f"{what} {name!r} not found in {path}; it defines {public}")
+        fn = getattr(module, name)
+    else:
+        fn = get_component(spec)
+    if not callable(fn):
+        raise ValueError(f"{what} {spec!r} is not callable (got {type(fn).__name__})")
+    return fn
 
 
 def _getattr_path(obj: Any, attrs: list[str], path: str) -> Any:

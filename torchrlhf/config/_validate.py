@@ -72,8 +72,12 @@ def _check_dataclass(value: Any, schema: type, key: str, errors: list[str]) -> A
     try:
         return schema(**kwargs)
     except (TypeError, ValueError) as e:  # a schema's own __post_init__ checks; "field: why" names the key
-        name, sep, why = str(e).partition(": ")
-        errors.append(f"{_join(key, name)}: {why}" if sep and name in fields else f"{key or '<root>'}: {e}")
+        text = str(e)
+        name, sep, why = text.partition(": ")
+        if sep and name in fields:
+            errors.append(f"{_join(key, name)}: {why}")
+        else:  # a message that names its section already is kept as it is
+            errors.append(text if key and text.startswith(f"{key}") else f"{key or '<root>'}: {text}")
         return _INVALID
 
 

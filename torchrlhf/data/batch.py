@@ -183,7 +183,12 @@ class Batch:
         for b in batches[1:]:
             if set(b.tensors) != set(first.tensors) or set(b.non_tensors) != set(first.non_tensors):
                 raise ValueError(f"concat: column sets differ: {sorted(first.keys())} vs {sorted(b.keys())}")
-        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors}
+        tensors = {}
+        for k in first.tensors:
+            shapes = {tuple(b.tensors[k].shape[1:]) for b in batches}
+            if len(shapes) > 1:
+                raise ValueError(f"concat: column {k!r} has different shapes past the batch dimension: {sorted(shapes)}")
+            tensors[k] = torch.cat([b.tensors[k] for b in batches])
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in first.non_tensors}
         return Batch(tensors, non_tensors, first.meta)
 

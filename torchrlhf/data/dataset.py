@@ -86,7 +86,8 @@ class PromptDataset:
         max_samples: keep only the first ``max_samples`` rows (before filtering).
 
     Item ``i`` is a dict: ``input_ids`` (list of ints), ``raw_prompt`` (the prompt text that
-    ``input_ids`` encode), ``ground_truth``, ``data_source``, ``index`` (row position in the files).
+    ``input_ids`` encode), ``messages`` (the chat it was rendered from), ``ground_truth``, ``data_source``,
+    ``index`` (row position in the files).
     """
 
     def __init__(
@@ -113,18 +114,22 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
 
-        texts = [self._prompt_text(row, i, prompt_key, apply_chat_template, system_prompt) for i, row in enumerate(rows)]
+        chats = [self._prompt_messages(row, i, prompt_key, apply_chat_template, system_prompt)
+                 for i, row in enumerate(rows)]
+        texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) if apply_chat_template
+                 else m[0]["content"] for m in chats]
         # A chat template already contains the special tokens it needs; a raw string gets the tokenizer's.
         encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
         self.items: list[dict[str, Any]] = []
         lengths = []
-        for i, (row, text, ids) in enumerate(zip(rows, texts, encoded)):
+        for i, (row, messages, text, ids) in enumerate(zip(rows, chats, texts, encoded)):
             lengths.append(len(ids))
             if len(ids) > max_prompt_length:
                 continue
             item = {
                 "input_ids": list(ids),
                 "raw_prompt": text,
+                "messages": messages,
                 "ground_truth": _ground_truth(row),
                 "data_source": row.get("data_source") or default_data_source,
                 "index": i,
@@ -142,7 +147,9 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than max_prompt_length=%d tokens",
                         self.num_filtered, len(rows), max_prompt_length)
 
-    def _prompt_text(self, row: Mapping[str, Any], i: int, key: str, chat: bool, system_prompt: str | None) -> str:
+    def _prompt_messages(self, row: Mapping[str, Any], i: int, key: str, chat: bool,
+                         system_prompt: str | None) -> list[dict[str, str]]:
+        """The row's prompt as chat messages (the system prompt first when configured and the chat has none)."""
         if key not in row:
             raise KeyError(f"row {i} has no prompt column {key!r}; columns: {sorted(row)}")
         prompt = row[key]
@@ -156,10 +163,10 @@ class PromptDataset:
         if not chat:
             if not isinstance(prompt, str):
                 raise ValueError(f"row {i}: chat messages need apply_chat_template=True")
-            return prompt
+            return messages
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return messages
 
     def __len__(self) -> int:
         return len(self.items)
@@ -206,6 +213,7 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int, pad_t
         tensors,
         {
             "raw_prompt": [it["raw_prompt"] for it in items],
+            "messages": [it.get("messages") for it in items],  # the chat an agent session starts from
             "ground_truth": [it.get("ground_truth") for it in items],
             "data_source": [it.get("data_source", "unknown") for it in items],
             "uid": [uuid.uuid4().hex for _ in items],

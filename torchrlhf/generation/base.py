@@ -19,7 +19,7 @@ masks cannot drift apart between engines), plus the non-tensor ``finish_reason``
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +65,70 @@ class RolloutEngine(Protocol):
         """Re-allocate what `release` freed: ``"weights"`` (then refilled by `update_weights`), ``"kv_cache"``."""
 
 
+PROMPT_COLUMNS = ("prompts", "input_ids", "attention_mask", "position_ids")  # left-padded prompt width
+
+
+def _prompt_width(batch: Batch) -> int:
+    """Left-padded prompt width: the "prompts" column of a generation, or "input_ids" of a prompt batch."""
+    return batch["prompts" if "prompts" in batch else "input_ids"].shape[1]
+
+
+def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
+    """``gen`` (a generation or a prompt batch) with its prompt part left-padded to ``width`` tokens, so
+    batches of other widths concatenate."""
+    extra = width - _prompt_width(gen)
+    if extra < 0:
+        raise ValueError(f"cannot pad prompts of width {_prompt_width(gen)} to {width}")
+    if extra == 0:
+        return gen
+    out = gen.copy()
+    out.tensors = dict(gen.tensors)
+    for key in PROMPT_COLUMNS:
+        if key in gen:
+            t = gen[key]
+            fill = pad_id if key in ("prompts", "input_ids") else 0
+            out.tensors[key] = torch.cat([t.new_full((len(t), extra), fill), t], dim=1)
+    return out
+
+
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
+
+
+def right_pad_responses(gen: Batch, width: int, pad_id: int) -> Batch:
+    """A generation with its response part right-padded to ``width`` tokens (agent trajectories of one call
+    are as wide as its longest), so generations of other calls concatenate: every per-response-token column
+    (``responses``, ``response_mask``, ``rollout_log_probs``, ``token_level_scores``, ...: width R) and the
+    response end of the ``[B, P + R]`` columns."""
+    r = gen["responses"].shape[1]
+    extra = width - r
+    if extra < 0:
+        raise ValueError(f"cannot pad responses of width {r} to {width}")
+    if extra == 0:
+        return gen
+    out = gen.copy()
+    out.tensors = dict(gen.tensors)
+    for key, t in gen.tensors.items():
+        if key in SEQUENCE_COLUMNS or (key != "prompts" and t.dim() >= 2 and t.shape[1] == r):
+            fill = pad_id if key in ("responses", "input_ids") else 0
+            out.tensors[key] = torch.cat([t, t.new_full((len(t), extra, *t.shape[2:]), fill)], dim=1)
+    return out
+
+
+def concat_generations(parts: list[Batch], pad_id: int = 0) -> Batch:
+    """Generations (or prompt batches) of different prompt (and response) widths as one Batch.
+
+    The padding is masked everywhere it matters (``attention_mask``, ``response_mask``), so ``pad_id`` only
+    decides which token id fills it: the collect of a data-parallel generate, which has no tokenizer at
+    hand, uses the default."""
+    width = max(_prompt_width(p) for p in parts)
+    parts = [left_pad_prompts(p, width, pad_id) for p in parts]
+    if all("responses" in p for p in parts):
+        response_width = max(p["responses"].shape[1] for p in parts)
+        parts = [right_pad_responses(p, response_width, pad_id) for p in parts]
+    return Batch.concat(parts)
+
+
+
 def check_resume_tags(tags: Sequence[str]) -> tuple[str, ...]:
     tags = (tags,) if isinstance(tags, str) else tuple(tags)
     bad = [t for t in tags if t not in RESUME_TAGS]
@@ -91,6 +155,16 @@ def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -
                 f"max_seq_len - max_tokens = {max_seq_len} - {params.max_tokens} = {limit}"
             )
     return lengths
+
+
+def check_sessions(sessions: Sequence[Any], max_seq_len: int) -> None:
+    """Agent sessions must start from a prompt that leaves room for a token; ValueError naming the first
+    that does not (the session's own budgets keep every later turn within ``max_seq_len``)."""
+    for i, session in enumerate(sessions):
+        length = len(session.prompt_tokens)
+        if length == 0 or length >= max_seq_len:
+            raise ValueError(f"agent trajectory {i} starts from {length} prompt tokens; it needs 1 to "
+                             f"max_seq_len - 1 = {max_seq_len - 1}")
 
 
 def prompt_max_tokens(prompts: Batch, params: SamplingParams) -> list[int]:
@@ -171,4 +245,62 @@ def assemble_generation(
         {**(rest.tensors if rest else {}), **columns},
         {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
         {**prompts.meta, "temperature": params.temperature if params.temperature > 0 else 1.0},
+    )
+
+
+def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: Sequence[Any], logps: torch.Tensor,
+                          pad_id: int, versions: torch.Tensor | None = None) -> Batch:
+    """The output Batch of an agent rollout (`torchrlhf.agents`), from finished trajectories, one per sample.
+
+    The same columns as `assemble_generation`, where a response is the model's turns *and* the rendered
+    observations between them: ``response_mask`` (the loss mask) is 1 on the model's tokens and 0 on
+    observation tokens, while ``attention_mask`` covers both. ``logps`` [N, max_tokens] holds each
+    trajectory's model-token log-probs in order (all turns), as ``versions`` their weight versions;
+    ``prompts`` are the trajectories' own first contexts (an environment may have written them).
+    """
+    n, out_device = params.n, prompts["input_ids"].device
+    count = len(trajectories)
+    width = max(len(t.prompt_tokens) for t in trajectories)
+    r = max(1, max(len(t.response_tokens) for t in trajectories))
+    prompt_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(count, width, dtype=torch.long)
+    responses = torch.full((count, r), pad_id, dtype=torch.long)
+    valid = torch.zeros(count, r, dtype=torch.long)
+    loss_mask = torch.zeros(count, r, dtype=torch.long)
+    rollout_lp = torch.zeros(count, r, dtype=torch.float32)
+    token_versions = torch.zeros(count, r, dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        p, k = len(t.prompt_tokens), len(t.response_tokens)
+        prompt_ids[i, width - p:] = torch.tensor(t.prompt_tokens, dtype=torch.long)
+        prompt_mask[i, width - p:] = 1
+        if k:
+            responses[i, :k] = torch.tensor(t.response_tokens, dtype=torch.long)
+            valid[i, :k] = 1
+            model = torch.tensor(t.loss_mask, dtype=torch.bool)
+            loss_mask[i, :k] = model.long()
+            m = int(model.sum())
+            rollout_lp[i, :k][model] = logps[i, :m].float()
+            if versions is not None:
+                token_versions[i, :k][model] = versions[i, :m]
+    attention_mask = torch.cat([prompt_mask, valid], dim=1)
+    columns = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": loss_mask,
+        "rollout_log_probs": rollout_lp,
+    }
+    if not params.logprobs:
+        del columns["rollout_log_probs"]
+    if versions is not None:
+        columns["token_weight_versions"] = token_versions
+    columns = {k: v.to(out_device) for k, v in columns.items()}
+    reserved = {*GENERATION_COLUMNS, "finish_reason"}
+    rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
+    return Batch(
+        {**(rest.tensors if rest else {}), **columns},
+        {**(rest.non_tensors if rest else {}), "finish_reason": [t.finish_reason for t in trajectories]},
+        {**prompts.meta, "temperature": params.logprob_temperature},
     )

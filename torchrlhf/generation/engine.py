@@ -13,7 +13,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +24,9 @@ from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
+    assemble_trajectories,
     check_resume_tags,
+    check_sessions,
     prompt_max_tokens,
     prompt_seeds,
     prompt_token_lists,
@@ -281,7 +285,7 @@ class NativeEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
-                 between_steps: Callable[[], int] | None = None) -> Batch:
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> Batch:
         """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
 
         Reads ``input_ids``/``attention_mask`` [B, P]. Returns B*n rows (samples of one
@@ -295,6 +299,12 @@ class NativeEngine:
         weights (`update_weights`) and returns their version, recorded for each token the step produces in
         ``token_weight_versions`` [B*n, max_tokens]. The cached keys/values of earlier tokens stay as they
         were computed; each token's ``rollout_log_probs`` is from the weights that sampled it.
+
+        ``sessions`` (agents, `torchrlhf.agents.AgentSession`, one per sample: prompt i's samples at
+        ``i*n .. i*n+n-1``): multi-turn trajectories. Each starts from its session's prompt tokens; when the
+        model ends a turn its session runs the tools or the environment while the other slots keep
+        decoding, and only the observation is prefilled on the trajectory's cached keys/values. Returns
+        `assemble_trajectories`' columns (observations inside the responses, 0 in ``response_mask``).
         """
         params = sampling or SamplingParams()
         if self.k_cache is None or self._missing:
@@ -305,13 +315,20 @@ class NativeEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer; pass one to NativeEngine")
-        validate_prompts(prompts, params, self.max_seq_len)
+        if sessions is None:
+            validate_prompts(prompts, params, self.max_seq_len)
+        else:
+            check_sessions(sessions, self.max_seq_len)
         prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
         run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh),
-                   prompt_max_tokens(prompts, params), between_steps)
+                   prompt_max_tokens(prompts, params), between_steps, sessions)
         tokens, logps, resp_len, reasons = run.run()
+        if sessions is not None:
+            versions = run.res_ver if between_steps is not None else None
+            return assemble_trajectories(prompts, params, [s.result() for s in sessions], logps, self._pad_id(),
+                                         versions)
         out = self._assemble(prompts, params, tokens, logps, resp_len, reasons)
         if between_steps is not None:
             out["token_weight_versions"] = (run.res_ver * out["response_mask"].cpu()).to(out["responses"].device)
@@ -322,17 +339,36 @@ class NativeEngine:
 
 
 class _Run:
-    """The scheduling state of one `generate` call."""
+    """The scheduling state of one `generate` call.
+
+    Sample ``sid`` answers prompt ``sid // n`` (its ``sid % n``-th sample). Samples whose prompts have the
+    same tokens share one prefill (``prompt_of``: the prompt tokens each sample starts from). With agent
+    ``sessions`` (one per sample) a sample is a multi-turn trajectory: when the model ends a turn its slot
+    is *parked* (keeps its keys/values, skips decode steps) until the session's observation is ready, then
+    only the observation is prefilled into the slot (`CachedDecoder.extend`) and decoding goes on; the
+    model-token counter (``step``) runs over all turns, so the sampling uniforms and the log-probs of one
+    trajectory are one sequence.
+    """
 
     def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits,
-                 between_steps: Callable[[], int] | None = None) -> None:
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> None:
         self.e, self.p = engine, params
         self.between_steps, self.version = between_steps, 0  # the weight version the next step uses
-        self.limits = limits  # per prompt: tokens a response may have
         self.decode = engine.decode_fn()
-        self.prompt_tokens, self.seeds = prompt_tokens, seeds
+        self.seeds, self.sessions = seeds, sessions
         dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
         total = len(prompt_tokens) * params.n
+        if sessions is None:
+            self.prompt_tokens = prompt_tokens
+            self.prompt_of = [sid // params.n for sid in range(total)]
+            self.limits = [limits[sid // params.n] for sid in range(total)]  # tokens a response may have
+        else:  # each trajectory's own first context (an environment may write it); equal ones share a prefill
+            if len(sessions) != total:
+                raise ValueError(f"generate: {len(sessions)} agent sessions for {total} samples")
+            unique: dict[tuple[int, ...], int] = {}
+            self.prompt_of = [unique.setdefault(tuple(s.prompt_tokens), len(unique)) for s in sessions]
+            self.prompt_tokens = [torch.tensor(t, dtype=torch.long) for t in unique]
+            self.limits = [s.turn_budget() for s in sessions]
         # Per-slot decode state, pre-allocated; rows of free slots hold junk that no one reads.
         self.cur = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -344,21 +380,26 @@ class _Run:
         self.out_ver = torch.zeros(slots, steps, dtype=torch.long, device=dev)
         self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
         self.stop_ids = torch.tensor(engine._stop_ids(params), dtype=torch.long, device=dev)
-        # Results, by sample id (prompt i, sample j -> i * n + j).
+        # Results, by sample id (prompt i, sample j -> i * n + j): the model's tokens (all turns).
         self.res_tok = torch.zeros(total, steps, dtype=torch.long)
         self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
         self.res_ver = torch.zeros(total, steps, dtype=torch.long)
         self.res_len = torch.zeros(total, dtype=torch.long)
         self.reasons: list[str] = [""] * total
-        # Python-side bookkeeping.
-        self.waiting = deque(range(total))
+        # Python-side bookkeeping. A session that is already done (its environment failed to reset, no
+        # budget left) takes no slot.
+        self.waiting = deque(sid for sid in range(total) if sessions is None or self.limits[sid] > 0)
         self.free = list(range(slots))
         self.slot_sample = [-1] * slots
         self.slot_pos = [0] * slots  # position the slot's next token goes to
+        self.slot_turn: dict[int, int] = {}  # agents: the model-token index the slot's current turn started at
+        self.parked: dict[int, Any] = {}  # agents: slot -> the future of its session's turn result
         self.prompt_slots: dict[int, set[int]] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.prompt_version: dict[int, int] = {}  # the weights each cached prefill's logits came from
-        self.to_admit = {i: params.n for i in range(len(prompt_tokens))}
+        self.to_admit = {p: 0 for p in set(self.prompt_of)}
+        for sid in self.waiting:
+            self.to_admit[self.prompt_of[sid]] += 1
         self.gen_text: dict[int, list[int]] = {}
         self.stop_window = max((len(s) for s in params.stop), default=0) + 4
 
@@ -370,7 +411,7 @@ class _Run:
             taken.append((self.waiting.popleft(), heapq.heappop(self.free)))
         prefill, copies = {}, []  # prompt -> slot it prefills into; (dst, src) prefix copies
         for sid, slot in taken:
-            p = sid // n
+            p = self.prompt_of[sid]
             live = self.prompt_slots.get(p)
             if live:
                 copies.append((slot, next(iter(live)), p))
@@ -403,7 +444,7 @@ class _Run:
 
         slots = [slot for _, slot in taken]
         slot_t = torch.tensor(slots, device=e.device)
-        logits = torch.stack([self.prompt_logits[sid // n] for sid, _ in taken])
+        logits = torch.stack([self.prompt_logits[self.prompt_of[sid]] for sid, _ in taken])
         self.uni[slot_t] = torch.stack(
             [request_uniforms(self.seeds[sid // n], sid % n, self.p.max_tokens) for sid, _ in taken]
         ).to(e.device)
@@ -411,18 +452,19 @@ class _Run:
         self.out_tok[slot_t, 0] = tok
         self.out_lp[slot_t, 0] = lp
         if self.between_steps is not None:
-            self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[sid // n] for sid, _ in taken],
+            self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[self.prompt_of[sid]] for sid, _ in taken],
                                                    device=e.device)
         self.cur[slot_t] = tok
-        lens = [len(self.prompt_tokens[sid // n]) for sid, _ in taken]
+        lens = [len(self.prompt_tokens[self.prompt_of[sid]]) for sid, _ in taken]
         self.pos[slot_t] = torch.tensor(lens, device=e.device)
         self.step[slot_t] = 1
         self.live[slot_t] = 1
-        self.limit[slot_t] = torch.tensor([self.limits[sid // n] for sid, _ in taken], device=e.device)
+        self.limit[slot_t] = torch.tensor([self.limits[sid] for sid, _ in taken], device=e.device)
         for (sid, slot), length in zip(taken, lens):
-            p = sid // n
+            p = self.prompt_of[sid]
             self.slot_sample[slot] = sid
             self.slot_pos[slot] = length
+            self.slot_turn[slot] = 0
             self.prompt_slots.setdefault(p, set()).add(slot)
             self.to_admit[p] -= 1
             if self.to_admit[p] == 0:
@@ -431,7 +473,8 @@ class _Run:
 
     # ---------------------------------------------------------------- finishing
     def _finish_check(self, slot_t: torch.Tensor, tok: torch.Tensor) -> None:
-        """Finish the samples in ``slot_t`` whose newest token ``tok`` ends them."""
+        """End the turn (a single-turn sample: the sample) of the slots in ``slot_t`` whose newest token
+        ``tok`` ends it. Free and parked slots are skipped."""
         hit_stop = torch.isin(tok, self.stop_ids)
         done = hit_stop | (self.step[slot_t] >= self.limit[slot_t])
         slots = slot_t.tolist()
@@ -440,16 +483,21 @@ class _Run:
             tok_l = tok.tolist()
             tokenizer = self.e.tokenizer
             for i, s in enumerate(slots):
-                if self.slot_sample[s] < 0:
+                if self.slot_sample[s] < 0 or s in self.parked:
                     continue
                 text_ids = self.gen_text.setdefault(s, [])
                 text_ids.append(tok_l[i])
                 tail = tokenizer.decode(text_ids[-self.stop_window :], skip_special_tokens=False)
                 if any(stop in tail for stop in self.p.stop):
                     done_l[i] = stop_l[i] = True
-        finished = [(s, st) for s, d, st in zip(slots, done_l, stop_l) if d and self.slot_sample[s] >= 0]
-        if finished:
-            self._finish([s for s, _ in finished], ["stop" if st else "length" for _, st in finished])
+        ended = [(s, st) for s, d, st in zip(slots, done_l, stop_l)
+                 if d and self.slot_sample[s] >= 0 and s not in self.parked]
+        if not ended:
+            return
+        if self.sessions is None:
+            self._finish([s for s, _ in ended], ["stop" if st else "length" for _, st in ended])
+        else:
+            self._end_turns(ended)
 
     def _finish(self, slots: list[int], reasons: list[str]) -> None:
         sids = [self.slot_sample[s] for s in slots]
@@ -464,11 +512,74 @@ class _Run:
         self.step[slot_t] = 0
         for s, sid, reason in zip(slots, sids, reasons):
             self.reasons[sid] = reason
-            self.prompt_slots[sid // self.p.n].discard(s)
+            self.prompt_slots[self.prompt_of[sid]].discard(s)
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
+            self.slot_turn.pop(s, None)
             self.gen_text.pop(s, None)
             heapq.heappush(self.free, s)
+
+    # ---------------------------------------------------------------- agent turns
+    def _end_turns(self, ended: list[tuple[int, bool]]) -> None:
+        """Agents: hand each ended turn to its session and park the slot until the session answers."""
+        steps = self.step[torch.tensor([s for s, _ in ended], device=self.e.device)].tolist()
+        for (s, stopped), step in zip(ended, steps):
+            start = self.slot_turn[s]
+            turn = self.out_tok[s, start:step].tolist()
+            self.parked[s] = self.sessions[self.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
+            self.live[s] = 0
+            self.gen_text.pop(s, None)
+
+    def _resume_ready(self, block: bool) -> bool:
+        """Agents: finish the parked trajectories that are done, and continue those whose observation is
+        ready by prefilling only it. With ``block``, first wait for one (nothing else can run). Returns
+        whether any slot changed."""
+        if not self.parked:
+            return False
+        if block:
+            wait(list(self.parked.values()), return_when=FIRST_COMPLETED)
+        ready = [(s, f.result()) for s, f in self.parked.items() if f.done()]
+        if not ready:
+            return False
+        for s, _ in ready:
+            del self.parked[s]
+        finished = [s for s, r in ready if r.done]
+        if finished:
+            self._finish(finished, [""] * len(finished))  # the session holds the reason
+        going = [(s, r.observation_tokens) for s, r in ready if not r.done]
+        if going:
+            self._observe(going)
+        return True
+
+    def _observe(self, going: list[tuple[int, list[int]]]) -> None:
+        """Prefill ``[last sampled token] + observation`` into each slot, then sample its next turn's first token."""
+        e = self.e
+        slots = [s for s, _ in going]
+        slot_t = torch.tensor(slots, device=e.device)
+        rows = [[int(t) for t in [self.cur[s].item(), *obs]] for s, obs in going]
+        lens = [len(r) for r in rows]
+        toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
+        for i, r in enumerate(rows):
+            toks[i, : lens[i]] = torch.tensor(r)
+        starts = [self.slot_pos[s] for s in slots]
+        logits = e.decoder.extend(toks.to(e.device), torch.tensor(starts, device=e.device),
+                                  torch.tensor(lens, device=e.device), slot_t, e.k_cache, e.v_cache)
+        step = self.step[slot_t]
+        tok, lp = sample_tokens(logits, self.uni[slot_t, step], self.p)
+        self.out_tok[slot_t, step] = tok
+        self.out_lp[slot_t, step] = lp
+        if self.between_steps is not None:
+            self.out_ver[slot_t, step] = self.version
+        budgets = [self.sessions[self.slot_sample[s]].turn_budget() for s in slots]
+        self.limit[slot_t] = step + torch.tensor(budgets, device=e.device)
+        self.cur[slot_t] = tok
+        self.pos[slot_t] = torch.tensor([a + b for a, b in zip(starts, lens)], device=e.device)
+        self.step[slot_t] = step + 1
+        self.live[slot_t] = 1
+        for s, first, length in zip(slots, step.tolist(), lens):
+            self.slot_turn[s] = first
+            self.slot_pos[s] += length
+        self._finish_check(slot_t, tok)
 
     # ---------------------------------------------------------------- decode
     def _compact(self, live: list[int]) -> None:
@@ -492,11 +603,12 @@ class _Run:
             sid = self.slot_sample[s]
             self.slot_sample[d], self.slot_sample[s] = sid, -1
             self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
-            slots = self.prompt_slots[sid // self.p.n]
+            slots = self.prompt_slots[self.prompt_of[sid]]
             slots.discard(s)
             slots.add(d)
-            if s in self.gen_text:
-                self.gen_text[d] = self.gen_text.pop(s)
+            for per_slot in (self.gen_text, self.slot_turn, self.parked):
+                if s in per_slot:
+                    per_slot[d] = per_slot.pop(s)
         self.free = [s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0]
         heapq.heapify(self.free)
 
@@ -512,17 +624,24 @@ class _Run:
         logits = self.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
         rows = torch.arange(span, device=e.device)
         step = self.step[:span].clamp(max=self.p.max_tokens - 1)
-        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
-        self.out_tok[rows, step] = tok
-        self.out_lp[rows, step] = lp
-        if self.between_steps is not None:
-            self.out_ver[rows, step] = self.version
-        self.cur[:span] = tok
         live_t = self.live[:span]
+        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
+        if self.parked:  # a parked slot keeps its next token's place: the decode row is junk
+            keep = live_t.bool()
+            tok = torch.where(keep, tok, self.cur[:span])
+            self.out_tok[rows[keep], step[keep]] = tok[keep]
+            self.out_lp[rows[keep], step[keep]] = lp[keep]
+        else:
+            self.out_tok[rows, step] = tok
+            self.out_lp[rows, step] = lp
+        if self.between_steps is not None:
+            self.out_ver[rows, step] = torch.where(live_t.bool(), self.version, self.out_ver[rows, step])
+        self.cur[:span] = tok
         self.pos[:span] += live_t
         self.step[:span] += live_t
         for s in live:
-            self.slot_pos[s] += 1
+            if s not in self.parked:
+                self.slot_pos[s] += 1
         self._finish_check(rows, tok)
 
     def _refresh(self) -> None:
@@ -537,8 +656,12 @@ class _Run:
     def run(self):
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
             self._refresh()
+            decoding = any(sid >= 0 and s not in self.parked for s, sid in enumerate(self.slot_sample))
+            if self._resume_ready(block=not decoding and not (self.waiting and self.free)):
+                continue
             if self.waiting and self.free:
                 self._admit()
                 continue
-            self._decode_step()
+            if decoding:
+                self._decode_step()
         return self.res_tok, self.res_lp, self.res_len, self.reasons

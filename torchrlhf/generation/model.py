@@ -81,17 +81,26 @@ class CachedAttention:
     ``0..S-1`` and attended causally (padding writes junk that decode overwrites before it is read).
     Decode: one token per slot ``0..span-1`` at ``positions``; attention reads cache positions
     ``< kv_len`` through views, masked to each slot's own length, so nothing is gathered or copied.
+    Extend (``slots`` and ``positions`` [b, T]): T appended tokens per slot of ``slots`` (right-padded:
+    ``lengths`` real ones), written after what the slot holds and attending to it and causally to each
+    other: a multi-turn trajectory continues on its cached keys/values, only the new tokens computed.
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, kv_len: int = 0) -> None:
+                 positions: torch.Tensor | None = None, kv_len: int = 0, lengths: torch.Tensor | None = None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slots, self.positions, self.kv_len = slots, positions, kv_len
-        if positions is not None:
+        if positions is not None and positions.dim() == 1:  # decode
             b = positions.shape[0]
             self.rows = torch.arange(b, device=positions.device)
             cols = torch.arange(kv_len, device=positions.device)
             self.mask = (cols[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
+        elif positions is not None:  # extend
+            b, t = positions.shape
+            real = torch.arange(t, device=positions.device)[None, :] < lengths[:, None]  # [b, T]
+            cols = torch.arange(kv_len, device=positions.device)
+            self.mask = (cols[None, None, :] <= positions[:, :, None]).view(b, 1, t, kv_len)
+            self.write = real.nonzero(as_tuple=True)  # (row, token) of every real appended token
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [b, H, T, D], k/v [b, Hkv, T, D] (HF's layout after RoPE) -> [b, T, H, D]."""
@@ -100,6 +109,15 @@ class CachedAttention:
             self.k_cache[layer, self.slots, :s] = k.transpose(1, 2)
             self.v_cache[layer, self.slots, :s] = v.transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            return out.transpose(1, 2)
+        if self.positions.dim() == 2:
+            rows, toks = self.write
+            slots, cols = self.slots[rows], self.positions[rows, toks]
+            self.k_cache[layer, slots, cols] = k.transpose(1, 2)[rows, toks]
+            self.v_cache[layer, slots, cols] = v.transpose(1, 2)[rows, toks]
+            kc = self.k_cache[layer, self.slots, : self.kv_len].transpose(1, 2)  # [b, Hkv, L, D] (gathered)
+            vc = self.v_cache[layer, self.slots, : self.kv_len].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         b, heads, _, head_dim = q.shape
         kc, vc = self.k_cache[layer, :b], self.v_cache[layer, :b]
@@ -162,6 +180,17 @@ class CachedDecoder:
         b, s = tokens.shape
         positions = torch.arange(s, device=tokens.device).expand(b, s)
         x = self._forward(tokens, positions, CachedAttention(k_cache, v_cache, slots=slots))
+        return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
+
+    def extend(self, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+               k_cache, v_cache) -> torch.Tensor:
+        """Append right-padded ``tokens`` [b, T] (``lengths`` real) to cache ``slots`` [b], after the ``starts``
+        [b] positions each slot already holds. Returns the logits [b, V] at each row's last real token."""
+        b, t = tokens.shape
+        positions = starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
+        kv_len = int((starts + lengths).max())
+        plan = CachedAttention(k_cache, v_cache, slots=slots, positions=positions, kv_len=kv_len, lengths=lengths)
+        x = self._forward(tokens, positions.clamp(max=self.cos.shape[0] - 1), plan)
         return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
 
     def decode(

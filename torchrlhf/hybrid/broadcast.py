@@ -16,7 +16,7 @@ shapes, in ``model.named_parameters()`` order, tied weights once), which the con
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +40,10 @@ class SyncStats:
         return {"bytes": float(self.bytes), "buckets": float(self.buckets), "seconds": self.seconds}
 
 
-def weight_manifest(model: nn.Module) -> Manifest:
-    """(HF name, full shape) of every parameter, in the order `send_weights` streams them."""
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+def weight_manifest(model: nn.Module, select: Callable[[str], bool] | None = None) -> Manifest:
+    """(HF name, full shape) of every parameter (or those ``select`` picks: a LoRA actor's adapters), in the
+    order `send_weights` streams them."""
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters() if select is None or select(name)]
 
 
 def plan_buckets(manifest: Manifest, dtype: torch.dtype, bucket_bytes: int) -> list[list[int]]:
@@ -62,14 +63,16 @@ def plan_buckets(manifest: Manifest, dtype: torch.dtype, bucket_bytes: int) -> l
     return [b for b in buckets if b]
 
 
-def _full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's full tensor on every rank of the model's group, one at a time (collective if sharded).
+def _full_weights(model: nn.Module, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensor of every parameter in ``names`` on every rank of the model's group, one at a time
+    (collective if sharded).
 
     Gathers on the training mesh's own groups: creating groups here could deadlock, since the ranks of a
     split-placement actor belong to different numbers of groups (only the first is in the sync group).
     """
     for name, p in model.named_parameters():
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        if name in names:
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
 
 def send_weights(
@@ -81,7 +84,7 @@ def send_weights(
     ``group`` is the sync group (None on actor ranks outside it, which only take part in the gathers).
     """
     stats, start = SyncStats(), time.perf_counter()
-    stream = _full_weights(model)
+    stream = _full_weights(model, {name for name, _ in manifest})
     failure: Exception | None = None  # a receiver died: keep gathering so the other actor ranks finish too
     for bucket in plan_buckets(manifest, dtype, bucket_bytes):
         parts = []

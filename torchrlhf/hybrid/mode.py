@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.layout import generation_mesh, training_mesh
 from torchrlhf.hybrid.reshard import ReshardStats, TpDimFn, iter_generation_weights
+from torchrlhf.models.lora import adapter_shard_dims, merge_stream, module_scalings
 
 
 def resolve_generation_mesh(model: nn.Module, engine: Any) -> DeviceMesh | None:
@@ -57,9 +58,11 @@ def resolve_generation_mesh(model: nn.Module, engine: Any) -> DeviceMesh | None:
 
 
 def engine_tp_dims(engine: Any) -> TpDimFn:
-    """name -> TP dim from ``engine.param_shard_dims()`` (replicated when the engine has no such method)."""
+    """name -> TP dim from ``engine.param_shard_dims()`` (replicated when the engine has no such method),
+    and the dims of LoRA factors that merge into those weights (`models.lora.adapter_shard_dims`)."""
     get = getattr(engine, "param_shard_dims", None)
     dims = get() if get is not None else {}
+    dims = {**adapter_shard_dims(dims), **dims}
     return lambda name: dims.get(name)
 
 
@@ -130,6 +133,10 @@ def generation_mode(
 ) -> Iterator[ReshardStats]:
     """Load `model`'s current weights into `engine` for the body; give the memory back to training after.
 
+    A LoRA model's adapters are merged into their weights on the way (`models.lora.merge_stream`: each
+    merged weight is computed from the streamed shards, out of place); the engine sees plain HF weights,
+    and the training model is never merged or unmerged.
+
     Collective over the model's ranks (call it on every rank, in the same order). Grads are dropped
     (set to None: generation happens between optimizer steps); with `offload` and a model on an
     accelerator the optimizer state goes to pinned host memory until exit. On exit, exception or not,
@@ -145,11 +152,13 @@ def generation_mode(
         engine.resume(("weights",))  # weights before the KV cache: the incoming tensors need their memory first
         mesh = gen_mesh if gen_mesh is not None else resolve_generation_mesh(model, engine)
         dims = tp_dim_of or engine_tp_dims(engine)
+        scalings = module_scalings(model)
         if mesh is None:  # no distributed training layout: hand over the plain parameters
-            engine.update_weights((n, p.detach()) for n, p in model.named_parameters())
+            plain = ((n, p.detach()) for n, p in model.named_parameters())
+            engine.update_weights(merge_stream(plain, scalings) if scalings else plain)
         else:
             stream = iter_generation_weights(model, mesh, dims, dtype=dtype, stats=stats)
-            engine.update_weights(stream)
+            engine.update_weights(merge_stream(stream, scalings) if scalings else stream)
             if next(stream, None) is not None:
                 raise RuntimeError(f"{type(engine).__name__}.update_weights stopped before the last parameter")
         engine.resume(("kv_cache",))
@@ -178,8 +187,10 @@ def generate_with_current_weights(
     optimizer: torch.optim.Optimizer | None = None,
     offload: bool = True,
     dtype: torch.dtype | None = None,
+    **generate_kwargs: Any,
 ) -> Batch:
-    """``engine.generate(prompts, sampling)`` with the training model's current weights: the actor's rollout.
+    """``engine.generate(prompts, sampling, **generate_kwargs)`` with the training model's current weights: the
+    actor's rollout.
 
     For ``RolloutWorker.generate`` colocated with the actor: one controller call per rollout, every rank of
     the actor group runs it (the transition is collective), each with its own DP_COMPUTE shard of prompts.
@@ -192,7 +203,7 @@ def generate_with_current_weights(
     with generation_mode(model, engine, optimizer=optimizer, offload=offload, dtype=dtype) as stats:
         mesh = resolve_generation_mesh(model, engine)
         if mesh is None or mesh.size(1) == 1:
-            out = engine.generate(prompts, sampling)
+            out = engine.generate(prompts, sampling, **generate_kwargs)
         else:
             pooled, offset, count = _gather_tp_prompts(prompts, mesh)
             out = engine.generate(pooled, sampling)

@@ -117,14 +117,16 @@ class PrefixKV:
     every sample of its group, summed. It also sends a zero gradient into the prefix
     pass's ``output`` (the model's output): FSDP2 gathers a block's parameters for
     backward when the gradient reaches that block's output, and a gradient entering
-    only through the keys/values would find them still sharded.
+    only through the keys/values would find them still sharded. Keys/values that no trainable
+    parameter reaches (a frozen layer's, below the first LoRA adapter) take no gradient.
     """
 
     def __init__(self, recorded: PackedAttention, output: torch.Tensor, requires_grad: bool) -> None:
         self._output = output
         self._sources = {layer: (recorded.keys[layer], recorded.values[layer]) for layer in recorded.keys}
         self._leaves = {
-            layer: (k.detach().requires_grad_(requires_grad), v.detach().requires_grad_(requires_grad))
+            layer: (k.detach().requires_grad_(requires_grad and k.requires_grad),
+                    v.detach().requires_grad_(requires_grad and v.requires_grad))
             for layer, (k, v) in self._sources.items()
         }
 
@@ -136,9 +138,11 @@ class PrefixKV:
         outputs, grads = [self._output], [torch.zeros_like(self._output)]
         for layer, pair in self._sources.items():
             for src, leaf in zip(pair, self._leaves[layer]):
-                outputs.append(src)
-                grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-        torch.autograd.backward(outputs, grads)
+                if src.requires_grad:
+                    outputs.append(src)
+                    grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+        if self._output.requires_grad:
+            torch.autograd.backward(outputs, grads)
         self._sources, self._output = {}, None
 
 

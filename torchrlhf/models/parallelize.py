@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from torchrlhf.models.lm_head import LogProbHead
+from torchrlhf.models.lora import lora_tp_style
 
 # model_type values whose decoder layers have the Llama layout
 # (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
@@ -132,7 +133,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             head.weight = nn.Parameter(distribute_tensor(head.weight, tp_mesh, [Shard(0)]),
                                        requires_grad=head.weight.requires_grad)
     for block in find_transformer_blocks(model):
-        plan = {name: style() for name, style in BLOCK_TP_PLAN.items()}
+        plan = {name: lora_tp_style(block.get_submodule(name), style)() for name, style in BLOCK_TP_PLAN.items()}
         for norm in ("q_norm", "k_norm"):  # Qwen3: RMSNorm over head_dim of [B, T, heads, head_dim]
             if getattr(block.self_attn, norm, None) is not None:
                 # Each rank normalises its own heads; treating the input as sharded on the heads dim

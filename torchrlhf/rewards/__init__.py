@@ -1,4 +1,4 @@
-"""Rule rewards (GSM8K, math, countdown, arithmetic), user reward functions and `RewardManager`."""
+"""Rule rewards (GSM8K, math, countdown, arithmetic, calculator agent), user reward functions and `RewardManager`."""
 
 from torchrlhf.rewards.manager import RewardManager
 from torchrlhf.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, load_reward_fn

@@ -6,33 +6,26 @@ raises, returns a non-number, or runs past ``timeout_s`` scores ``on_error_score
 counted (``reward/errors``, ``reward/timeouts``); training goes on.
 
 Where code runs: the bounded-cost built-ins (GSM8K, countdown, arithmetic) run in this
-process. Everything else — user functions, sympy-based math — runs in a pool of worker
-processes, because a hung Python call cannot be interrupted in a thread: on a timeout the
-pool's processes are killed and a fresh pool is started. User reward code runs with the
-permissions of the user who launched training; only configure code you trust.
+process. Everything else — user functions, sympy-based math — runs in worker processes
+(`torchrlhf.utils.isolated.IsolatedPool`, shared with agent tools), because a hung Python call
+cannot be interrupted in a thread: on a timeout the pool's processes are killed and a fresh pool is
+started. User reward code runs with the permissions of the user who launched training; only
+configure code you trust.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
-import os
-import pickle
-import select
-import sys
-import threading
-import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
 
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.data.batch import Batch
 from torchrlhf.rewards.registry import IN_PROCESS_SAFE, RewardFn, get_reward_fn, load_reward_fn
+from torchrlhf.utils.isolated import CallTimeout, IsolatedPool, WorkerStartupError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +78,7 @@ class RewardManager:
         elif reward_fn is not None:
             self._default = self._check_target(reward_fn)
         self._loaded: dict[str, RewardFn] = {}
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: IsolatedPool | None = None
 
     # ------------------------------------------------------------------ public
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -99,10 +92,7 @@ class RewardManager:
         scores, metrics = self.score(
             texts, batch.get("ground_truth", [None] * n), batch.get("data_source", ["unknown"] * n)
         )
-        token_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        last = (mask.sum(-1) - 1).clamp(min=0).cpu()
-        token_scores[torch.arange(n), last] = torch.tensor(scores, dtype=torch.float32)
-        return token_scores.to(responses.device), metrics
+        return at_last_token(torch.tensor(scores, dtype=torch.float32), mask).to(responses.device), metrics
 
     def score(
         self, solutions: Sequence[str], ground_truths: Sequence[Any], data_sources: Sequence[str]
@@ -145,7 +135,7 @@ class RewardManager:
     def close(self) -> None:
         """Stop the worker processes (a later call starts new ones)."""
         if self._pool is not None:
-            self._kill_pool()
+            self._pool.close()
 
     def __enter__(self) -> RewardManager:
         return self
@@ -179,124 +169,14 @@ class RewardManager:
 
     # ------------------------------------------------------------------ worker processes
     def _run_isolated(self, jobs: list[tuple[int, Any, str, Any]]) -> dict[int, Any]:
-        """Run jobs with at most ``num_workers`` in flight, so each starts as soon as it is submitted."""
-        for _, target, _, _ in jobs:
-            if not isinstance(target, str):
-                try:
-                    pickle.dumps(target)
-                except Exception as e:  # noqa: BLE001
-                    raise ValueError(
-                        f"reward function {target!r} cannot be sent to a worker process ({e}); define it at module "
-                        "level, pass it as 'pkg.mod:fn' or '/path/file.py:fn', or use isolate=False"
-                    ) from e
-        results: dict[int, Any] = {}
-        queue = deque(jobs)
-        inflight: dict[Future, tuple[tuple[int, Any, str, Any], float]] = {}
-        while queue or inflight:
-            pool = self._get_pool()
-            while queue and len(inflight) < self.num_workers:
-                job = queue.popleft()
-                fut = pool.submit(_call_reward, job[1], job[2], job[3], self.reward_kwargs)
-                inflight[fut] = (job, time.monotonic() + self.timeout_s)
-            nearest = min(deadline for _, deadline in inflight.values())
-            done, _ = wait(list(inflight), timeout=max(0.0, nearest - time.monotonic()), return_when=FIRST_COMPLETED)
-            broken = False
-            for fut in done:
-                job, _ = inflight.pop(fut)
-                exc = fut.exception()
-                results[job[0]] = exc if exc is not None else fut.result()
-                broken |= isinstance(exc, BrokenProcessPool)
-            now = time.monotonic()
-            expired = [f for f, (_, deadline) in inflight.items() if deadline <= now]
-            if expired or broken:
-                for fut in expired:
-                    results[inflight.pop(fut)[0][0]] = _TIMEOUT
-                # Killing the pool also stops the calls running beside the hung one: run those again.
-                for fut, (job, _) in inflight.items():
-                    queue.appendleft(job)
-                inflight.clear()
-                self._kill_pool()
-        return results
-
-    def _get_pool(self) -> ProcessPoolExecutor:
+        """Run ``(index, target, solution, ground_truth)`` jobs in the worker pool; timeouts -> ``_TIMEOUT``."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                max_workers=self.num_workers, mp_context=_mp_context(), initializer=_init_worker,
-                initargs=(sys.path, os.getpid()),
-            )
-            # Wait until every worker answers, so start-up does not count against a call's time limit.
-            seen: set[int] = set()
-            deadline = time.monotonic() + self.startup_timeout_s
-            while len(seen) < self.num_workers:
-                pings = [self._pool.submit(_ping) for _ in range(self.num_workers)]
-                done, pending = wait(pings, timeout=max(0.0, deadline - time.monotonic()))
-                if pending or any(f.exception() for f in done):
-                    self._kill_pool()
-                    raise RuntimeError(f"reward worker processes did not start within {self.startup_timeout_s}s")
-                seen.update(f.result() for f in done)
-        return self._pool
-
-    def _kill_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        processes = list((getattr(pool, "_processes", None) or {}).values())
-        for p in processes:
-            p.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in processes:
-            p.join(timeout=5)
-
-
-_WORKER_FNS: dict[str, RewardFn] = {}
-
-
-def _mp_context() -> multiprocessing.context.BaseContext:
-    # forkserver: after a timeout kills the pool, new workers fork from a server that has already
-    # imported this module (and torch), instead of paying the imports again as spawn would.
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
-def _init_worker(sys_path: list[str], owner: int) -> None:
-    # The forkserver may have started before the caller extended sys.path: use the caller's path.
-    sys.path[:] = list(sys_path)
-    torch.set_num_threads(1)
-    threading.Thread(target=_exit_after, args=(owner,), daemon=True, name="reward-owner-watch").start()
-
-
-def _exit_after(owner: int) -> None:
-    """End this worker once ``owner`` (the process that made the pool) has exited. A SIGKILLed rank gets no
-    shutdown: its workers would wait on their queue forever and keep the forkserver alive, so a job that
-    torchrun restarts would leave them behind at every restart."""
-    try:
-        fd = os.pidfd_open(owner)
-        select.select([fd], [], [])  # readable once the owner has exited
-    except (AttributeError, OSError):  # no pidfd here (not Linux, an old kernel), or the owner is gone: poll
-        while True:
-            try:
-                os.kill(owner, 0)
-            except ProcessLookupError:
-                break
-            except PermissionError:  # alive, under another user
-                pass
-            time.sleep(2.0)
-    os._exit(1)
-
-
-def _ping() -> int:
-    time.sleep(0.05)  # long enough that one fast worker cannot answer every ping
-    return os.getpid()
-
-
-def _call_reward(target: RewardFn | str, solution: str, ground_truth: Any, kwargs: dict[str, Any]) -> Any:
-    """Runs in a worker process: load the function once per process, then call it."""
-    if isinstance(target, str):
-        if target not in _WORKER_FNS:
-            _WORKER_FNS[target] = load_reward_fn(target)
-        target = _WORKER_FNS[target]
-    return target(solution, ground_truth, **kwargs)
+            self._pool = IsolatedPool(self.num_workers, self.timeout_s, self.startup_timeout_s)
+        results = self._pool.run([(target, (solution, truth), self.reward_kwargs) for _, target, solution, truth in jobs])
+        for r in results:
+            if isinstance(r, WorkerStartupError):
+                raise r
+        return {job[0]: _TIMEOUT if isinstance(r, CallTimeout) else r for job, r in zip(jobs, results)}
 
 
 def _as_score(result: Any) -> float | None:

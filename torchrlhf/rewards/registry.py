@@ -12,13 +12,10 @@ launched training (in `RewardManager`'s worker processes); only load code you tr
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
 from collections.abc import Callable
 
-from torchrlhf.config import get_component
-from torchrlhf.rewards import arithmetic, countdown, gsm8k, math_answer
+from torchrlhf.config import load_callable
+from torchrlhf.rewards import arithmetic, calculator, countdown, gsm8k, math_answer
 
 RewardFn = Callable[..., float]
 
@@ -31,11 +28,13 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "HuggingFaceH4/MATH-500": math_answer.compute_score,
     "countdown": countdown.compute_score,
     "arithmetic": arithmetic.compute_score,
+    "calculator": calculator.compute_score,
 }
 
 # Built-ins whose cost is bounded (regex / AST walk over the response): safe to run in-process
 # without a time limit. Everything else (sympy-based math, user code) runs in worker processes.
-IN_PROCESS_SAFE: frozenset[RewardFn] = frozenset({gsm8k.compute_score, countdown.compute_score, arithmetic.compute_score})
+IN_PROCESS_SAFE: frozenset[RewardFn] = frozenset(
+    {gsm8k.compute_score, countdown.compute_score, arithmetic.compute_score, calculator.compute_score})
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
@@ -51,20 +50,4 @@ def get_reward_fn(data_source: str) -> RewardFn:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Import a user reward function from ``pkg.mod:fn``, ``pkg.mod.fn`` or ``/path/file.py:fn``."""
-    path, sep, name = spec.rpartition(":")
-    if sep and (path.endswith(".py") or os.sep in path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"reward function file not found: {path} (from {spec!r})")
-        module_name = "torchrlhf_user_reward_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        if not hasattr(module, name):
-            public = [n for n in vars(module) if not n.startswith("_")]
-            raise ValueError(f"reward function {name!r} not found in {path}; it defines {public}")
-        fn = getattr(module, name)
-    else:
-        fn = get_component(spec)
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable (got {type(fn).__name__})")
-    return fn
+    return load_callable(spec, what="reward function")

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.rollouts.batches import batch_from_state, batch_state, concat_generations, concat_prompts
+from torchrlhf.generation.base import concat_generations
+from torchrlhf.rollouts.batches import batch_from_state, batch_state, concat_prompts
 from torchrlhf.rollouts.source import RolloutSource
 from torchrlhf.runtime.futures import WorkerError
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchrlhf import algorithms
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.data import Batch
 from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.utils.timer import timer
@@ -21,17 +22,10 @@ from torchrlhf.utils.timer import timer
 Generate = Callable[[Batch, SamplingParams], Batch]
 
 
-def at_last_token(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place a per-sequence value at the last valid response token of a [B, R] tensor."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
-    out[torch.arange(len(out)), last] = values.float()
-    return out
-
-
 class Scorer:
-    """``token_level_scores`` of generations: the reward function (rules, user code) and the DAPO overlong
-    penalty, run anywhere; the reward model's score and the cost model's costs, worker calls.
+    """``token_level_scores`` of generations: the outcome (the reward function's score; for agent trajectories
+    composed with the environment's reward as ``rollout.agent.reward`` says) and DAPO's overlong penalty, run
+    anywhere; then the reward model's score and the cost model's costs, worker calls.
 
     Model calls are serialised (several rollout threads may score at once, and a group runs one call at a
     time).
@@ -39,20 +33,39 @@ class Scorer:
 
     def __init__(self, reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]], *,
                  reward_model: Any = None, cost_model: Any = None, max_tokens: int, overlong_buffer_len: int = 0,
-                 overlong_penalty_factor: float = 1.0) -> None:
+                 overlong_penalty_factor: float = 1.0, agent: Any = None) -> None:
         self.reward_fn, self.reward_model, self.cost_model = reward_fn, reward_model, cost_model
         self.max_tokens = max_tokens
         self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
+        self.agent = agent  # the rollout.agent spec: how a trajectory's score is composed
         self._lock = threading.Lock()
 
     @property
     def has_models(self) -> bool:
         return self.reward_model is not None or self.cost_model is not None
 
+    def outcome(self, gen: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each sample's score ``[B]`` and the reward function's metrics. An agent trajectory scores the
+        reward function's grade of its model turns, the environment's reward, or both (``rollout.agent.reward``);
+        one ended by an error scores ``rollout.agent.on_error_score``."""
+        if self.agent is None or "env_reward" not in gen:
+            scores, metrics = self.reward_fn(gen)
+            return scores.sum(-1), dict(metrics)
+        graded, metrics = self.reward_fn(gen) if self.agent.reward != "env" else (None, {})
+        env = gen["env_reward"].float()
+        scores = {"env": lambda: env, "reward_fn": lambda: graded.sum(-1), "sum": lambda: env + graded.sum(-1)}
+        score = scores[self.agent.reward]()
+        score = torch.where(gen["agent_error"].bool(), torch.full_like(score, self.agent.on_error_score), score)
+        return score, dict(metrics)
+
     def rules(self, gen: Batch) -> tuple[Batch, dict[str, float]]:
-        """``token_level_scores`` from the reward function and the overlong penalty (no worker calls)."""
-        scores, metrics = self.reward_fn(gen)
-        metrics = dict(metrics)
+        """``token_level_scores`` from the outcome and the overlong penalty (no worker calls)."""
+        if self.agent is None:
+            scores, metrics = self.reward_fn(gen)  # already token-level, at each response's last token
+            metrics = dict(metrics)
+        else:
+            outcome, metrics = self.outcome(gen)
+            scores = at_last_token(outcome, gen["response_mask"])
         if self.overlong_buffer_len > 0:
             penalty = algorithms.overlong_penalty(
                 gen["response_mask"].sum(-1), max_response_length=self.max_tokens,
@@ -74,12 +87,18 @@ class Scorer:
         return gen
 
     def baseline(self, greedy: Batch, with_models: bool) -> torch.Tensor:
-        """ReMax: each greedy response's sequence reward (the reward function's, plus the reward model's)."""
-        scores = self.reward_fn(greedy)[0].sum(-1)
+        """ReMax: each greedy response's sequence reward (its outcome, plus the reward model's)."""
+        scores = self.outcome(greedy)[0]
         if with_models and self.reward_model is not None:
             with self._lock:
                 scores = scores + self.reward_model.compute_scores(greedy)["rm_scores"]
         return scores
+
+    def close(self) -> None:
+        """Stop the reward function's worker processes."""
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
 
 
 class GroupFilter:

@@ -7,7 +7,8 @@ from typing import Any
 
 from torchrlhf.data import Batch
 from torchrlhf.generation.sampling import SamplingParams
-from torchrlhf.rollouts.batches import concat_generations, split_even
+from torchrlhf.generation.base import concat_generations
+from torchrlhf.rollouts.batches import split_even
 from torchrlhf.runtime.futures import WorkerError
 
 

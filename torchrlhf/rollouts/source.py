@@ -18,7 +18,7 @@ import torch
 
 from torchrlhf.data import Batch
 from torchrlhf.generation.sampling import SamplingParams
-from torchrlhf.rollouts.batches import concat_generations
+from torchrlhf.generation.base import concat_generations
 from torchrlhf.rollouts.pipeline import RolloutPipeline
 from torchrlhf.rollouts.replicas import Replicas
 from torchrlhf.utils.timer import timer

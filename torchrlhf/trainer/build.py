@@ -33,6 +33,7 @@ from torchrlhf.trainer.schema import (
     RecipeConfig,
     models_in_unit,
     needs_reference,
+    reference_is_actor,
     reference_kwargs,
     role_ranks,
     section_kwargs,
@@ -52,18 +53,21 @@ def resolve_model_path(path: str) -> str:
 def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
 
-    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs. The rollout
-    comes right after the actor: colocated, it reads the actor worker built before it in the same process.
+    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs; a LoRA actor
+    serves it itself (no reference role). The rollout comes right after the actor: colocated, it reads the
+    actor worker built before it in the same process.
     """
     actor = {**section_kwargs(cfg, "actor"), "model_path": resolve_model_path(cfg.actor.model_path)}
     specs: dict[str, tuple] = {"actor": (get_component(cfg.actor._component_), (), actor)}
     ranks = role_ranks(cfg, world_size)
     engine = {f.name: getattr(cfg.rollout.engine, f.name) for f in dataclasses.fields(cfg.rollout.engine)}
+    agent = cfg.rollout.agent
     specs["rollout"] = (RolloutWorker, (), {
         "model_path": actor["model_path"], "engine": engine, "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
-        "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None,
+        "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None, "lora": actor["lora"],
+        "agent": None if agent is None else dataclasses.asdict(agent), "max_tokens": cfg.rollout.max_tokens,
     })
-    if needs_reference(cfg):
+    if needs_reference(cfg) and not reference_is_actor(cfg):
         ref = reference_kwargs(cfg)
         specs["ref"] = (ActorWorker, (), {**ref, "model_path": resolve_model_path(ref["model_path"])})
     for role in ("critic", "reward_model", "cost_model"):
@@ -97,7 +101,14 @@ def build_groups(cfg: RecipeConfig, world_size: int) -> dict[str, Any]:
     return groups
 
 
-def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], reward_fn: Any,
+def build_scorer(cfg: RecipeConfig, groups: dict[str, Any], reward_fn: Any) -> Scorer:
+    algo = cfg.algorithm
+    return Scorer(reward_fn, reward_model=groups.get("reward_model"), cost_model=groups.get("cost_model"),
+                  max_tokens=cfg.rollout.max_tokens, overlong_buffer_len=algo.overlong_buffer_len,
+                  overlong_penalty_factor=algo.overlong_penalty_factor, agent=cfg.rollout.agent)
+
+
+def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], scorer: Scorer,
                    prompts: PromptLoader) -> RolloutSource:
     """The rollout source of ``trainer.mode`` / ``async_training.schedule``, over the built groups."""
     ranks = role_ranks(cfg, world_size)
@@ -105,9 +116,6 @@ def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], r
     replicas = Replicas(groups["rollout"], colocated=colocated, pad_id=prompts.pad_id,
                         lose_replicas=may_lose_rollout_replicas(cfg, ranks))
     algo, a = cfg.algorithm, cfg.async_training
-    scorer = Scorer(reward_fn, reward_model=groups.get("reward_model"), cost_model=groups.get("cost_model"),
-                    max_tokens=cfg.rollout.max_tokens, overlong_buffer_len=algo.overlong_buffer_len,
-                    overlong_penalty_factor=algo.overlong_penalty_factor)
     group_filter = GroupFilter(cfg.rollout.n, max(1, algo.max_num_gen_batches) * cfg.data.train_batch_size) \
         if algo.filter_groups else None
     pipeline = RolloutPipeline(scorer, cfg.rollout.sampling(), remax=algo.adv_estimator == "remax",
@@ -153,10 +161,12 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     logger = build_logger(cfg.trainer.loggers, log_dir=cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
                           project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name, config=raw_config)
     groups = build_groups(cfg, world_size)
-    rollouts = build_rollouts(cfg, world_size, groups, reward_fn, train_prompts)
-    roles = Roles(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"), rollout=groups["rollout"])
+    scorer = build_scorer(cfg, groups, reward_fn)
+    rollouts = build_rollouts(cfg, world_size, groups, scorer, train_prompts)
+    ref = groups["actor"] if reference_is_actor(cfg) else groups.get("ref")
+    roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"), rollout=groups["rollout"])
     return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
-                     rollouts=rollouts, reward_fn=reward_fn, train_prompts=train_prompts, val_prompts=val_prompts,
+                     rollouts=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
                      max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
                      safe_rlhf=cfg.cost_model is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
+from torchrlhf.agents.agent import AgentSpec
 from torchrlhf.generation.sampling import SamplingParams
 
 
@@ -49,7 +50,9 @@ class RolloutConfig(SamplingParams):
     ``rollout.engine`` sub-section (its ``_component_`` and constructor arguments; see `trainer.schema`).
     ``tp_size`` is each engine's tensor-parallel size; ``weight_sync_bucket_mb`` bounds the buckets that
     carry new weights to rollout ranks of their own. Validation samples ``val_n`` responses at
-    ``val_temperature`` (0: greedy).
+    ``val_temperature`` (0: greedy). ``agent`` (`torchrlhf.agents.AgentSpec`) makes every rollout a
+    multi-turn trajectory with tools or an environment; ``max_tokens`` then counts the model's tokens over
+    all turns, and the engine's ``max_seq_len`` bounds the whole trajectory.
     """
 
     max_tokens: int = 64
@@ -59,6 +62,7 @@ class RolloutConfig(SamplingParams):
     weight_sync_bucket_mb: int = 64
     val_temperature: float = 0.0
     val_n: int = 1
+    agent: AgentSpec | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,7 +10,8 @@ each rank's memory are printed. Parameter counts come from the model's ``config.
 meta device), so nothing heavy is read.
 
 The memory figures are estimates, with their formulas beside them: weights, gradients and AdamW's two
-states sharded over each role's ranks; the rollout engine's weights (streamed in from training when
+states sharded over each role's ranks (a LoRA actor: the frozen base, and gradients and AdamW states of
+its float32 adapters only, with no reference model: the actor serves it); the rollout engine's weights (streamed in from training when
 colocated, a full TP shard of its own otherwise) and its KV cache; activations of one micro-batch
 (about 16 values per hidden unit per token and layer for a Llama block without activation checkpointing,
 plus the fp32 log-softmax of the response positions).
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
-from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_kwargs, role_ranks
+from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_is_actor, reference_kwargs, role_ranks
 from torchrlhf.utils.flops import TRAIN_FORWARDS, TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
@@ -46,18 +47,25 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     flops: TransformerFlops  # the model FLOP counts of `torchrlhf.utils.flops`
+    adapter_params: int = 0  # with ``lora``: the adapters' parameters (``params`` counts the base only)
 
 
-def model_shape(path: str) -> ModelShape:
-    """Parameter count and dimensions from the model directory's config, built on the meta device."""
+def model_shape(path: str, lora: Any = None) -> ModelShape:
+    """Parameter count and dimensions from the model directory's config, built on the meta device (with the
+    adapters of ``lora``, a `LoRAConfig`, when given)."""
     import transformers
+
+    from torchrlhf.models.lora import inject_lora, is_adapter
 
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    if lora is not None:
+        inject_lora(model, lora)
     heads = config.num_attention_heads
     return ModelShape(
-        params=sum(p.numel() for p in model.parameters()),
+        params=sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n)),
+        adapter_params=sum(p.numel() for n, p in model.named_parameters() if is_adapter(n)),
         layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -89,6 +97,11 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     dtype_bytes = _bytes(sec.dtype)
     lines = [f"  {role:<9} ranks {_ranks(ranks)}: FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}), "
              f"{shape.params / 1e6:.1f} M parameters in {sec.dtype}"]
+    lora = getattr(sec, "lora", None)
+    if lora is not None:
+        lines.append(f"      LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {lora.target_modules}: "
+                     f"{shape.adapter_params / 1e6:.2f} M trainable float32 parameters "
+                     f"({100 * shape.adapter_params / shape.params:.2f} % of the frozen base)")
     p_len, r_len = cfg.data.max_prompt_length, cfg.rollout.max_tokens
     batching = sec.batching
     if frozen:
@@ -119,9 +132,13 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     shards = dp * tp
     weights = shape.params * dtype_bytes / shards
     memory = {"weights": weights}
+    trained = weights
+    if lora is not None:  # the frozen base is held in the compute dtype; fp32 adapters carry grads and states
+        trained = shape.adapter_params * 4 / shards
+        memory["adapters"] = trained
     if not frozen:
-        memory["grads"] = weights
-        memory["optimizer (AdamW, 2 states)"] = 2 * weights
+        memory["grads"] = trained
+        memory["optimizer (AdamW, 2 states)"] = 2 * trained
         per_token = shape.layers * shape.hidden * ACTIVATION_VALUES_PER_HIDDEN * dtype_bytes / tp
         if getattr(sec, "activation_checkpointing", False):
             per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
@@ -189,7 +206,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     from torchrlhf.trainer.build import resolve_model_path
 
     ranks = role_ranks(cfg, world_size)
-    shape = model_shape(resolve_model_path(cfg.actor.model_path))
+    shape = model_shape(resolve_model_path(cfg.actor.model_path), cfg.actor.lora)
     out = [f"torchrlhf dry run: world size {world_size}, rank 0 is the controller"]
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     out.append(f"per step: {prompts} prompts × n {n} = {prompts * n} samples, responses ≤ {cfg.rollout.max_tokens} "
@@ -207,7 +224,9 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape)
     out += lines
     add("actor", ranks["actor"], mem)
-    if needs_reference(cfg):
+    if reference_is_actor(cfg):
+        out.append("  ref       served by the actor: its base model with the adapters off (no second model)")
+    elif needs_reference(cfg):
         ref = SimpleNamespace(**reference_kwargs(cfg))
         ref_shape = model_shape(resolve_model_path(ref.model_path)) if cfg.ref.model_path else shape
         shapes["ref"] = ref_shape
@@ -231,9 +250,14 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                   + (", into a relay while generating)" if cfg.trainer.mode == "async" else ")")))
     dtype_bytes = _bytes(cfg.actor.dtype)
     memory = {"weights": shape.params * dtype_bytes / tp}
+    if not colocated and cfg.actor.lora is not None:
+        out.append(f"      LoRA: each sync carries the adapters only ({shape.adapter_params * dtype_bytes / 2**20:.2f} MiB "
+                   f"against {shape.params * dtype_bytes / 2**20:.1f} MiB for the full weights), "
+                   "merged into the base here")
     if cfg.trainer.mode == "async":
         a = cfg.async_training
-        memory["relay (CPU)"] = (a.max_staleness + 2) * shape.params * dtype_bytes / tp
+        synced = shape.adapter_params if cfg.actor.lora is not None else shape.params
+        memory["relay (CPU)"] = (a.max_staleness + 2) * synced * dtype_bytes / tp
         out.append(f"      async: schedule {a.schedule}, max_staleness {a.max_staleness}, relay of ≤ "
                    f"{a.max_staleness + 2} versions ({_gib(memory['relay (CPU)'])} CPU per rollout rank)")
     slots = getattr(engine, "max_batch_size", None)
@@ -241,6 +265,14 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     if slots and seq:
         memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
         out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
+    agent = cfg.rollout.agent
+    if agent is not None:
+        what = ", ".join(filter(None, [f"tools {list(agent.tools)}" if agent.tools else "",
+                                       f"env {agent.env.get('_component_')}" if agent.env else ""]))
+        out.append(f"      agent: {what}; ≤ {agent.max_turns} model turns, ≤ {cfg.rollout.max_tokens} model tokens over "
+                   f"all turns, observations ≤ {agent.max_tool_response_tokens} tokens each"
+                   + (f", whole trajectory ≤ {seq} tokens (rollout.engine.max_seq_len)" if seq else "")
+                   + f"; reward: {agent.reward}")
     add("rollout", ranks["rollout"], memory)
     for role in ("reward_model", "cost_model"):
         sec = getattr(cfg, role)

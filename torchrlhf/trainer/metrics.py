@@ -42,6 +42,23 @@ def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, fl
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
     metrics.update(_stats("prompt_length", prompt_mask.sum(-1).float()))
+    metrics.update(agent_metrics(batch))
+    return metrics
+
+
+def agent_metrics(batch: Batch) -> dict[str, float]:
+    """Multi-turn rollouts (the agent columns of `workers.rollout.agent_columns`), verl's ``num_turns/*`` and
+    per-trajectory means of tool calls, tool errors and timeouts, environment errors, observation tokens;
+    the environment's reward per trajectory and per model turn."""
+    if "num_turns" not in batch:
+        return {}
+    turns = batch["num_turns"]
+    metrics = _stats("num_turns", turns)
+    for key in ("tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens",
+                "truncated_observations", "token_mismatches", "env_reward", "agent_error"):
+        if key in batch:
+            metrics[f"agent/{key}/mean"] = batch[key].float().mean().item()
+    metrics["agent/turn_reward/mean"] = (batch["env_reward"].sum() / turns.sum().clamp(min=1)).item()
     return metrics
 
 

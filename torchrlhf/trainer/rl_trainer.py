@@ -17,7 +17,7 @@ import torch
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
-from torchrlhf.rollouts.pipeline import at_last_token
+from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from torchrlhf.trainer.metrics import (
@@ -48,7 +48,7 @@ class RLTrainer:
     Args:
         roles: worker-group handles of the trained and reference models (see `Roles`).
         rollouts: where each step's scored samples come from (`torchrlhf.rollouts.RolloutSource`).
-        reward_fn: scores a generation Batch (validation accuracy); returns (token_level_scores [B, R], metrics).
+        scorer: scores a generation Batch (`torchrlhf.rollouts.Scorer`; validation accuracy is its outcome).
         train_prompts / val_prompts: prompt loaders yielding Batches of prompts.
         logger: metric logger with ``log(metrics, step)`` and ``log_samples(rows, step)``.
         num_devices: ranks in the job, for per-device throughput.
@@ -68,7 +68,7 @@ class RLTrainer:
         trainer: TrainerConfig,
         roles: Roles,
         rollouts: RolloutSource,
-        reward_fn: Any,
+        scorer: Any,
         train_prompts: PromptLoader,
         val_prompts: PromptLoader | None,
         logger: Any,
@@ -82,7 +82,7 @@ class RLTrainer:
         self.cfg = trainer
         self.roles = roles
         self.rollouts = rollouts
-        self.reward_fn = reward_fn
+        self.scorer = scorer
         self.train_prompts = train_prompts
         self.val_prompts = val_prompts
         self.logger = logger
@@ -212,9 +212,7 @@ class RLTrainer:
     def close(self) -> None:
         """Flush the loggers and stop the reward worker processes."""
         self.logger.close()
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
+        self.scorer.close()
 
     # ------------------------------------------------------------------ advantages
     def _advantages(self, batch: Batch, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +257,7 @@ class RLTrainer:
         samples: list[dict[str, Any]] = []
         for prompts in self.val_prompts.epoch():
             gen = self.rollouts.validation_batch(prompts, sampling)
-            scores, _ = self.reward_fn(gen)
-            seq_scores = scores.sum(-1).tolist()
+            seq_scores = self.scorer.outcome(gen)[0].tolist()
             for source, score in zip(gen["data_source"], seq_scores):
                 per_source.setdefault(source, []).append(score)
             if len(samples) < self.cfg.log_val_generations:

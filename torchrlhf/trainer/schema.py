@@ -81,6 +81,13 @@ DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
 ENGINE_KEY = "rollout.engine"  # a nested component section: the rollout engine class and its arguments
 ENGINE_METHODS = ("generate", "update_weights", "param_shard_dims", "release", "resume")
 
+# Keys that do not exist for a reason the config's author should read instead of "unknown key".
+UNSUPPORTED_KEYS = {
+    **{f"{role}.lora": "LoRA is supported for the actor only (actor.lora); this role trains or scores with all "
+                       "its weights" for role in ("critic", "reward_model", "cost_model")},
+    "ref.lora": "the reference of a LoRA actor is the actor's own base model with the adapters off; set actor.lora",
+}
+
 # Keys that moved; an old config gets told where they went instead of "unknown key".
 MOVED_KEYS = {
     "actor.generation_tp_size": "rollout.tp_size",
@@ -188,6 +195,11 @@ def section_kwargs(cfg: Any, role: str, **built: Any) -> dict[str, Any]:
     return kwargs
 
 
+def reference_is_actor(cfg: Any) -> bool:
+    """A LoRA actor serves the reference itself (its base model, adapters off): no reference role is built."""
+    return needs_reference(cfg) and cfg.actor.lora is not None
+
+
 def reference_kwargs(cfg: Any) -> dict[str, Any]:
     """The frozen reference policy's `ActorWorker` arguments: the ``ref`` section, the actor's where it
     leaves a key unset (the one place the reference is derived from the actor)."""
@@ -265,7 +277,7 @@ def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
     p = cfg.placement
     actor = list(p.actor) if p.actor is not None else list(range(world_size))
     ranks = {"actor": actor, "rollout": list(p.rollout) if p.rollout is not None else actor}
-    if needs_reference(cfg):
+    if needs_reference(cfg) and not reference_is_actor(cfg):
         ranks["ref"] = actor
     for role in ("critic", "reward_model", "cost_model"):
         if getattr(cfg, role) is not None:
@@ -312,6 +324,8 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
+    errors += _lora_errors(cfg)
+    errors += _agent_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -374,6 +388,51 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
     return errors
 
 
+def _lora_errors(cfg: RecipeConfig) -> list[str]:
+    """``actor.lora``: its target modules must exist in the actor's model (read from its config on the meta
+    device, no weights), and the ``ref`` keys that would configure a second model are meaningless."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return []
+    errors = []
+    if needs_reference(cfg):
+        ref = cfg.ref
+        set_keys = [k for k, v in (("model_path", ref.model_path not in (None, cfg.actor.model_path)),
+                                   ("dtype", ref.dtype is not None), ("cpu_offload", ref.cpu_offload),
+                                   ("log_prob_micro_batch_size_per_device", ref.log_prob_micro_batch_size_per_device))
+                    if v]
+        if set_keys:
+            errors.append(f"ref.{', ref.'.join(set_keys)}: with actor.lora the reference is the actor's base model "
+                          "(adapters off) in the actor's own process and memory; remove these keys")
+    path = cfg.actor.model_path
+    if path == SMOLLM2 or os.path.isdir(os.path.expanduser(path)):
+        from torchrlhf.models.lora import target_module_names
+        from torchrlhf.models.sharded import build_meta_causal_lm
+        from torchrlhf.trainer.build import resolve_model_path
+
+        try:
+            target_module_names(build_meta_causal_lm(resolve_model_path(path)), lora.target_modules)
+        except ValueError as e:
+            errors.append(f"actor.lora.target_modules: {e}")
+    return errors
+
+
+def _agent_errors(cfg: RecipeConfig) -> list[str]:
+    """What an agent rollout needs: tools and an environment that load, one rank per engine."""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return []
+    errors = []
+    try:
+        agent.load()
+    except ConfigError as e:
+        errors.append(str(e))
+    if cfg.rollout.tp_size != 1:
+        errors.append(f"rollout.agent runs with rollout.tp_size=1 (got {cfg.rollout.tp_size}): every rank of a "
+                      "tensor-parallel engine would run each tool call and environment step itself")
+    return errors
+
+
 def _model_path_errors(cfg: RecipeConfig) -> list[str]:
     """Every model path that names nothing (``smollm2`` is the packaged model, converted at first use)."""
     paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path}
@@ -406,6 +465,9 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
     moved = [f"{old}: moved to {new}" for old, new in MOVED_KEYS.items() if _has_key(container, old)]
     if moved:
         raise ConfigError("config keys that moved:\n" + "\n".join(f"  - {m}" for m in moved))
+    unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_KEYS.items() if _has_key(container, key)]
+    if unsupported:
+        raise ConfigError("unsupported config keys:\n" + "\n".join(f"  - {u}" for u in unsupported))
     recipe = validate(container, recipe_schema(chosen_components(container)))
     check(recipe, world_size)
     return recipe

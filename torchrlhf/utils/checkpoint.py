@@ -86,12 +86,14 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     extra: dict[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Collective over ``process_group``: every rank of the worker group calls it with the same ``path``.
 
     ``extra`` holds small plain values (ints, floats, strings, lists/dicts of them)
     that must load with ``weights_only=True``. An existing complete checkpoint at
-    ``path`` is replaced only after the new one is complete.
+    ``path`` is replaced only after the new one is complete. ``trainable_only`` leaves the frozen
+    parameters out (a LoRA model's base: it is the model the run starts from).
     """
     path = os.fspath(path)
     tmp = f"{path}.tmp"
@@ -101,7 +103,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     _barrier(process_group)
 
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_sd, optim_sd = _get_state_dict(model, optimizer, trainable_only)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
@@ -128,6 +130,32 @@ def save_checkpoint(
     _barrier(process_group)
 
 
+def _get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts; ``trainable_only`` keeps the parameters that require grad (a tied
+    frozen alias such as ``lm_head.weight`` included: it goes too)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [],
+                                        options=StateDictOptions(ignore_frozen_params=trainable_only))
+    if trainable_only:
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    return model_sd, optim_sd
+
+
+def _check_model_keys(path: str, model_sd: dict[str, Any], trainable_only: bool) -> None:
+    """A clear error when the checkpoint lacks weights the model asks for (e.g. a full-model checkpoint
+    loaded by a LoRA model, or the reverse), before DCP reports them as unreadable."""
+    try:
+        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported by the load itself
+        return
+    missing = [k for k in model_sd if f"model.{k}" not in saved]
+    if missing:
+        what = "adapter (LoRA) weights only" if trainable_only else "every model weight"
+        raise ValueError(f"checkpoint {path} lacks model weights {missing[:3]}{'...' if len(missing) > 3 else ''}; "
+                         f"this worker loads {what}: was it saved by a model with another LoRA setting?")
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -135,8 +163,10 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     process_group: dist.ProcessGroup | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Collective: restore what `save_checkpoint` wrote (any world size); returns the saved ``extra``.
+    ``trainable_only`` as when saving (the frozen parameters keep the values they have).
 
     RNG state is restored for group ranks that existed when saving; ranks beyond the
     saved world size keep their current (seed-derived) RNG.
@@ -144,10 +174,11 @@ def load_checkpoint(
     path = os.fspath(path)
     if not is_complete(path):
         raise FileNotFoundError(f"no complete checkpoint at {path!r} (missing {COMPLETE} marker)")
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_sd, optim_sd = _get_state_dict(model, optimizer, trainable_only)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
+    _check_model_keys(path, model_sd, trainable_only)
     try:
         dcp.load(state, checkpoint_id=path, process_group=process_group)
     except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
@@ -158,7 +189,7 @@ def load_checkpoint(
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optimizer", {}),
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=not trainable_only),  # a partial state: `_check_model_keys` checked it
     )
     small = torch.load(os.path.join(path, STATE_FILE), weights_only=True)
     if scheduler is not None:

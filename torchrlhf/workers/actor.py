@@ -3,7 +3,8 @@
 The reference policy is a separate `ActorWorker(freeze=True)` (no optimizer)
 rather than a second copy inside the actor: the runtime colocates roles on the
 same ranks, so one class covers both and a frozen worker never holds optimizer
-state. Generation is the rollout role's (`RolloutWorker`): colocated, it reads
+state. A LoRA actor (``lora``) is its own reference: its base model with the adapters
+switched off, in the same process and memory. Generation is the rollout role's (`RolloutWorker`): colocated, it reads
 this worker's training weights in the same process; on its own ranks, it
 receives them from `send_weights`.
 """
@@ -19,6 +20,7 @@ from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
+from torchrlhf.models.lora import LoRAConfig, adapter_disabled, is_adapter
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -41,6 +43,9 @@ class ActorWorker(FSDPWorker):
     responses without padding and projects to the vocabulary only at response positions
     (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
     ``freeze``: the reference policy (no optimizer; `compute_ref_log_prob` only).
+    ``lora`` (`LoRAConfig`: ``rank``, ``alpha``, ``dropout``, ``target_modules``; off when None): train
+    low-rank adapters on the frozen model (`models.lora`). Only the adapters get gradients, optimizer
+    state, checkpoints and weight syncs; `compute_ref_log_prob` is the base model (adapters off).
     """
 
     role = "actor"
@@ -72,10 +77,14 @@ class ActorWorker(FSDPWorker):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         shared_prefix: bool = True,
+        lora: LoRAConfig | None = None,
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
+        self.lora = LoRAConfig.of(lora)
+        if self.lora is not None and freeze:
+            raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")
         try:
             check_rollout_is(rollout_is, rollout_is_mode, rollout_is_threshold)
         except ValueError as e:
@@ -107,8 +116,9 @@ class ActorWorker(FSDPWorker):
     # ------------------------------------------------------------------ weight sync (split placement)
     @register(dispatch=Dispatch.RANK_ZERO)
     def weight_manifest(self) -> Manifest:
-        """(HF name, full shape) of every parameter, in the order `send_weights` streams them."""
-        return weight_manifest(self.model)
+        """(HF name, full shape) of every parameter `send_weights` streams, in that order: with LoRA the
+        adapter factors only (the rollout side holds the frozen base and merges)."""
+        return weight_manifest(self.model, is_adapter if self.lora is not None else None)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect="first")
     def send_weights(self, sync_key: str, manifest: Manifest, dtype: str, bucket_bytes: int) -> dict[str, float]:
@@ -164,9 +174,14 @@ class ActorWorker(FSDPWorker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float) -> Batch:
-        """``ref_log_prob [B,R]`` from the frozen reference weights."""
+        """``ref_log_prob [B,R]`` from the frozen reference weights: this frozen worker's, or a LoRA actor's
+        base model (its adapters off for the pass)."""
+        if self.lora is not None:
+            with adapter_disabled(self.model):
+                return self._log_probs(batch, "ref_log_prob", temperature, False)
         if not self.freeze:
-            raise RuntimeError("compute_ref_log_prob is served by a frozen ActorWorker (freeze=True), the reference role")
+            raise RuntimeError("compute_ref_log_prob is served by a frozen ActorWorker (freeze=True), the reference "
+                               "role, or by a LoRA actor")
         return self._log_probs(batch, "ref_log_prob", temperature, False)
 
     # ------------------------------------------------------------------ update

@@ -8,6 +8,7 @@ supplies only its forward and its loss (`FSDPWorker.micro_batch_loss`) and the n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import defaultdict
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.data import Batch
+from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_lora, lora_init_tensors
 from torchrlhf.models.parallelize import parallelize
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
@@ -83,6 +85,7 @@ class FSDPWorker(Worker):
     # The keys `micro_batch_loss` reports, the same on every rank (a role sets them for its configuration):
     loss_metrics: tuple[str, ...] = ()  # summed over micro-batches and data-parallel ranks
     max_metrics: tuple[str, ...] = ()  # maximised instead
+    lora: LoRAConfig | None = None  # adapters on a frozen base (`models.lora`); None: every weight trains
 
     def __init__(self, *, tp_size: int = 1, seed: int = 0) -> None:
         super().__init__()
@@ -142,7 +145,9 @@ class FSDPWorker(Worker):
 
         When it is FSDP2-sharded and the weights are safetensors, it is built on the meta device and each
         rank reads only its own rows (`loads_sharded`); otherwise it is loaded whole, then sharded. A fresh
-        value head is drawn from ``self.seed``, identical on every rank.
+        value head is drawn from ``self.seed``, identical on every rank. With ``self.lora`` the targeted
+        Linear layers get adapters before sharding (so TP and FSDP2 shard them too), drawn from the seed;
+        only they train, and with a compute ``dtype`` below float32 the frozen base is held in it.
         """
         from torchrlhf.models import (
             build_meta_causal_lm,
@@ -162,12 +167,19 @@ class FSDPWorker(Worker):
             model.config.use_cache = False
         if freeze:
             model.requires_grad_(False)
+        if self.lora is not None:
+            inject_lora(model, self.lora)
+            if not sharded:
+                init_lora(model, self.seed)
+            if dtype.itemsize < 4:  # FSDP2 computes in ``dtype`` (a plain model is float32)
+                hold_frozen_in(model, dtype)
         model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload)
         if sharded and value_head:
             load_value_weights(model, model_path, device=self.device, init_head_std=init_head_std, seed=self.seed,
                                cpu_offload=cpu_offload)
         elif sharded:
-            load_weights(model, model_path, device=self.device, cpu_offload=cpu_offload)
+            adapters = lora_init_tensors(model, self.seed) if self.lora is not None else None
+            load_weights(model, model_path, device=self.device, cpu_offload=cpu_offload, extra=adapters)
         return model
 
     def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
@@ -416,13 +428,15 @@ class FSDPWorker(Worker):
     # ------------------------------------------------------------------ checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """DCP model + optimizer + LR scheduler + per-rank RNG (collective over the group)."""
+        """DCP model + optimizer + LR scheduler + per-rank RNG (collective over the group). With LoRA only
+        the adapters are saved (the base is the model the run starts from), with their config."""
+        extra = {"lora": dataclasses.asdict(self.lora)} if self.lora is not None else None
         ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                             process_group=self.process_group)
+                             process_group=self.process_group, trainable_only=self.lora is not None, extra=extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore a checkpoint saved by the same role on any world size (collective)."""
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                             process_group=self.process_group)
+                             process_group=self.process_group, trainable_only=self.lora is not None)
 

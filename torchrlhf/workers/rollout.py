@@ -17,6 +17,10 @@ for (chosen by the controller so the ranks of a TP group agree) at that
 trajectory boundary. With ``partial`` (TP 1) the engine also loads each newer version
 the relay receives between two decode steps, inside the trajectory, and records the version per token.
 
+A LoRA actor (``lora``) on ranks of its own sends its adapter factors only; an `AdapterMerger` in front of
+the engine (and of the relay) merges them into the frozen base. Colocated, the merged weights stream in
+from the actor's model (`hybrid.generation_mode`).
+
 Every generated sample carries ``weight_version``: the number of actor updates behind the weights that
 produced it.
 """
@@ -33,9 +37,12 @@ from torchrlhf import hybrid
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
+from torchrlhf.generation.base import concat_generations
+from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import load_tokenizer
+from torchrlhf.models.lora import LoRAConfig
 from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import flops
@@ -54,6 +61,11 @@ class RolloutWorker(Worker):
         tp_size: tensor-parallel size of each engine (ranks of one TP group generate together).
         dtype: the engine's weights and KV cache (the actor's ``dtype``).
         actor_group: name of the colocated actor's group (hybrid engine); None when on its own ranks.
+        lora: the actor's ``lora`` section: on ranks of its own, the weight syncs carry adapter factors,
+            merged here into the base (``model_path``).
+        agent: the ``rollout.agent`` section (`torchrlhf.agents.AgentSpec`): every sample becomes a
+            multi-turn trajectory with tools or an environment, driven by the engine's own loop.
+        max_tokens: the model tokens of a trajectory over all its turns (``rollout.max_tokens``; agents).
     """
 
     def __init__(
@@ -64,8 +76,12 @@ class RolloutWorker(Worker):
         tp_size: int = 1,
         dtype: str = "float32",
         actor_group: str | None = None,
+        lora: LoRAConfig | dict | None = None,
+        agent: dict[str, Any] | None = None,
+        max_tokens: int = 64,
     ) -> None:
         super().__init__()
+        self.lora = LoRAConfig.of(lora)
         if tp_size < 1 or self.group_size % tp_size:
             raise ValueError(f"rollout.tp_size={tp_size} must be positive and divide the rollout group's "
                              f"{self.group_size} ranks")
@@ -77,9 +93,13 @@ class RolloutWorker(Worker):
         self.dtype = resolve_dtype(dtype)
         self.actor_group = actor_group
         self.engine = None
+        self.tokenizer = None
+        self.agent_spec, self.max_tokens = agent, max_tokens
+        self.agent = None  # built with the engine (it needs the tokenizer and the engine's sequence length)
         self.weight_version = 0
         self.relay: WeightRelay | None = None  # asynchronous training only
         self._flops_of: flops.TransformerFlops | None = None
+        self.weights_in: Any = None  # what receives synced weights: the engine, or its AdapterMerger
         if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
             self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
             self._is_dp_leader = self.group_rank % tp_size == 0
@@ -88,6 +108,8 @@ class RolloutWorker(Worker):
             self.tp_mesh = None
         if actor_group is None:
             self.engine = self._build_engine()
+            self.weights_in = self.engine if self.lora is None else \
+                AdapterMerger(self.engine, model_path, self.lora.scaling)
 
     @property
     def actor(self):
@@ -101,15 +123,30 @@ class RolloutWorker(Worker):
                 raise ValueError(f"rollout.tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
             tp_mesh = hybrid.generation_mesh(train_mesh, self.tp_size)["tp"]
         has_tokenizer = (Path(self.model_path) / "tokenizer_config.json").is_file()
-        tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None  # stop strings need one
-        engine = self.engine_cls(self.model_path, tokenizer=tokenizer, device=self.device,
+        self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None  # stop strings need one
+        engine = self.engine_cls(self.model_path, tokenizer=self.tokenizer, device=self.device,
                                  dtype=self.dtype, tp_mesh=tp_mesh, **self.engine_kwargs)
         if self.actor_group is not None:
             engine.release()  # colocated: the weights arrive from training at each rollout
+        if self.agent_spec is not None and self.agent is None:
+            from torchrlhf.agents import build_agent
+
+            if self.tokenizer is None:
+                raise ValueError(f"rollout.agent renders chats with the model's tokenizer; {self.model_path} has none")
+            self.agent = build_agent(self.agent_spec, self.tokenizer, max_tokens=self.max_tokens,
+                                     max_trajectory_tokens=getattr(engine, "max_seq_len", None))
         return engine
 
+    def _sessions(self, prompts: Batch, n: int) -> list[Any] | None:
+        """Agents: one session per sample (prompt i's n samples adjacent), each from its data row."""
+        if self.agent is None:
+            return None
+        rows = [{**{k: v[i] for k, v in prompts.non_tensors.items()}, "prompt": prompts.non_tensors["messages"][i]}
+                for i in range(len(prompts))]
+        return [self.agent.session(row) for row in rows for _ in range(n)]
+
     # ------------------------------------------------------------------ generation
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
     def generate(self, prompts: Batch, sampling: SamplingParams, *, version: int | None = None,
                  partial: bool = False) -> Batch:
         """``sampling.n`` responses per prompt with weight ``version`` (default: the weights at hand).
@@ -123,13 +160,15 @@ class RolloutWorker(Worker):
         per token; the samples keep the version asked for (their oldest tokens' at most).
         The call's MFU (colocated: streaming the weights in included) is ``meta["perf/mfu/rollout"]``.
         """
+        if self.engine is None:
+            self.engine = self._build_engine()
+        sessions = self._sessions(prompts, sampling.n)
+        extra = {} if sessions is None else {"sessions": sessions}
         start = time.perf_counter()
         if self.actor_group is not None:
-            if self.engine is None:
-                self.engine = self._build_engine()
             actor = self.actor
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
-                                                       optimizer=actor.optimizer)
+                                                       optimizer=actor.optimizer, **extra)
             version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
             if version is not None:
@@ -137,10 +176,12 @@ class RolloutWorker(Worker):
             else:
                 version = self.weight_version
             if partial:
-                out = self.engine.generate(prompts, sampling, between_steps=self._load_newest)
-            else:
-                out = self.engine.generate(prompts, sampling)
+                extra["between_steps"] = self._load_newest
+            out = self.engine.generate(prompts, sampling, **extra)
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
+        if sessions is not None:
+            for key, values in agent_columns([s.result() for s in sessions]).items():
+                out[key] = values
         out.meta["perf/mfu/rollout"] = self._mfu(prompts, out, time.perf_counter() - start)
         return out
 
@@ -177,12 +218,12 @@ class RolloutWorker(Worker):
         if self.actor_group is not None:
             raise RuntimeError("a colocated rollout gets its weights from the actor at each generate")
         if relay_capacity <= 0:
-            stats = receive_weights(self.engine, process_group(sync_key), src, manifest, self.dtype, bucket_bytes,
-                                    device=self.device)
+            stats = receive_weights(self.weights_in, process_group(sync_key), src, manifest, self.dtype,
+                                    bucket_bytes, device=self.device)
             self.weight_version = version
             return stats.as_dict()
         if self.relay is None:
-            self.relay = WeightRelay(self.engine, capacity=relay_capacity)
+            self.relay = WeightRelay(self.weights_in, capacity=relay_capacity)
         inbox = self.relay.inbox()
         stats = receive_weights(inbox, process_group(sync_key), src, manifest, self.dtype, bucket_bytes)
         self.relay.publish(version, inbox)
@@ -197,17 +238,20 @@ class RolloutWorker(Worker):
             return
         if self.relay is None:
             raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
-        self.weight_version = self.relay.load(self.engine, want)
+        self.weight_version = self.relay.load(self.weights_in, want)
 
     def _load_newest(self) -> int:
         """Partial rollouts, between two decode steps: load the relay's newest version if it is newer."""
         newest = self.relay.newest() if self.relay is not None else None
         if newest is not None and newest > self.weight_version:
-            self.weight_version = self.relay.load(self.engine, newest)
+            self.weight_version = self.relay.load(self.weights_in, newest)
         return self.weight_version
 
     def close(self) -> None:
-        """Stop an engine that runs processes of its own (vLLM) while the process group still exists."""
+        """Stop an engine that runs processes of its own (vLLM), and the agent's tool processes, while the
+        process group still exists."""
+        if self.agent is not None:
+            self.agent.close()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -218,3 +262,17 @@ class RolloutWorker(Worker):
         """Which engine serves, its TP size and dtype (for logs and benchmarks)."""
         return {"engine": f"{self.engine_cls.__module__}.{self.engine_cls.__qualname__}", "tp_size": self.tp_size,
                 "dtype": str(self.dtype), "colocated": self.actor_group is not None}
+
+
+AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens",
+                "truncated_observations", "token_mismatches")
+
+
+def agent_columns(trajectories: list[Any]) -> dict[str, torch.Tensor]:
+    """Per-sample agent figures as float columns: the session's counts (`AGENT_COUNTS`, those it keeps),
+    ``env_reward`` (the sum of the environment's rewards) and ``agent_error`` (1: ended by an error)."""
+    keys = [k for k in AGENT_COUNTS if k in trajectories[0].metrics]
+    columns = {k: torch.tensor([t.metrics[k] for t in trajectories], dtype=torch.float32) for k in keys}
+    columns["env_reward"] = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)
+    columns["agent_error"] = torch.tensor([float(t.error) for t in trajectories], dtype=torch.float32)
+    return columns

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from torchrlhf.utils.isolated import CallTimeout, IsolatedPool
+
+
+def test_submit_returns_at_once_and_a_hung_call_times_out_while_others_finish(tmp_path, monkeypatch):
+    (tmp_path / "pool_fns.py").write_text(
+        "import time\n"
+        "def nap(s):\n    time.sleep(s)\n    return s\n"
+        "def fail():\n    raise ValueError('bad')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with IsolatedPool(num_workers=2, timeout_s=1.5) as pool:
+        pool.run([("pool_fns:nap", (0.0,), {})])  # start the workers outside the timed part
+        start = time.monotonic()
+        futures = [pool.submit("pool_fns:nap", (60,)), pool.submit("pool_fns:nap", (0.5,)),
+                   pool.submit("pool_fns:fail"), pool.submit("pool_fns:nap", (0.2,), timeout_s=30)]
+        assert time.monotonic() - start < 0.5  # non-blocking
+        wait(futures, timeout=60)
+        assert isinstance(futures[0].exception(), CallTimeout)
+        assert futures[1].result() == 0.5 and futures[3].result() == 0.2
+        assert isinstance(futures[2].exception(), ValueError)
+        assert pool.restarts >= 1 and time.monotonic() - start < 30
+        assert pool.submit("pool_fns:nap", (0.0,)).result(timeout=60) == 0.0  # a fresh pool after the kill
+
+
+def test_unsendable_function_fails_before_anything_runs():
+    pool = IsolatedPool()
+    with pytest.raises(ValueError, match="cannot be sent to a worker process"):
+        pool.run([("os:getpid", (), {}), (lambda: 1, (), {})])
+    assert pool._thread is None  # nothing was queued

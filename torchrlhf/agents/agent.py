@@ -1,0 +1,172 @@
+"""`AgentSpec` (the ``rollout.agent`` config, validated) and `Agent` (what a rollout worker holds).
+
+Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)::
+
+    rollout:
+      max_tokens: 256              # model tokens over all turns of a trajectory
+      agent:
+        tools: [calculator, my_pkg.tools:search, /path/tools.py:lookup]
+        format: hermes             # hermes: <tool_call>{"name":..,"arguments":{..}}</tool_call>; tags: <calc>..</calc>
+        tags: {calc: calculator}   # format tags: tag -> tool (its one string argument is the tag's text)
+        env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}
+        max_turns: 4               # model turns (verl: multi_turn.max_assistant_turns)
+        max_tool_response_tokens: 256   # longer observations are cut and marked (verl: max_tool_response_length)
+        max_parallel_calls: 4      # tool calls run per turn; more become error observations
+        timeout_s: 10              # per tool call, in a worker process
+        num_workers: 1             # tool worker processes
+        on_error: observe          # observe: the error is the model's observation; end: end the trajectory
+        on_error_score: 0.0        # the score of a trajectory ended by an error
+        reward: reward_fn          # env (sum of env step rewards) | reward_fn (the run's reward on the final turn) | sum
+        check_tokens: off          # off | metric (token_mismatches) | error: re-render from text and compare
+        observation_role: auto     # tool | user | auto (tool if the chat template knows a tool role)
+        observation_prefix: ""     # before a user-role observation's content
+
+The whole trajectory (prompt + model turns + observations) is capped by ``max_trajectory_tokens``,
+which the trainer derives from ``max_seq_len``. A model turn with tool calls gets their results; a
+turn without one ends the trajectory (its text is the final answer the reward function grades,
+`Trajectory.final_text`), unless an env is configured: then it is the env's action (as verl's
+``interaction``), and the env says when the episode is done. As with TRL's ``environment_factory``,
+the env is built per trajectory and ``reset`` sees the data row. How this differs from verl's
+``ToolAgentLoop``: trajectories are token-exact (observations are the chat template's delta; the
+model's tokens are never re-tokenized), engines keep a trajectory's KV cache between turns, and the
+same `AgentSession` serves every engine and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from torchrlhf.agents.env import load_env_factory
+from torchrlhf.agents.parsing import ToolCallParser
+from torchrlhf.agents.render import ChatRenderer
+from torchrlhf.agents.session import AgentSession
+from torchrlhf.agents.tools import ToolExecutor, load_tools
+from torchrlhf.config import ConfigError
+from torchrlhf.config._errors import close_matches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """The validated ``rollout.agent`` config; see the module docstring for each key."""
+
+    tools: tuple[str, ...] = ()
+    format: str = "hermes"
+    tags: dict[str, str] = field(default_factory=dict)
+    env: dict[str, Any] | None = None
+    max_turns: int = 4
+    max_tool_response_tokens: int | None = 256
+    max_parallel_calls: int = 4
+    timeout_s: float = 10.0
+    num_workers: int = 1
+    on_error: str = "observe"
+    on_error_score: float = 0.0
+    reward: str = "reward_fn"
+    check_tokens: str | bool = "off"  # YAML reads a bare `off` as False
+    observation_role: str = "auto"
+    observation_prefix: str = ""
+    isolate: bool = True  # False: tools run in the calling thread, no time limit (tests, notebooks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tools", tuple(self.tools))
+        if isinstance(self.check_tokens, bool):
+            object.__setattr__(self, "check_tokens", "metric" if self.check_tokens else "off")
+        checks = [
+            (self.tools or self.env, "needs tools or an env"),
+            (self.format in ("hermes", "tags"), f"format must be 'hermes' or 'tags', got {self.format!r}"),
+            (self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}"),
+            (self.max_parallel_calls >= 1, f"max_parallel_calls must be >= 1, got {self.max_parallel_calls}"),
+            (self.timeout_s > 0 and self.num_workers >= 1, "need timeout_s > 0 and num_workers >= 1"),
+            (self.on_error in ("observe", "end"), f"on_error must be 'observe' or 'end', got {self.on_error!r}"),
+            (self.reward in ("env", "reward_fn", "sum"), f"reward must be 'env', 'reward_fn' or 'sum', got {self.reward!r}"),
+            (self.reward == "reward_fn" or self.env, f"reward={self.reward!r} needs an env"),
+            (self.check_tokens in ("off", "metric", "error"),
+             f"check_tokens must be 'off', 'metric' or 'error', got {self.check_tokens!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"rollout.agent: {message}")
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> AgentSpec:
+        """Validate a ``rollout.agent`` mapping, loading its tools and env class so a bad name fails now."""
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in cfg:
+            if key not in known:
+                raise ConfigError(f"rollout.agent: unknown key {key!r}{close_matches(str(key), known)}")
+        spec = cls(**dict(cfg))
+        spec.load()
+        return spec
+
+    def load(self) -> tuple[dict, Any]:
+        """(tools by name, env factory or None); ConfigError naming what is missing."""
+        try:
+            tools = load_tools(list(self.tools))
+            if tools:
+                ToolCallParser(tools, self.format, self.tags or None)
+        except (ValueError, ImportError, FileNotFoundError) as e:
+            raise ConfigError(f"rollout.agent.tools: {e}") from e
+        try:
+            env = load_env_factory(self.env) if self.env else None
+        except (ValueError, ImportError, FileNotFoundError) as e:
+            raise ConfigError(f"rollout.agent.env: {e}") from e
+        return tools, env
+
+
+class Agent:
+    """What a rollout worker holds: the spec, the chat renderer, the tool parser and executor.
+
+    Args:
+        spec: the agent config.
+        tokenizer: the policy's tokenizer (with its chat template).
+        max_tokens: model tokens over all turns of a trajectory (``rollout.max_tokens``).
+        max_trajectory_tokens: cap on prompt + response (model and observation tokens); from ``max_seq_len``.
+    """
+
+    def __init__(self, spec: AgentSpec, tokenizer: Any, *, max_tokens: int,
+                 max_trajectory_tokens: int | None = None) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"Agent: max_tokens must be >= 1, got {max_tokens}")
+        self.spec = spec
+        self.max_tokens = int(max_tokens)
+        self.max_trajectory_tokens = max_trajectory_tokens
+        self.tools, self.env_factory = spec.load()
+        self.parser = ToolCallParser(self.tools, spec.format, spec.tags or None) if self.tools else None
+        self.renderer = ChatRenderer(
+            tokenizer, tools=[t.schema for t in self.tools.values()] or None,
+            observation_role=spec.observation_role, observation_prefix=spec.observation_prefix,
+            max_observation_tokens=spec.max_tool_response_tokens)
+        self.executor = ToolExecutor(spec.num_workers, spec.timeout_s, isolate=spec.isolate)
+        if self.tools and spec.format == "hermes" and not self.renderer.template_uses_tools:
+            log.warning("rollout.agent: the chat template ignores tools=, so the model is not shown the tools' "
+                        "schemas; describe them (and the <tool_call> format) in the prompt")
+
+    def session(self, row: Mapping[str, Any], prompt_messages: Sequence[Mapping[str, Any]] | None = None) -> AgentSession:
+        """A new trajectory for a data row (its ``prompt`` messages, unless ``prompt_messages`` are given)."""
+        return AgentSession(self, row, prompt_messages)
+
+    def close(self) -> None:
+        """Stop the tool worker processes."""
+        self.executor.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def build_agent(cfg: Mapping[str, Any], tokenizer: Any, *, max_tokens: int,
+                max_trajectory_tokens: int | None = None) -> Agent:
+    """An `Agent` from a ``rollout.agent`` config mapping."""
+    return Agent(AgentSpec.from_config(cfg), tokenizer, max_tokens=max_tokens,
+                 max_trajectory_tokens=max_trajectory_tokens)
