@@ -132,3 +132,26 @@ def test_update_counts_every_mini_batch_and_epoch_and_reports_mfu(model_dir, sha
     out = actor.compute_log_prob(batch, temperature=1.0)
     assert 0 < out.meta["perf/mfu/old_log_prob"] < 1
     assert seen[-1] == model.forward(*forward_counts(batch, SharedPrefixPlan(batch) if shared else None))
+
+
+def test_lora_training_count_equals_flop_counter_mode():
+    """A LoRA model (frozen base and head, trained adapters): its base matmuls and the head compute no weight
+    gradients, attention and the adapters do. The input embeddings are made to need a gradient so that the
+    first block's input gradients are computed too (a recipe run skips them: the count is then an upper bound)."""
+    from torchrlhf.models.lora import LoRAConfig, inject_lora
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    inject_lora(model, LoRAConfig(rank=4, alpha=8.0))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith((".lora_A", ".lora_B")))
+    t = 7
+    embeds = model.get_input_embeddings()(torch.randint(0, 50, (1, t))).detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        model(inputs_embeds=embeds).logits.square().sum().backward()
+    count = TransformerFlops.from_model(model)
+    # per layer, rank 4 x (in + out) of q 32->32, k 32->16, v 32->16, o 32->32, gate and up 32->48, down 48->32
+    assert count.adapter_params == 3 * 4 * (64 + 48 + 48 + 64 + 2 * 80 + 80)
+    assert count.train(t, t * t, t) == counter.get_total_flops()

@@ -186,12 +186,12 @@ def measure_mfu(shape_name: str, dtype: str, side: str, args: argparse.Namespace
 def update_flops(shape_name: str, shared: bool) -> int:
     """Model FLOPs of one update of ``shape_name``'s batch (forward + backward, `torchrlhf.utils.flops`)."""
     from torchrlhf.models import build_meta_causal_lm, smollm2_model_dir
-    from torchrlhf.utils.flops import TRAIN_FORWARDS, TransformerFlops
+    from torchrlhf.utils.flops import TransformerFlops
     from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts
 
     batch = group_rollouts(**shape_batch(SHAPES[shape_name]), vocab=49152)
     counts = forward_counts(batch, SharedPrefixPlan(batch) if shared else None)
-    return TRAIN_FORWARDS * TransformerFlops.from_model(build_meta_causal_lm(str(smollm2_model_dir()))).forward(*counts)
+    return TransformerFlops.from_model(build_meta_causal_lm(str(smollm2_model_dir()))).train(*counts)
 
 
 def _host() -> str:

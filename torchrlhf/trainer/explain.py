@@ -29,7 +29,7 @@ import torch
 
 from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
 from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_is_actor, reference_kwargs, role_ranks
-from torchrlhf.utils.flops import TRAIN_FORWARDS, TransformerFlops, generation_counts
+from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
 GIB = 1 << 30
@@ -149,8 +149,9 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     return lines, memory
 
 
-def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: list[int], mini_batches: int) -> float:
-    """Model FLOPs of one forward over a step's samples, at the longest prompts and responses, as the role
+def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: list[int], mini_batches: int,
+                train: bool = False) -> float:
+    """Model FLOPs of one forward (``train``: forward + backward) over a step's samples, at the longest prompts and responses, as the role
     computes them: each data-parallel rank its contiguous shard, in strided mini-batches (`layout_counts`
     of each; with shared prompts, a prompt recurs in every mini-batch and on every rank that has one of its
     samples)."""
@@ -169,7 +170,7 @@ def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: lis
                 counts = layout_counts([p_len] * len(groups), [r_len] * len(part), [groups[i // n] for i in part])
             else:
                 counts = layout_counts([p_len] * len(part), [r_len] * len(part), None)
-            total += model.forward(*counts)
+            total += model.train(*counts) if train else model.forward(*counts)
     return total
 
 
@@ -180,7 +181,7 @@ def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[st
 
     actor, batching, lm = cfg.actor, cfg.actor.batching, shapes["actor"].flops
     minis = cfg.data.train_batch_size // batching.ppo_mini_batch_size
-    passes = {"actor update": TRAIN_FORWARDS * batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis)}
+    passes = {"actor update": batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis, train=True)}
     if not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward:
         passes["old log-probs"] = _pass_flops(lm, cfg, actor, ranks["actor"], 1)
     if "ref" in shapes:
@@ -189,12 +190,13 @@ def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[st
     if "critic" in shapes:
         value = dataclasses.replace(shapes["critic"].flops, head_out=1)
         c_minis = cfg.data.train_batch_size // cfg.critic.batching.ppo_mini_batch_size
-        passes["critic update"] = TRAIN_FORWARDS * cfg.critic.batching.ppo_epochs * _pass_flops(
-            value, cfg, cfg.critic, ranks["critic"], c_minis)
+        passes["critic update"] = cfg.critic.batching.ppo_epochs * _pass_flops(
+            value, cfg, cfg.critic, ranks["critic"], c_minis, train=True)
         passes["values"] = _pass_flops(value, cfg, cfg.critic, ranks["critic"], 1)
     prompts = cfg.data.train_batch_size
-    passes["rollout"] = lm.forward(*generation_counts([cfg.data.max_prompt_length] * prompts,
-                                                               [cfg.rollout.max_tokens] * prompts * cfg.rollout.n))
+    engine = dataclasses.replace(lm, adapter_params=0)  # a LoRA actor's engine holds merged weights
+    passes["rollout"] = engine.forward(*generation_counts([cfg.data.max_prompt_length] * prompts,
+                                                          [cfg.rollout.max_tokens] * prompts * cfg.rollout.n))
     return ["model FLOPs per step (fwd + bwd of the tokens processed, at the longest prompts and responses: "
             "an upper bound; perf/mfu/* divide the measured ones by time × peak):",
             "  " + ", ".join(f"{k} {v / 1e12:.3g} TFLOP" for k, v in passes.items())

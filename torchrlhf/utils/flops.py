@@ -14,8 +14,11 @@ pass's seconds × the device's peak FLOP/s). Counted per forward, over the token
 - ``scored``: positions projected through the output head (``V_out`` = vocabulary size for an LM,
   1 for a value head); the embedding lookup, norms, activations and softmax are not counted.
 
-Training counts 3 forwards (backward = 2: the gradients of the activations and of the weights). Work a
-pass does twice by choice is not counted (as in PaLM's MFU): the fused LM head's recompute in its
+Training counts 3 forwards (backward = 2: the gradients of the activations and of the weights). A LoRA
+model's frozen base computes no weight gradients: its matmuls count 2 forwards, attention (no weights)
+still 3, and the adapters' own matmuls 3 (`TransformerFlops.train`); the first block's input gradients,
+which autograd skips because the embeddings are frozen, are counted anyway (≤ 1/L of the blocks'
+backward: an upper bound). Work a pass does twice by choice is not counted (as in PaLM's MFU): the fused LM head's recompute in its
 backward, activation checkpointing's second forward.
 
 The peak is per device in the dtype of the pass: given (``trainer.peak_flops``) or measured once per
@@ -43,6 +46,7 @@ class TransformerFlops:
     head_dim: int
     hidden: int
     head_out: int  # vocabulary size (LM) or 1 (value head)
+    adapter_params: int = 0  # LoRA factors over all blocks (their base weights are then frozen)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> TransformerFlops:
@@ -52,18 +56,29 @@ class TransformerFlops:
         config = model.config
         blocks = find_transformer_blocks(model)
         linear = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, nn.Linear))
+        adapters = sum(p.numel() for n, p in blocks.named_parameters() if n.endswith((".lora_A", ".lora_B")))
         heads = config.num_attention_heads
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None:
             head = getattr(model, "score", None)
         return cls(layers=len(blocks), block_params=linear, heads=heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   hidden=config.hidden_size, head_out=head.out_features if head is not None else 0)
+                   hidden=config.hidden_size, head_out=head.out_features if head is not None else 0,
+                   adapter_params=adapters)
 
     def forward(self, tokens: int, keys: int, scored: int) -> int:
         """FLOPs of one forward over ``tokens`` tokens reading ``keys`` keys in all, ``scored`` of them projected."""
-        return (2 * self.block_params * tokens + 4 * self.layers * self.heads * self.head_dim * keys
-                + 2 * self.hidden * self.head_out * scored)
+        return (2 * (self.block_params + self.adapter_params) * tokens
+                + 4 * self.layers * self.heads * self.head_dim * keys + 2 * self.hidden * self.head_out * scored)
+
+    def train(self, tokens: int, keys: int, scored: int) -> int:
+        """FLOPs of forward + backward: 3 forwards; with adapters (a frozen base, LoRA) the base's matmuls and
+        the head 2 (no weight gradients), attention and the adapters 3."""
+        if not self.adapter_params:
+            return TRAIN_FORWARDS * self.forward(tokens, keys, scored)
+        frozen = 2 * self.block_params * tokens + 2 * self.hidden * self.head_out * scored
+        trained = 4 * self.layers * self.heads * self.head_dim * keys + 2 * self.adapter_params * tokens
+        return 2 * frozen + TRAIN_FORWARDS * trained
 
 
 def causal_keys(length: int, context: int = 0) -> int:

@@ -355,7 +355,7 @@ class FSDPWorker(Worker):
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
             plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
-        self._step_flops += flops.TRAIN_FORWARDS * self.flops_of.forward(*forward_counts(mini, plan))
+        self._step_flops += self.flops_of.train(*forward_counts(mini, plan))
         for mb, index in self.micro_batches(mini, micro_batch_size=self.batching.ppo_micro_batch_size_per_device,
                                             max_tokens=self.batching.max_tokens, lengths=lengths):
             real = index is not None  # filler micro-batches only keep collectives in step
