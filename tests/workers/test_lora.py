@@ -193,7 +193,10 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(model_dir, tmp_path):
     resumed = ActorWorker(model_dir, **{**kw, "seed": 7})  # another seed: every adapter value must come from disk
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     got += [resumed.update(b, temperature=1.0) for b in batches[1:]]
-    assert got == want
+    timed = [k for k in want[0] if k.startswith("perf/")]  # MFU: a measured time, not the training's state
+    assert [{k: v for k, v in m.items() if k not in timed} for m in got] == \
+        [{k: v for k, v in m.items() if k not in timed} for m in want]
+    assert timed == ["perf/mfu/actor"]
     for name, value in adapters(straight).items():
         assert torch.equal(adapters(resumed)[name], value), name
 
