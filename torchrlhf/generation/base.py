@@ -220,32 +220,14 @@ def assemble_generation(
     padding; only with ``params.logprobs``), ``finish_reason``; every other column of ``prompts`` is
     repeated n times; ``meta["temperature"]`` is the temperature the log-probs used (1 when greedy).
     """
-    n, out_device = params.n, prompts["input_ids"].device
+    n = params.n
     r = params.max_tokens
     response_mask = (torch.arange(r)[None, :] < resp_len[:, None]).long()
     responses = torch.where(response_mask.bool(), tokens, pad_id)
     prompt_ids = prompts["input_ids"].cpu().repeat_interleave(n, dim=0)
     prompt_mask = prompts["attention_mask"].cpu().long().repeat_interleave(n, dim=0)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    columns = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": response_mask,
-        "rollout_log_probs": (logps * response_mask).float(),
-    }
-    if not params.logprobs:
-        del columns["rollout_log_probs"]
-    columns = {k: v.to(out_device) for k, v in columns.items()}
-    reserved = {*GENERATION_COLUMNS, "finish_reason"}
-    rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
-    return Batch(
-        {**(rest.tensors if rest else {}), **columns},
-        {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
-        {**prompts.meta, "temperature": params.temperature if params.temperature > 0 else 1.0},
-    )
+    return _generation_batch(prompts, params, prompt_ids, prompt_mask, responses, response_mask, response_mask,
+                             (logps * response_mask).float(), reasons)
 
 
 def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: Sequence[Any], logps: torch.Tensor,
@@ -258,7 +240,6 @@ def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: 
     trajectory's model-token log-probs in order (all turns), as ``versions`` their weight versions;
     ``prompts`` are the trajectories' own first contexts (an environment may have written them).
     """
-    n, out_device = params.n, prompts["input_ids"].device
     count = len(trajectories)
     width = max(len(t.prompt_tokens) for t in trajectories)
     r = max(1, max(len(t.response_tokens) for t in trajectories))
@@ -282,6 +263,18 @@ def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: 
             rollout_lp[i, :k][model] = logps[i, :m].float()
             if versions is not None:
                 token_versions[i, :k][model] = versions[i, :m]
+    extra = {"token_weight_versions": token_versions} if versions is not None else {}
+    return _generation_batch(prompts, params, prompt_ids, prompt_mask, responses, valid, loss_mask, rollout_lp,
+                             [t.finish_reason for t in trajectories], extra)
+
+
+def _generation_batch(prompts: Batch, params: SamplingParams, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      responses: torch.Tensor, valid: torch.Tensor, response_mask: torch.Tensor,
+                      rollout_log_probs: torch.Tensor, reasons: list[str],
+                      extra: dict[str, torch.Tensor] | None = None) -> Batch:
+    """The Batch both assemblers return: prompts left-padded, responses right-padded (``valid``: the
+    tokens present, ``response_mask``: those the loss sees), ``extra`` columns, and every other column of
+    ``prompts`` repeated ``params.n`` times, on the prompts' device."""
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
     columns = {
         "prompts": prompt_ids,
@@ -289,18 +282,17 @@ def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: 
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": loss_mask,
-        "rollout_log_probs": rollout_lp,
+        "response_mask": response_mask,
     }
-    if not params.logprobs:
-        del columns["rollout_log_probs"]
-    if versions is not None:
-        columns["token_weight_versions"] = token_versions
+    if params.logprobs:
+        columns["rollout_log_probs"] = rollout_log_probs
+    columns.update(extra or {})
+    out_device = prompts["input_ids"].device
     columns = {k: v.to(out_device) for k, v in columns.items()}
     reserved = {*GENERATION_COLUMNS, "finish_reason"}
-    rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(n) if len(prompts) else None
+    rest = prompts.select(*[k for k in prompts.keys() if k not in reserved]).repeat(params.n) if len(prompts) else None
     return Batch(
         {**(rest.tensors if rest else {}), **columns},
-        {**(rest.non_tensors if rest else {}), "finish_reason": [t.finish_reason for t in trajectories]},
+        {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
         {**prompts.meta, "temperature": params.logprob_temperature},
     )
