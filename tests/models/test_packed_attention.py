@@ -8,7 +8,13 @@ import torch.nn.functional as F
 
 from torchrlhf.data import Batch
 from torchrlhf.models import build_tiny_causal_lm
-from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PackedAttention, PackedLayout, sliding_window
+from torchrlhf.models.packed_attention import (
+    ATTN_IMPLEMENTATION,
+    PackedAttention,
+    PackedLayout,
+    sdpa,
+    sliding_window,
+)
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3]]  # the last one: an empty prefix
@@ -120,3 +126,32 @@ def test_one_batched_call_equals_one_call_per_segment_in_value_and_gradient():
 def test_layout_refuses_segments_that_do_not_cover_the_row_in_order():
     with pytest.raises(ValueError, match="cover the row in order"):
         PackedLayout([(0, 3, 0, 0), (4, 6, 0, 0)], 0, "cpu")
+
+
+def _attention_f64(q, k, v, mask):
+    """Masked softmax attention written out in float64, GQA by repeating K/V heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(rep, 1) for x in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def test_bf16_attention_on_cpu_runs_in_fp32_and_returns_bf16():
+    """`sdpa` on bf16 inputs: bf16 out, within one bf16 rounding of a float64 reference (the bf16 kernel's
+    own softmax and products round in bf16), and gradients reach the bf16 inputs."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 5, 16, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(3, 2, 7, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    mask = (torch.rand(3, 1, 5, 7, generator=g) > 0.4) | (torch.arange(7) == 0)
+    out = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref = _attention_f64(q, k, v, mask)
+    assert out.dtype == torch.bfloat16
+    # fp32 math, one rounding to bf16 at the end: |out - ref| <= half a bf16 ulp (2^-8 relative) + fp32 noise
+    torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-6)
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+    # fp32 inputs are left to the kernel as they are
+    q32, k32, v32 = (x.detach().float() for x in (q, k, v))
+    torch.testing.assert_close(sdpa(q32, k32, v32, attn_mask=mask, enable_gqa=True),
+                               F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, enable_gqa=True),
+                               rtol=0, atol=0)

@@ -9,11 +9,19 @@ rollout, no KL term (no reference model), the same chat template and no system p
 - ``arithmetic8``: the same data, 8 prompts x 4 x 64 tokens;
 - ``gsm8k``: data/gsm8k/gsm8k_train.jsonl (``tools/prepare_gsm8k.py``), 8 prompts x 8 x 64 tokens.
 
-``--prompts/--n/--max-tokens`` override every chosen setting. Each side runs in its own subprocess,
+- ``learn`` (time to accuracy): the learning config (recipes/configs/grpo_arithmetic_learn.yaml: 8 prompts x 8,
+  <= 20 tokens, temperature 0.7, its system prompt, lr 1e-5, KL loss 0.001 (k3), bf16 compute with fp32
+  master weights) on both sides, each run until its held-out greedy accuracy (the config's 256 validation
+  problems, checked every ``--eval-every`` steps and before the first) reaches ``--target``, for at most
+  ``--max-steps``. Prints both accuracy curves, the training seconds (the steps' own time; validation
+  excluded on both sides) to the first check at or above the target, and their ratio.
+
+``--prompts/--n/--max-tokens`` override every chosen step-time setting. Each side runs in its own subprocess,
 one after the other; the first ``--warmup`` steps are excluded. Both sides' mean prompt and completion
 tokens are printed, so that equal work is visible. Needs ``pip install -e ".[bench]"`` (TRL).
 
     python tools/bench/bench_vs_trl.py [--settings arithmetic gsm8k --steps 5 --warmup 1 --threads 2]
+    python tools/bench/bench_vs_trl.py --settings learn [--target 0.6 --max-steps 30 --eval-every 5]
 """
 
 from __future__ import annotations
@@ -122,13 +130,142 @@ def run_trl(s: dict, args: argparse.Namespace, work: Path, model_dir: str) -> li
     return json.loads(line.split(" ", 1)[1])
 
 
+LEARN = dict(config="grpo_arithmetic_learn.yaml", train="recipes/data/arithmetic_train.jsonl",
+             val="recipes/data/arithmetic_test.jsonl", reward="arithmetic")
+
+
+def learn_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], dict[int, float]]:
+    """The learning config as shipped, validated every ``eval_every`` steps: (step seconds, {step: accuracy})."""
+    out = work / "torchrlhf"
+    cmd = [sys.executable, str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs" / LEARN["config"]),
+           f"trainer.total_steps={args.max_steps}", f"trainer.test_freq={args.eval_every}",
+           "trainer.val_before_train=true", "trainer.save_freq=0", f"trainer.output_dir={out}",
+           "trainer.loggers=[jsonl]", "trainer.resume=disable"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrlhf run failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    times = [r["timing_s/step"] for r in sorted(rows, key=lambda r: r["step"]) if "timing_s/step" in r]
+    acc = {r["step"]: r["val/arithmetic/acc"] for r in rows if "val/arithmetic/acc" in r}
+    return times, acc
+
+
+TRL_LEARN_SCRIPT = r"""
+import json, sys, time
+import torch
+from datasets import Dataset
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from torchrlhf.rewards.arithmetic import compute_score
+
+model_dir, config, train, val, out, max_steps, every, target, threads = sys.argv[1:10]
+torch.set_num_threads(int(threads))
+cfg = OmegaConf.load(config)
+system = [{"role": "system", "content": cfg.data.system_prompt}]
+rows = [json.loads(l) for l in open(train)]
+ds = Dataset.from_list([{"prompt": system + r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+val_rows = [json.loads(l) for l in open(val)][: cfg.data.val_max_samples]
+tok = AutoTokenizer.from_pretrained(model_dir)
+tok.padding_side = "left"
+
+def reward(prompts, completions, ground_truth, **_):
+    return [compute_score(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
+
+@torch.no_grad()
+def accuracy(model):
+    # Greedy over the validation problems, as the recipe's validation (bf16 autocast, as training computes).
+    model.eval()
+    right = 0
+    for i in range(0, len(val_rows), cfg.data.val_batch_size):
+        chunk = val_rows[i : i + cfg.data.val_batch_size]
+        texts = [tok.apply_chat_template(system + r["prompt"], add_generation_prompt=True, tokenize=False)
+                 for r in chunk]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            gen = model.generate(**enc, max_new_tokens=cfg.rollout.max_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        outs = tok.batch_decode(gen[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        right += sum(compute_score(o, r["ground_truth"]) for o, r in zip(outs, chunk))
+    model.train()
+    return right / len(val_rows)
+
+class ToAccuracy(TrainerCallback):
+    def __init__(self):
+        self.times, self.acc, self.t = [], {}, None
+    def on_train_begin(self, args, state, control, model=None, **k):
+        self.acc[0] = accuracy(model)
+    def on_step_begin(self, *a, **k):
+        self.t = time.perf_counter()
+    def on_step_end(self, args, state, control, model=None, **k):
+        self.times.append(time.perf_counter() - self.t)
+        if state.global_step % int(every) == 0 or state.global_step == int(max_steps):
+            self.acc[state.global_step] = accuracy(model)
+            if self.acc[state.global_step] >= float(target):
+                control.should_training_stop = True
+
+cb = ToAccuracy()
+b, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=b, num_generations=n,
+                  max_completion_length=cfg.rollout.max_tokens, max_steps=int(max_steps),
+                  learning_rate=cfg.actor.optim.lr, beta=cfg.actor.kl_loss_coef, temperature=cfg.rollout.temperature,
+                  logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=True,
+                  dataloader_num_workers=0, seed=0)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok,
+            callbacks=[cb]).train()
+print("LEARN", json.dumps([cb.times, cb.acc]))
+"""
+
+
+def learn_trl(args: argparse.Namespace, work: Path, model_dir: str) -> tuple[list[float], dict[int, float]]:
+    proc = subprocess.run(
+        [sys.executable, "-c", TRL_LEARN_SCRIPT, model_dir, str(ROOT / "recipes/configs" / LEARN["config"]),
+         str(ROOT / LEARN["train"]), str(ROOT / LEARN["val"]), str(work / "trl"), str(args.max_steps),
+         str(args.eval_every), str(args.target), str(args.threads)],
+        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT, capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL run failed:\n{proc.stderr[-4000:]}")
+    times, acc = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("LEARN")).split(" ", 1)[1])
+    return times, {int(k): v for k, v in acc.items()}
+
+
+def time_to(target: float, times: list[float], acc: dict[int, float]) -> tuple[int, float] | None:
+    """(first checked step at or above ``target``, training seconds of the steps up to it), or None."""
+    for step in sorted(acc):
+        if acc[step] >= target:
+            return step, sum(times[:step])
+    return None
+
+
+def learn_main(args: argparse.Namespace, model_dir: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"torchrlhf": learn_torchrlhf(args, Path(tmp)), "TRL": learn_trl(args, Path(tmp), model_dir)}
+    print(f"[learn] time to {args.target:.0%} held-out greedy accuracy: {LEARN['config']} on both sides, "
+          f"{args.threads} threads, checked every {args.eval_every} steps, at most {args.max_steps}")
+    reached = {}
+    for name, (times, acc) in sides.items():
+        curve = ", ".join(f"{step}: {100 * a:.1f}%" for step, a in sorted(acc.items()))
+        reached[name] = time_to(args.target, times, acc)
+        got = (f"reached at step {reached[name][0]} after {reached[name][1]:.0f} s of training"
+               if reached[name] else "not reached")
+        print(f"  {name:<10}: median {statistics.median(times):6.2f} s/step; accuracy {curve}; {got}")
+    if all(reached.values()):
+        print(f"  speed-up to {args.target:.0%}: {reached['TRL'][1] / reached['torchrlhf'][1]:.2f}x", flush=True)
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / max(len(xs), 1)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", nargs="+", default=["arithmetic", "gsm8k"], choices=list(SETTINGS))
+    p.add_argument("--settings", nargs="+", default=["arithmetic", "gsm8k"], choices=[*SETTINGS, "learn"])
+    p.add_argument("--target", type=float, default=0.6, help="learn: the held-out accuracy to reach")
+    p.add_argument("--max-steps", type=int, default=30, help="learn: steps at most per side")
+    p.add_argument("--eval-every", type=int, default=5, help="learn: steps between accuracy checks")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, help="prompts per step (overrides the settings')")
@@ -144,6 +281,9 @@ def main() -> None:
 
     model_dir = str(smollm2_model_dir())
     for name in args.settings:
+        if name == "learn":
+            learn_main(args, model_dir)
+            continue
         s = dict(SETTINGS[name])
         s.update({k: v for k, v in (("prompts", args.prompts), ("n", args.n), ("max_tokens", args.max_tokens)) if v})
         if not (ROOT / s["data"]).is_file():

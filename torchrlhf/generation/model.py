@@ -20,10 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sliding_window
+from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sdpa, sliding_window
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
 
 # The decoder families with the Llama block layout: what the TP plan and the engine both support.
@@ -108,7 +107,7 @@ class CachedAttention:
             s = q.shape[2]
             self.k_cache[layer, self.slots, :s] = k.transpose(1, 2)
             self.v_cache[layer, self.slots, :s] = v.transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         if self.positions.dim() == 2:
             rows, toks = self.write
@@ -117,7 +116,7 @@ class CachedAttention:
             self.v_cache[layer, slots, cols] = v.transpose(1, 2)[rows, toks]
             kc = self.k_cache[layer, self.slots, : self.kv_len].transpose(1, 2)  # [b, Hkv, L, D] (gathered)
             vc = self.v_cache[layer, self.slots, : self.kv_len].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=True)
+            out = sdpa(q, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         b, heads, _, head_dim = q.shape
         kc, vc = self.k_cache[layer, :b], self.v_cache[layer, :b]
@@ -126,7 +125,7 @@ class CachedAttention:
         kv_heads = k.shape[1]
         # Group query heads by their KV head so GQA needs no repeated KV: q [b, Hkv, G, D].
         qg = q[:, :, 0].reshape(b, kv_heads, heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
+        out = sdpa(
             qg, kc[:, : self.kv_len].transpose(1, 2), vc[:, : self.kv_len].transpose(1, 2),
             attn_mask=self.mask, scale=scale,
         )

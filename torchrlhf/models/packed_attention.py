@@ -25,6 +25,18 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 ATTN_IMPLEMENTATION = "torchrlhf_sdpa"
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, computed in fp32 for bf16/fp16 inputs on a CPU, output in their dtype.
+
+    ATen's CPU attention kernels are 1.5-8x slower in bf16 than in fp32 at the shapes RL trains and
+    generates (`tools/bench/bench_attention.py`), and fp32 is the more accurate; every attention the
+    library runs (training, dense or packed, and the engine) goes through here, so they agree.
+    """
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 class PackedAttention:
     """One forward's attention plan over a packed row: its segments, and a recorded or read prompt K/V.
 
@@ -71,7 +83,7 @@ class PackedAttention:
         qs = q[0].index_select(1, lay.query_index).view(heads, lay.num, lay.q_len, dim).transpose(0, 1)
         ks, vs = (x[0].index_select(1, lay.key_index).view(x.shape[1], lay.num, lay.k_len, dim).transpose(0, 1)
                   for x in (k, v))
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=lay.mask, scale=scale, enable_gqa=True)
+        out = sdpa(qs, ks, vs, attn_mask=lay.mask, scale=scale, enable_gqa=True)
         # [S, H, Lq, D] -> the row's tokens in order, [1, T, H, D]
         return out.transpose(1, 2).reshape(lay.num * lay.q_len, heads, dim).index_select(0, lay.row_index)[None]
 
@@ -168,6 +180,10 @@ class AttentionPlan(Protocol):
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                attention_plan: AttentionPlan | None = None, **kwargs):
     if attention_plan is None:
+        if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):  # as `sdpa`
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                  dropout=dropout, scaling=scaling, **kwargs)
+            return out.to(query.dtype), weights
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return attention_plan.attend(module.layer_idx, query, key, value, scaling), None
