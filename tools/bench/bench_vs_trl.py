@@ -47,6 +47,26 @@ SETTINGS = {
 }
 
 
+def run_recipe(config: str, overrides: list[str], out: Path, threads: int) -> list[dict]:
+    """Run recipes/ppo.py with ``config`` (under recipes/configs) and ``overrides``; its metrics.jsonl rows."""
+    cmd = [sys.executable, str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs" / config),
+           *overrides, f"trainer.output_dir={out}", "trainer.loggers=[jsonl]"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, cwd=ROOT, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrlhf run failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_trl_script(script: str, argv: list[str], tag: str, threads: int):
+    """Run a TRL ``script`` (``python -c``) with ``argv``; the JSON it printed after ``tag``."""
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith(tag)).split(" ", 1)[1])
+
+
 def run_torchrlhf(s: dict, args: argparse.Namespace, work: Path) -> tuple[list[float], list[float], list[float]]:
     out = work / "torchrlhf"
     b = s["prompts"] * s["n"]
@@ -58,16 +78,9 @@ def run_torchrlhf(s: dict, args: argparse.Namespace, work: Path) -> tuple[list[f
         f"actor.batching.ppo_micro_batch_size_per_device={b}", "actor.optim.lr=1e-6", "algorithm.use_kl_in_reward=false",
         f"rollout.engine.max_batch_size={b}", f"rollout.engine.max_seq_len={s['prompt_len'] + s['max_tokens']}",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.val_before_train=false", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
+        "trainer.val_before_train=false",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs" / s["config"]),
-           *overrides]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"torchrlhf run failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing_s/step" in r]
+    rows = [r for r in run_recipe(s["config"], overrides, out, args.threads) if "timing_s/step" in r]
     return ([r["timing_s/step"] for r in rows], [r["response_length/mean"] for r in rows],
             [r["prompt_length/mean"] for r in rows])
 
@@ -118,34 +131,20 @@ print("STEP_TIMES", json.dumps([times.times, lengths, [sum(prompt_lens) / len(pr
 
 
 def run_trl(s: dict, args: argparse.Namespace, work: Path, model_dir: str) -> list[list[float]]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(
-        [sys.executable, "-c", TRL_SCRIPT, model_dir, str(ROOT / s["data"]), str(work / "trl"), str(args.steps),
-         str(s["prompts"]), str(s["n"]), str(s["max_tokens"]), str(args.threads), s["reward"]],
-        env=env, cwd=ROOT, capture_output=True, text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"TRL run failed:\n{proc.stderr[-4000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STEP_TIMES"))
-    return json.loads(line.split(" ", 1)[1])
+    return run_trl_script(TRL_SCRIPT, [model_dir, str(ROOT / s["data"]), str(work / "trl"), str(args.steps),
+                                       str(s["prompts"]), str(s["n"]), str(s["max_tokens"]), str(args.threads),
+                                       s["reward"]], "STEP_TIMES", args.threads)
 
 
 LEARN = dict(config="grpo_arithmetic_learn.yaml", train="recipes/data/arithmetic_train.jsonl",
-             val="recipes/data/arithmetic_test.jsonl", reward="arithmetic")
+             val="recipes/data/arithmetic_test.jsonl")
 
 
 def learn_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], dict[int, float]]:
     """The learning config as shipped, validated every ``eval_every`` steps: (step seconds, {step: accuracy})."""
-    out = work / "torchrlhf"
-    cmd = [sys.executable, str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / "recipes/configs" / LEARN["config"]),
-           f"trainer.total_steps={args.max_steps}", f"trainer.test_freq={args.eval_every}",
-           "trainer.val_before_train=true", "trainer.save_freq=0", f"trainer.output_dir={out}",
-           "trainer.loggers=[jsonl]", "trainer.resume=disable"]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"torchrlhf run failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    overrides = [f"trainer.total_steps={args.max_steps}", f"trainer.test_freq={args.eval_every}",
+                 "trainer.val_before_train=true", "trainer.save_freq=0", "trainer.resume=disable"]
+    rows = run_recipe(LEARN["config"], overrides, work / "torchrlhf", args.threads)
     times = [r["timing_s/step"] for r in sorted(rows, key=lambda r: r["step"]) if "timing_s/step" in r]
     acc = {r["step"]: r["val/arithmetic/acc"] for r in rows if "val/arithmetic/acc" in r}
     return times, acc
@@ -220,15 +219,10 @@ print("LEARN", json.dumps([cb.times, cb.acc]))
 
 
 def learn_trl(args: argparse.Namespace, work: Path, model_dir: str) -> tuple[list[float], dict[int, float]]:
-    proc = subprocess.run(
-        [sys.executable, "-c", TRL_LEARN_SCRIPT, model_dir, str(ROOT / "recipes/configs" / LEARN["config"]),
-         str(ROOT / LEARN["train"]), str(ROOT / LEARN["val"]), str(work / "trl"), str(args.max_steps),
-         str(args.eval_every), str(args.target), str(args.threads)],
-        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT, capture_output=True, text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"TRL run failed:\n{proc.stderr[-4000:]}")
-    times, acc = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("LEARN")).split(" ", 1)[1])
+    times, acc = run_trl_script(
+        TRL_LEARN_SCRIPT, [model_dir, str(ROOT / "recipes/configs" / LEARN["config"]), str(ROOT / LEARN["train"]),
+                           str(ROOT / LEARN["val"]), str(work / "trl"), str(args.max_steps), str(args.eval_every),
+                           str(args.target), str(args.threads)], "LEARN", args.threads)
     return times, {int(k): v for k, v in acc.items()}
 
 

@@ -25,14 +25,19 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 ATTN_IMPLEMENTATION = "torchrlhf_sdpa"
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """`F.scaled_dot_product_attention`, computed in fp32 for bf16/fp16 inputs on a CPU, output in their dtype.
+def attends_in_fp32(q: torch.Tensor) -> bool:
+    """Whether attention on ``q`` is computed in fp32: bf16/fp16 on a CPU, where ATen's attention kernels are
+    1.4-5x slower than in fp32 at the shapes RL trains and generates (`tools/bench/bench_attention.py`), and
+    fp32 is the more accurate."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
-    ATen's CPU attention kernels are 1.5-8x slower in bf16 than in fp32 at the shapes RL trains and
-    generates (`tools/bench/bench_attention.py`), and fp32 is the more accurate; every attention the
-    library runs (training, dense or packed, and the engine) goes through here, so they agree.
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, in fp32 where `attends_in_fp32`, output in the inputs' dtype.
+
+    Every attention the library runs (training, dense or packed, and the engine) computes this way, so they agree.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if attends_in_fp32(q):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -180,7 +185,7 @@ class AttentionPlan(Protocol):
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                attention_plan: AttentionPlan | None = None, **kwargs):
     if attention_plan is None:
-        if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):  # as `sdpa`
+        if attends_in_fp32(query):
             out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
                                                   dropout=dropout, scaling=scaling, **kwargs)
             return out.to(query.dtype), weights
