@@ -18,14 +18,14 @@ SPLIT = {"placement": {"actor": [0], "rollout": [1, 2]}, "actor": {"optim": {"lr
 
 
 def _config(tmp_path: Path, tiny: str, name: str, steps: int, mode: str = "async", save_freq: int = 0,
-            actor: dict | None = None, test_freq: int = 0, rollout: dict | None = None,
+            actor: dict | None = None, test_freq: int = 0, rollout: dict | None = None, sections: dict | None = None,
             **async_training) -> tuple[Path, Path]:
     out = tmp_path / name
     trainer = {"total_steps": steps, "mode": mode, "save_freq": save_freq, "output_dir": str(out),
                "loggers": ["jsonl"], "test_freq": test_freq}
     return write_config(tmp_path / f"{name}_{steps}.yaml", tiny, trainer=trainer, async_training=async_training,
                         placement=SPLIT["placement"], actor={**SPLIT["actor"], **(actor or {})},
-                        rollout=rollout or {}), out
+                        rollout=rollout or {}, **(sections or {})), out
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -40,16 +40,20 @@ def _mean(values: list[float]) -> float:
 def test_deterministic_schedule_with_no_lag_equals_a_synchronous_run_bit_for_bit(tiny_model_dir, tmp_path):
     """The asynchronous machinery changes no number: with max_staleness 0 the deterministic schedule (a rollout
     thread, weights through the relays, publish and pause) generates each step from the weights a synchronous
-    split run would use, so both runs log the same values and train the same weights, bit for bit, on any host."""
+    split run would use, so both runs log the same values and train the same weights, bit for bit, on any host.
+    A reward model on the actor's rank (the default placement) scores on the trainer's thread when asynchronous
+    and inside the rollout unit when synchronous: the same scores."""
     runs = {}
     for name, mode in (("sync", "sync"), ("det0", "async")):
         cfg, out = _config(tmp_path, tiny_model_dir, name, 4, mode=mode, save_freq=4, max_staleness=0,
-                           schedule="deterministic", actor={"rollout_is": "token"})
+                           schedule="deterministic", actor={"rollout_is": "token"},
+                           sections={"reward_model": {"model_path": "${model_path}"}})
         assert_ok(run_recipe(cfg, nproc=3))
         runs[name] = (metrics_of(out), _checkpoint_tensors(out / "global_step_4" / "actor")["model"])
     (sync, sync_weights), (det, det_weights) = runs["sync"], runs["det0"]
     keys = [k for k in sync[0] if not k.startswith(("timing_s/", "perf/", "rollout/busy_fraction", "weight_sync/send_s"))]
     assert "actor/pg_loss" in keys and "critic/score/mean" in keys and "actor/rollout_is_mean" in keys
+    assert "timing_s/reward_models" in det[0]  # the reward model scored on the trainer's thread
     for step, (want, got) in enumerate(zip(sync, det)):
         assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, step
     assert all(torch.equal(det_weights[k], w) for k, w in sync_weights.items())

@@ -153,7 +153,7 @@ class StreamRollouts(BackgroundRollouts):
         self._ready: list[Rollout] = []  # one entry per prompt group
         self._in_flight: dict[int, Batch] = {}  # replica -> its prompts
 
-    def next_batch(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
+    def _take(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
         """``batch_size`` groups at ``version``, the least stale first."""
         with self._cond:
             self._wait(lambda: self._drop_stale(version) >= self.batch_size)
@@ -280,7 +280,7 @@ class DeterministicRollouts(BackgroundRollouts):
         self._ready: dict[int, Rollout] = {}
         self._generating = False
 
-    def next_batch(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
+    def _take(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
         with self._cond:
             self._wait(lambda: step - 1 in self._ready)
             r = self._ready.pop(step - 1)

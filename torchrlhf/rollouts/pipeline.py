@@ -1,7 +1,7 @@
 """One rollout unit, the same under every schedule: generate, the ReMax greedy pass, scoring, the group filter.
 
-A schedule (`torchrlhf.rollouts.sync`, `stream`, `deterministic`) decides *when* and *on which replicas* a
-unit runs and with which weight version; everything a unit does is written here once.
+A schedule (`SyncRollouts`, `StreamRollouts`, `DeterministicRollouts`) decides *when* and *on which
+replicas* a unit runs and with which weight version; everything a unit does is written here once.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ class Scorer:
         self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         self.agent = agent  # the rollout.agent spec: how a trajectory's score is composed
         self._lock = threading.Lock()
-
-    @property
-    def has_models(self) -> bool:
-        return self.reward_model is not None or self.cost_model is not None
 
     def outcome(self, gen: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Each sample's score ``[B]`` and the reward function's metrics. An agent trajectory scores the
@@ -130,8 +126,8 @@ class RolloutPipeline:
     """What every rollout does between a prompt batch and scored samples (see the module docstring).
 
     ``models_in_unit``: score with the reward/cost models inside the unit (on the schedule's thread); when
-    False (an asynchronous run whose model scorers share ranks with the training roles), the trainer
-    scores them with `finish` on its own thread. The ReMax baseline and the group filter need the full
+    False (an asynchronous run whose model scorers share ranks with the training roles), `finish` scores
+    them on the trainer's thread as the source hands the batch over. The ReMax baseline and the group filter need the full
     score, so they require it (checked by the config schema).
     """
 
@@ -165,9 +161,13 @@ class RolloutPipeline:
                 gen["reward_baselines"] = self.scorer.baseline(greedy, with_models=self.models_in_unit)
         return gen, metrics
 
-    def finish(self, batch: Batch) -> Batch:
-        """The trainer's share when the unit did not score with the models (see the class docstring)."""
-        return batch if self.models_in_unit else self.scorer.models(batch)
+    def finish(self, batch: Batch, timings: MutableMapping[str, float]) -> Batch:
+        """The trainer's share: the model scores when the unit did not add them (see the class docstring),
+        timed as ``timing_s/reward_models``. Every `RolloutSource` passes its batches through here."""
+        if self.models_in_unit:
+            return batch
+        with timer("reward_models", timings):
+            return self.scorer.models(batch)
 
     def keep(self, gen: Batch) -> list[bool]:
         """Per prompt group of ``gen``: whether it trains (every group without the DAPO filter)."""

@@ -57,8 +57,17 @@ class RolloutSource:
         """After the last step (or a failure)."""
 
     def next_batch(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
-        """Scored samples of ``data.train_batch_size`` prompt groups for training step ``step`` (1-based) at
-        weight ``version``, each with its ``weight_version``; and the step's rollout metrics."""
+        """Fully scored samples of ``data.train_batch_size`` prompt groups for training step ``step``
+        (1-based) at weight ``version``, each with its ``weight_version``; and the step's rollout metrics.
+
+        Every schedule hands its samples over here, so the model scores the pipeline left out of the unit
+        (an asynchronous run whose reward or cost model shares ranks with the training roles) are added on
+        the trainer's thread for every schedule alike."""
+        batch, metrics = self._take(step, version)
+        return self.pipeline.finish(batch, metrics), metrics
+
+    def _take(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
+        """The schedule's part of `next_batch`: the step's samples as the rollout units scored them."""
         raise NotImplementedError
 
     def publish(self, version: int) -> dict[str, float]:
@@ -128,7 +137,7 @@ class RolloutSource:
 class SyncRollouts(RolloutSource):
     """Generate, then train: every step's samples come from the weights it trains (HybridFlow's sync loop)."""
 
-    def next_batch(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
+    def _take(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
         timings: dict[str, float] = {}
         batch, metrics = self._collect_step(version, timings)
         return batch, {**metrics, **timings}
