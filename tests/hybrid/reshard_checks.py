@@ -153,12 +153,13 @@ def update_checks(world, n: int) -> None:
 
 def training_tp_checks(n: int) -> None:
     """FSDP2 × TP training: generation at the same TP reuses the TP shards; only the dp gather moves bytes."""
-    from torchrlhf.models.parallelize import init_mesh, parallelize
+    from torchrlhf.models.parallelize import parallelize
+    from torchrlhf.runtime import ParallelDims
 
     for dp, tp, kv_heads in ((n // 2, 2, 2), (1, n, n)):
         model = build_tiny_causal_lm(dict(vocab_size=256, num_key_value_heads=kv_heads), seed=0)
         ref = {k: v.clone() for k, v in model.state_dict().items()}
-        dp_mesh, tp_mesh = init_mesh(dp, tp, "cpu")
+        dp_mesh, tp_mesh = ParallelDims(n, tp).build_meshes(range(n), "cpu", dist.group.WORLD)
         parallelize(model, dp_mesh=dp_mesh, tp_mesh=tp_mesh)
         train_mesh = next(model.parameters()).device_mesh
         mesh = generation_mesh(train_mesh, tp)

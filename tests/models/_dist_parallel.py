@@ -17,13 +17,13 @@ from torchrlhf.models import (
     build_meta_causal_lm,
     build_meta_value_model,
     build_tiny_causal_lm,
-    init_mesh,
     load_causal_lm,
     load_causal_lm_sharded,
     load_value_model,
     load_value_weights,
     parallelize,
 )
+from torchrlhf.runtime import ParallelDims
 from torchrlhf.utils.checkpoint import save_checkpoint
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -113,7 +113,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp_mesh, tp_mesh = init_mesh(world // tp, tp, "cpu")
+    dp_mesh, tp_mesh = ParallelDims(world, tp).build_meshes(range(world), "cpu", dist.group.WORLD)
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
 
     tied = check_causal_lm(f"{workdir}/tied", dp_mesh, tp_mesh, dp_rank, dp_size)

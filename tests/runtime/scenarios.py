@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchrlhf.data import Batch
-from torchrlhf.runtime import Dispatch, Worker, WorkerError, WorkerGroup, colocate, launch, register
+from torchrlhf.runtime import Dispatch, ParallelDims, Worker, WorkerError, WorkerGroup, colocate, launch, register
 
 _shared: dict[str, object] = {}  # per-process: proves colocated roles share a process
 
@@ -32,7 +32,7 @@ class Probe(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def where(self) -> tuple:
-        return self.rank, self.ranks, self.group_rank, self.group_size, self.dp_rank, self.dp_size, self.is_dp_leader
+        return self.rank, self.ranks, self.group_rank, self.group_size, self.dp_rank, self.dp_size, self.tp_rank
 
     @register(Dispatch.RANK_ZERO)
     def rank_zero(self, x: int) -> tuple:
@@ -130,21 +130,20 @@ class NoSuper(Worker):
 class TensorParallelProbe(Probe):
     """TP=2: consecutive group ranks form one tensor-parallel group, sharing a DP shard."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.dp_rank, self.dp_size = self.group_rank // 2, self.group_size // 2
+    @classmethod
+    def parallel_dims_for(cls, world: int, arguments) -> ParallelDims:
+        return ParallelDims(world, tp=2)
 
     @register(Dispatch.ONE_TO_ALL)
     def mesh_sums(self) -> tuple[float, float, float]:
-        mesh = self.device_mesh((2, 2), ("dp", "tp"))
+        dp_mesh, tp_mesh = self.build_meshes()
         out = []
-        for dim in ("tp", "dp"):
+        for mesh in (tp_mesh, dp_mesh):
             t = torch.tensor([float(self.rank + 1)])
-            dist.all_reduce(t, group=mesh.get_group(dim))
+            dist.all_reduce(t, group=mesh.get_group())
             out.append(t.item())
-        flat = self.device_mesh()
         t = torch.tensor([float(self.rank + 1)])
-        dist.all_reduce(t, group=flat.get_group())
+        dist.all_reduce(t, group=self.process_group)
         out.append(t.item())
         return tuple(out)
 
@@ -185,7 +184,7 @@ def expect_error(exc_type: type, fn, *args) -> str:
 def dispatch_modes(world: int) -> None:
     g = WorkerGroup(Probe, name="probe", kwargs={"scale": 10})
     where = g.where()
-    assert where == [(r, list(range(world)), r, world, r, world, True) for r in range(world)], where
+    assert where == [(r, list(range(world)), r, world, r, world, 0) for r in range(world)], where
     assert g.rank_zero(7) == (0, 7)
     assert g.each(list(range(1, world + 1)), w=[10] * world) == [11, 112, 213, 314][:world]
     print("PASS one_to_all rank_zero all_to_all")
@@ -243,8 +242,10 @@ def dispatch_modes(world: int) -> None:
 
 def tensor_parallel() -> None:
     WorkerGroup(Probe, ranks=[1], name="lonely")  # rank 1 now holds one more process group than the others
+    msg = expect_error(ValueError, WorkerGroup, TensorParallelProbe, [0, 1, 2], "odd")
+    assert "tensor-parallel size 2 must divide the group's 3 ranks" in msg, msg  # on the controller, before any rank
     g = WorkerGroup(TensorParallelProbe, name="tp")
-    assert [w[4:] for w in g.where()] == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+    assert [w[4:] for w in g.where()] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
     b = Batch({"x": torch.arange(3)}, {"id": ["a", "b", "c"]})
     out = g.scaled(b)  # 3 samples over 2 DP groups: shards [a b] and [c a(pad)]
     assert out["who"].tolist() == [0, 0, 2] and out["y"].tolist() == [0, 10, 21], out
@@ -325,7 +326,7 @@ case where members-only creation hangs), and the job ends cleanly."""
         raise AssertionError("a call to a dropped replica returned")
     except WorkerError as e:
         assert e.unreachable and "replica 1 was dropped" in str(e), e
-    assert g.where() == [(1, [1, 2], 0, 2, 0, 2, True)]
+    assert g.where() == [(1, [1, 2], 0, 2, 0, 2, 0)]
     assert g.rank_zero(7) == (0, 7)
     out = g.scaled(Batch({"x": torch.arange(5.0)}, {"id": list("abcde")}), offset=1)
     assert torch.equal(out["y"], torch.arange(5.0) * 10 + 1) and out["who"].tolist() == [1] * 5

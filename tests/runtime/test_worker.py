@@ -7,7 +7,8 @@ import socket
 import pytest
 import torch
 
-from torchrlhf.runtime import Dispatch, Worker, WorkerContext, register
+from torchrlhf.runtime import Dispatch, ParallelDims, Worker, WorkerContext, register
+from torchrlhf.runtime.group import _parallel_dims
 from torchrlhf.runtime.launch import interface_for
 from torchrlhf.runtime.worker import registered_methods, set_current_context
 
@@ -39,9 +40,9 @@ def test_default_context_outside_the_runtime() -> None:
     w = Child()
     assert (w.rank, w.ranks, w.group_rank, w.group_size) == (0, [0], 0, 1)
     assert w.process_group is None and w.device == torch.device("cpu")
-    assert (w.dp_rank, w.dp_size, w.is_dp_leader) == (0, 1, True)
+    assert (w.dp_rank, w.dp_size, w.tp_rank, w.parallel_dims) == (0, 1, 0, ParallelDims(1))
     with pytest.raises(RuntimeError, match="torch.distributed"):
-        w.device_mesh()
+        w.build_meshes()
 
 
 def test_context_set_by_the_runtime_is_used_once() -> None:
@@ -52,11 +53,48 @@ def test_context_set_by_the_runtime_is_used_once() -> None:
     finally:
         set_current_context(None)
     assert (w.rank, w.ranks, w.group_rank, w.group_size, w.dp_rank, w.dp_size) == (5, [3, 5, 7], 1, 3, 1, 3)
-    with pytest.raises(ValueError, match="does not hold"):
-        w.device_mesh((2, 2), ("dp", "tp"))
-    with pytest.raises(ValueError, match="names"):
-        w.device_mesh((3,), ("a", "b"))
     assert Child().rank == 0
+
+
+class Paired(Worker):
+    """Two adjacent ranks per replica, from a constructor argument."""
+
+    @classmethod
+    def parallel_dims_for(cls, world, arguments):
+        return ParallelDims(world, tp=arguments["tp"])
+
+    def __init__(self, tp: int = 2) -> None:
+        super().__init__(tp=tp)
+
+
+def test_the_groups_parallel_dims_are_used_and_a_lone_worker_builds_its_own() -> None:
+    set_current_context(WorkerContext("g", [3, 5, 7, 9], 7, None, torch.device("cpu"), ParallelDims(4, tp=2)))
+    try:
+        w = Paired(tp=99)  # the group built the layout already (from the same arguments): it is not rebuilt
+    finally:
+        set_current_context(None)
+    assert (w.dp_rank, w.tp_rank, w.dp_size) == (1, 0, 2)
+    with pytest.raises(ValueError, match="tensor-parallel size 2 must divide the group's 1 ranks"):
+        Paired()  # outside a group: its own layout, over the one-rank default context
+
+
+def test_parallel_dims_arithmetic_and_errors() -> None:
+    dims = ParallelDims(6, tp=3)
+    assert dims.dp == 2
+    assert [dims.coords(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [dims.replica(d) for d in range(2)] == [[0, 1, 2], [3, 4, 5]]
+    assert ParallelDims(4).dp == 4 and ParallelDims(4).coords(3) == (3, 0)
+    with pytest.raises(ValueError, match="tensor-parallel size 4 must divide the group's 6 ranks"):
+        ParallelDims(6, tp=4)
+    for bad in (dict(world=0), dict(world=2, tp=0), dict(world=2.0), dict(world=True)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            ParallelDims(**bad)
+    with pytest.raises(ValueError, match="outside the group's 6 ranks"):
+        dims.coords(6)
+    with pytest.raises(ValueError, match="outside the group's 2 data-parallel replicas"):
+        dims.replica(2)
+    with pytest.raises(ValueError, match="lays out 6 ranks, got 2"):
+        dims.build_meshes([0, 1], "cpu")
 
 
 def test_interface_for_loopback() -> None:
@@ -64,3 +102,22 @@ def test_interface_for_loopback() -> None:
     assert interface_for("localhost") == "lo"
     assert interface_for("no-such-host.invalid") is None
     assert socket.if_nameindex()  # the helper relies on Linux interface listing
+
+
+class ForwardingPaired(Paired):
+    """A subclass that adds an argument and forwards the rest, as custom roles do."""
+
+    def __init__(self, *args, marker: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+
+
+def test_a_group_builds_its_layout_from_the_constructor_arguments() -> None:
+    assert _parallel_dims(Paired, 4, (), {}) == ParallelDims(4, tp=2)  # the constructor's default
+    assert _parallel_dims(Paired, 4, (4,), {}) == ParallelDims(4, tp=4)
+    assert _parallel_dims(ForwardingPaired, 6, (), {"tp": 3, "marker": 1}) == ParallelDims(6, tp=3)
+    assert _parallel_dims(ForwardingPaired, 4, (), {"marker": 1}) == ParallelDims(4, tp=2)
+    assert _parallel_dims(Child, 3, (), {}) == ParallelDims(3)
+    with pytest.raises(TypeError, match="Paired.__init__: got an unexpected keyword argument 'tpp'"):
+        _parallel_dims(ForwardingPaired, 4, (), {"tpp": 2})
+    with pytest.raises(ValueError, match="tensor-parallel size 2 must divide the group's 3 ranks"):
+        _parallel_dims(Paired, 3, (), {})

@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.runtime.mesh import build_mesh
+from torchrlhf.runtime.parallel_dims import ParallelDims
+
 
 def suffix_tp_dims(table: Mapping[str, int]) -> Callable[[str], int | None]:
     """name -> TP dim from a table keyed by HF name suffix (e.g. ``"mlp.down_proj.weight": 1``); absent = replicated."""
@@ -68,9 +70,7 @@ def generation_mesh(train_mesh: DeviceMesh, tp_size: int) -> DeviceMesh:
     if train_mesh.ndim == 2 and train_mesh.mesh_dim_names == ("dp", "tp") and train_mesh.size(1) == tp_size:
         return train_mesh
     ranks = train_mesh.mesh.flatten()  # FSDP shard order: the rank that holds chunk k is ranks[k]
-    n = ranks.numel()
-    if tp_size < 1 or n % tp_size:
-        raise ValueError(f"generation tp_size={tp_size} must be >= 1 and divide the number of training ranks ({n})")
-    layout = ranks.view(tp_size, n // tp_size).t().contiguous()  # layout[i, j] = ranks[j*d + i]: dp i, tp j
+    dims = ParallelDims(ranks.numel(), tp=tp_size)  # the sizes, checked; the grouping is strided, as above
+    layout = ranks.view(dims.tp, dims.dp).t().contiguous()  # layout[i, j] = ranks[j*d + i]: dp i, tp j
     group = train_mesh.get_group() if train_mesh.ndim == 1 else None
     return build_mesh(layout, ("dp", "tp"), train_mesh.device_type, group=group)

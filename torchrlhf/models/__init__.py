@@ -25,7 +25,6 @@ from torchrlhf.models.parallelize import (
     check_tp_compatible,
     enable_activation_checkpointing,
     find_transformer_blocks,
-    init_mesh,
     parallelize,
 )
 from torchrlhf.models.sharded import (
@@ -47,7 +46,6 @@ __all__ = [
     "check_tp_compatible",
     "enable_activation_checkpointing",
     "find_transformer_blocks",
-    "init_mesh",
     "init_value_head",
     "load_causal_lm",
     "load_causal_lm_sharded",

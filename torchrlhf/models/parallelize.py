@@ -4,7 +4,8 @@ Order matters: tensor parallelism first (it turns weights into DTensors on the
 TP mesh), then activation checkpointing, then FSDP2 `fully_shard` per
 transformer block and at the root (which shards those DTensors further on the
 DP mesh). For 2-D, `dp_mesh` and `tp_mesh` must be the two dimensions of one
-2-D mesh, e.g. ``dp_mesh, tp_mesh = init_mesh(dp, tp)`` (the runtime's mesh factory over the world).
+2-D mesh, e.g. ``dp_mesh, tp_mesh = ParallelDims(world, tp).build_meshes(ranks, device_type)``
+(`torchrlhf.runtime.ParallelDims`, the runtime's one layout of a worker group).
 
 The TP plan has no sequence parallelism: activations between blocks stay
 replicated on the TP group, so norms, rotary embeddings and the HF attention
@@ -16,7 +17,6 @@ replicated DTensors so that their gradients are summed over the TP group.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -52,21 +52,6 @@ def block_tp_shard_dims() -> dict[str, int]:
         else:
             dims[f"{module}.weight"] = 1
     return dims
-
-
-def init_mesh(dp: int, tp: int = 1, device_type: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """(dp_mesh, tp_mesh) over the default process group; tp_mesh is None when tp == 1.
-
-    Ranks of one TP group are adjacent (rank = dp_rank * tp + tp_rank).
-    """
-    from torchrlhf.runtime.mesh import build_mesh
-
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    world = dist.group.WORLD
-    if tp == 1:
-        return build_mesh(torch.arange(dp), ("dp",), device_type, group=world), None
-    mesh = build_mesh(torch.arange(dp * tp).view(dp, tp), ("dp", "tp"), device_type, group=world)
-    return mesh["dp"], mesh["tp"]
 
 
 def find_transformer_blocks(model: nn.Module) -> nn.ModuleList:

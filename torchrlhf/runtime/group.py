@@ -5,8 +5,8 @@ Construction (controller side, collective over the whole world):
    groups one at a time and waits for all ranks, so every rank creates the same groups in the same order;
 2. every rank of the group constructs the worker with its `WorkerContext` set (one RPC per rank); the
    worker is kept in the rank's registry (`runtime.registry`) and an RRef returned (``group.rrefs``);
-3. the controller reads each worker's ``dp_rank``/``dp_size`` and tells the first rank of each
-   data-parallel group that it is the DP leader.
+   the group's `ParallelDims` (built here once, from the role's `Worker.parallel_dims_for` and its
+   constructor arguments) travels in that context, so workers and dispatch read one layout.
 
 Calls: ``group.method(*args, **kwargs)`` sends exactly one RPC per rank of the group and gathers the
 answers as the method's `Dispatch` mode says (`runtime.dispatch`). ``group.method.async_(...)`` returns a
@@ -16,6 +16,7 @@ A replica whose rank died can be given up (`drop_replica`); calls then skip its 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import threading
@@ -39,6 +40,7 @@ from torchrlhf.runtime.launch import (
     worker_name,
 )
 from torchrlhf.runtime.mesh import forget_meshes
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, registered_methods
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,33 @@ class _GroupMethod:
         return f"<{self._group.name}.{self._name} ({self.dispatch.name})>"
 
 
+def _parallel_dims(cls: type[Worker], world: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ParallelDims:
+    """The group's layout, from the role's constructor arguments by name, defaults filled in: through each
+    ``__init__`` of the class's MRO for as long as one forwards ``*args, **kwargs`` to its base (a subclass
+    of `ActorWorker` adding one argument does), as the constructor itself will bind them."""
+    arguments: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        params = list(inspect.signature(klass.__init__).parameters.values())[1:]  # without self
+        try:
+            bound = inspect.Signature(params).bind_partial(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{klass.__name__}.__init__: {e}") from None
+        bound.apply_defaults()
+        args, kwargs, forwards = (), {}, False
+        for p in params:
+            if p.kind is p.VAR_POSITIONAL:
+                args, forwards = bound.arguments[p.name], True
+            elif p.kind is p.VAR_KEYWORD:
+                kwargs, forwards = bound.arguments[p.name], True
+            else:
+                arguments.setdefault(p.name, bound.arguments.get(p.name))
+        if not forwards:
+            break
+    return cls.parallel_dims_for(world, arguments)
+
+
 class WorkerGroup:
     """One ``worker_cls`` per rank of ``ranks``; registered methods are callable here.
 
@@ -169,6 +198,12 @@ class WorkerGroup:
         ranks = _check_ranks(ranks)
         self.worker_cls, self.ranks, self.name = worker_cls, ranks, name
         self.timeout = rpc_timeout() if timeout is None else timeout
+        self.parallel_dims = _parallel_dims(worker_cls, len(ranks), args, kwargs or {})  # before any collective
+        self.dp_size = self.parallel_dims.dp
+        self.dp_ranks = [self.parallel_dims.dp_rank(i) for i in range(len(ranks))]  # replica of each group rank
+        self._leaders = [self.parallel_dims.replica(d)[0] for d in range(self.dp_size)]  # each replica's answer
+        self.lost_dp_ranks: set[int] = set()  # replicas given up (`drop_replica`); calls skip their ranks
+        self._lost_lock = threading.Lock()
         if process_group is None:
             _reserve([name])
         try:
@@ -178,30 +213,11 @@ class WorkerGroup:
             self._workers = [rpc.get_worker_info(worker_name(r)) for r in ranks]
             self._methods = {k: _GroupMethod(self, k, v) for k, v in registered_methods(worker_cls).items()}
             self.rrefs: list[rpc.RRef] = self._fan_out(
-                "__init__", registry.construct, [(name, process_group, ranks, worker_cls, tuple(args),
-                                                  dict(kwargs or {}))] * len(ranks))
-            self._place()
+                "__init__", registry.construct, [(name, process_group, ranks, self.parallel_dims, worker_cls,
+                                                  tuple(args), dict(kwargs or {}))] * len(ranks))
         except BaseException:
             _names.discard(name)
             raise
-
-    def _place(self) -> None:
-        """Read every worker's data-parallel placement and name each replica's leader."""
-        placement = self._fan_out("dp_placement", registry.placement, [(self.name,)] * len(self.ranks))
-        sizes = {s for _, s in placement}
-        dp_ranks = [r for r, _ in placement]
-        if len(sizes) != 1 or sorted(set(dp_ranks)) != list(range(next(iter(sizes)))):
-            raise ValueError(
-                f"group {self.name!r}: workers declare inconsistent dp_rank/dp_size {placement}; every dp_rank in "
-                "0..dp_size-1 must be taken by at least one rank and all ranks must agree on dp_size"
-            )
-        self.dp_size = sizes.pop()
-        self.dp_ranks = dp_ranks
-        self.lost_dp_ranks: set[int] = set()  # replicas given up (`drop_replica`); calls skip their ranks
-        self._lost_lock = threading.Lock()
-        self._leaders = [dp_ranks.index(d) for d in range(self.dp_size)]  # group rank answering for each DP group
-        self._fan_out("dp_placement", registry.set_leader,
-                      [(self.name, i in self._leaders) for i in range(len(self.ranks))])
 
     def _fan_out(self, method: str, fn: Callable, per_rank_args: list[tuple]) -> list[Any]:
         futs = [rpc.rpc_async(w, fn, args=a, timeout=self.timeout) for w, a in zip(self._workers, per_rank_args)]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from torchrlhf.runtime import compute_thread, stall
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Worker, WorkerContext, set_current_context
 
 _process_groups: dict[str, dist.ProcessGroup | None] = {}
@@ -66,9 +67,10 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def construct(name: str, pg_key: str, ranks: list[int], cls: type, args: tuple, kwargs: dict) -> Any:
-    """Build the worker with its context set; returns an RRef, or a `Failure`."""
-    ctx = WorkerContext(name, list(ranks), dist.get_rank(), _process_groups[pg_key], _device())
+def construct(name: str, pg_key: str, ranks: list[int], dims: ParallelDims, cls: type, args: tuple,
+              kwargs: dict) -> Any:
+    """Build the worker with its context (the group's ``dims`` included) set; returns an RRef, or a `Failure`."""
+    ctx = WorkerContext(name, list(ranks), dist.get_rank(), _process_groups[pg_key], _device(), dims)
 
     def build() -> Worker:
         set_current_context(ctx)  # thread-local: set on the thread that constructs
@@ -85,15 +87,6 @@ def construct(name: str, pg_key: str, ranks: list[int], cls: type, args: tuple, 
         return Failure(f"{cls.__name__}.__init__ did not call super().__init__()")
     _workers[name] = worker
     return rpc.RRef(worker)
-
-
-def placement(name: str) -> tuple[int, int]:
-    w = _workers[name]
-    return int(w.dp_rank), int(w.dp_size)
-
-
-def set_leader(name: str, leader: bool) -> None:
-    _workers[name]._is_dp_leader = leader
 
 
 def invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:

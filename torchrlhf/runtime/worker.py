@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchrlhf.runtime import stall
+from torchrlhf.runtime.parallel_dims import ParallelDims
 
 
 class Dispatch(enum.Enum):
@@ -36,6 +40,7 @@ class WorkerContext:
     rank: int  # this process's global rank
     process_group: dist.ProcessGroup | None  # the group's own process group (None: single process)
     device: torch.device
+    parallel_dims: ParallelDims | None = None  # the group's layout (None: the worker builds its own)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,19 +100,26 @@ class Worker:
 
     Subclasses call ``super().__init__()`` first; after that ``self.rank``,
     ``self.ranks``, ``self.group_rank``, ``self.group_size``,
-    ``self.process_group`` and ``self.device`` describe where the worker runs.
-
-    ``dp_rank``/``dp_size`` default to the group rank/size. A worker that uses
-    tensor parallelism sets them in its __init__ (all TP ranks of one
-    data-parallel group share a ``dp_rank``) so `Dispatch.DP_COMPUTE` sends them
-    the same shard and collects one answer per data-parallel group.
+    ``self.process_group`` and ``self.device`` describe where the worker runs,
+    and ``self.parallel_dims`` how the group's ranks divide into data-parallel
+    replicas of tensor-parallel ranks (`ParallelDims`): all TP ranks of one
+    replica share a ``dp_rank``, so `Dispatch.DP_COMPUTE` sends them the same
+    shard and collects one answer per replica. A role with tensor parallelism
+    overrides `parallel_dims_for`.
     """
 
-    def __init__(self) -> None:
+    @classmethod
+    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
+        """The layout of a group of ``world`` ranks of this role, from its constructor ``arguments`` (by
+        name): every rank its own replica. The `WorkerGroup` calls it once, on the controller, with every
+        argument (defaults filled in); a worker built outside a group calls it with what the subclass
+        passes to ``super().__init__``."""
+        return ParallelDims(world)
+
+    def __init__(self, **layout_arguments: Any) -> None:
         ctx = getattr(_current, "ctx", None) or _default_context()
         self.context = ctx
-        self.dp_rank = ctx.group_rank
-        self.dp_size = ctx.group_size
+        self.parallel_dims = ctx.parallel_dims or self.parallel_dims_for(ctx.group_size, layout_arguments)
 
     @property
     def rank(self) -> int:
@@ -134,9 +146,16 @@ class Worker:
         return self.context.device
 
     @property
-    def is_dp_leader(self) -> bool:
-        """True on the rank whose answer DP_COMPUTE collects for this data-parallel group."""
-        return getattr(self, "_is_dp_leader", True)
+    def dp_rank(self) -> int:
+        return self.parallel_dims.dp_rank(self.group_rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel_dims.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.parallel_dims.tp_rank(self.group_rank)
 
     def close(self) -> None:
         """Release what outlives the Python object (child processes, ...): called once at runtime shutdown."""
@@ -144,30 +163,19 @@ class Worker:
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def busy_seconds(self) -> tuple[float, dict[str, float]]:
         """This rank's clock and the seconds it has spent inside each method (`runtime.stall.busy_seconds`)."""
-        from torchrlhf.runtime import stall
-
         return stall.busy_seconds(self.context.group_name)
 
-    def device_mesh(self, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
-        """A DeviceMesh over this group's ranks (row-major over ``self.ranks``), e.g. ``(dp, tp)``.
+    def build_meshes(self) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """(dp_mesh, tp_mesh) of ``self.parallel_dims`` over this group's ranks (tp_mesh None without TP).
 
-        Collective over the group: every rank of the group must call it with the
-        same arguments, in the same order relative to other mesh creations.
-        Made by the one mesh factory (`runtime.mesh.build_mesh`): a 1-D mesh reuses
-        the group's process group; an N-D mesh creates one subgroup per dimension
-        that only the group's ranks take part in. Cached per layout and names.
+        Collective over the group the first time (every rank of the group calls it, in the same order
+        relative to other mesh creations); made by the one mesh factory and cached: a 1-D mesh reuses the
+        group's process group, a 2-D one creates one subgroup per dimension that only the group's ranks
+        take part in.
         """
-        from torchrlhf.runtime.mesh import build_mesh
-
-        shape = tuple(shape or (self.group_size,))
-        names = tuple(names) if names is not None else tuple(f"dim{i}" for i in range(len(shape)))
-        if len(names) != len(shape):
-            raise ValueError(f"device_mesh: {len(shape)} dims {shape} but {len(names)} names {names}")
-        if torch.Size(shape).numel() != self.group_size:
-            raise ValueError(f"device_mesh: shape {shape} does not hold the group's {self.group_size} ranks")
         if self.process_group is None:
-            raise RuntimeError("device_mesh needs torch.distributed (run under the runtime)")
-        return build_mesh(torch.tensor(self.ranks).view(shape), names, self.device.type, group=self.process_group)
+            raise RuntimeError("a device mesh needs torch.distributed (run under the runtime)")
+        return self.parallel_dims.build_meshes(self.ranks, self.device.type, self.process_group)
 
 
 def registered_methods(cls: type) -> dict[str, dict[str, Any]]:

@@ -22,8 +22,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.data import Batch
+from torchrlhf.models import (
+    build_meta_causal_lm,
+    build_meta_value_model,
+    load_causal_lm,
+    load_value_model,
+    load_value_weights,
+)
 from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_lora, lora_init_tensors
-from torchrlhf.models.parallelize import parallelize
+from torchrlhf.models.parallelize import enable_activation_checkpointing, parallelize
+from torchrlhf.models.sharded import load_weights
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops
@@ -75,9 +84,9 @@ class MiniBatchTotals:
 class FSDPWorker(Worker):
     """A worker whose model is FSDP2-sharded over its group (× TP when ``tp_size > 1``).
 
-    Ranks of one TP group are adjacent in the worker group; they share a ``dp_rank``
-    and receive the same data shard. A trainable role calls `_init_training` and serves its update
-    through `train`.
+    Its layout is the group's `ParallelDims`: ranks of one TP group are adjacent in the worker group;
+    they share a ``dp_rank`` and receive the same data shard. A trainable role calls `_init_training`
+    and serves its update through `train`.
     """
 
     role = "worker"  # config section and metric prefix: "actor", "critic"
@@ -87,15 +96,19 @@ class FSDPWorker(Worker):
     max_metrics: tuple[str, ...] = ()  # maximised instead
     lora: LoRAConfig | None = None  # adapters on a frozen base (`models.lora`); None: every weight trains
 
+    @classmethod
+    def parallel_dims_for(cls, world: int, arguments: Mapping) -> ParallelDims:
+        """``tp_size`` adjacent ranks per replica (the role's ``tp_size`` argument)."""
+        return ParallelDims(world, tp=arguments["tp_size"])
+
     def __init__(self, *, tp_size: int = 1, seed: int = 0) -> None:
-        super().__init__()
-        if tp_size <= 0 or self.group_size % tp_size:
-            raise ValueError(f"tp_size={tp_size} must be positive and divide the worker group size {self.group_size}")
-        self.tp_size = tp_size
-        self.dp_size = self.group_size // tp_size
-        self.dp_rank = self.group_rank // tp_size
-        self._is_dp_leader = self.group_rank % tp_size == 0
-        self.dp_mesh, self.tp_mesh = self._build_meshes()
+        super().__init__(tp_size=tp_size)
+        if self.process_group is None:  # a one-process worker (unit tests, notebooks): nothing to shard over
+            if self.tp_size > 1:
+                raise ValueError(f"tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
+            self.dp_mesh, self.tp_mesh = None, None
+        else:
+            self.dp_mesh, self.tp_mesh = self.build_meshes()
         self.dp_group = self.dp_mesh.get_group() if self.dp_mesh is not None else None
         self.seed = seed
         torch.manual_seed(seed)  # same on every rank: any random init must agree before FSDP shards it
@@ -106,19 +119,11 @@ class FSDPWorker(Worker):
         self._flops_of: flops.TransformerFlops | None = None
         self._step_flops = 0  # model FLOPs of the `train` call in progress
 
-    # ------------------------------------------------------------------ setup
-    def _build_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-        """(dp_mesh, tp_mesh) over this group's ranks only (TP groups are adjacent ranks); (None, None)
-        without torch.distributed. Made by the one mesh factory (`Worker.device_mesh`)."""
-        if self.process_group is None:
-            if self.tp_size > 1:
-                raise ValueError(f"tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
-            return None, None
-        if self.tp_size == 1:
-            return self.device_mesh((self.group_size,), ("dp",)), None
-        mesh = self.device_mesh((self.dp_size, self.tp_size), ("dp", "tp"))
-        return mesh["dp"], mesh["tp"]
+    @property
+    def tp_size(self) -> int:
+        return self.parallel_dims.tp
 
+    # ------------------------------------------------------------------ setup
     def _is_plain(self, dtype: torch.dtype, cpu_offload: bool) -> bool:
         """A one-rank fp32 group has nothing to shard, and FSDP2 there only adds DTensor dispatch and
         all-gather copies (~15-20% of a CPU update step). CPU offload and a lower compute dtype (FSDP2's
@@ -149,15 +154,6 @@ class FSDPWorker(Worker):
         Linear layers get adapters before sharding (so TP and FSDP2 shard them too), drawn from the seed;
         only they train, and with a compute ``dtype`` below float32 the frozen base is held in it.
         """
-        from torchrlhf.models import (
-            build_meta_causal_lm,
-            build_meta_value_model,
-            load_causal_lm,
-            load_value_model,
-            load_value_weights,
-        )
-        from torchrlhf.models.sharded import load_weights
-
         sharded = self.loads_sharded(model_path, dtype, cpu_offload)
         if value_head:
             model = build_meta_value_model(model_path) if sharded else load_value_model(
@@ -188,8 +184,6 @@ class FSDPWorker(Worker):
         self.compute_dtype = dtype
         if self._is_plain(dtype, cpu_offload):
             if activation_checkpointing:
-                from torchrlhf.models.parallelize import enable_activation_checkpointing
-
                 enable_activation_checkpointing(model)
             return model.to(self.device)
         return parallelize(

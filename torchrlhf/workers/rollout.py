@@ -28,12 +28,14 @@ produced it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from torchrlhf import hybrid
+from torchrlhf.agents import build_agent
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
@@ -41,8 +43,9 @@ from torchrlhf.generation.base import concat_generations
 from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
-from torchrlhf.models import load_tokenizer
+from torchrlhf.models import build_meta_causal_lm, load_tokenizer
 from torchrlhf.models.lora import LoRAConfig
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import flops
@@ -80,11 +83,8 @@ class RolloutWorker(Worker):
         agent: dict[str, Any] | None = None,
         max_tokens: int = 64,
     ) -> None:
-        super().__init__()
+        super().__init__(tp_size=tp_size, actor_group=actor_group)
         self.lora = LoRAConfig.of(lora)
-        if tp_size < 1 or self.group_size % tp_size:
-            raise ValueError(f"rollout.tp_size={tp_size} must be positive and divide the rollout group's "
-                             f"{self.group_size} ranks")
         spec = dict(engine or {})
         self.engine_cls = get_component(spec.pop("_component_", "torchrlhf.generation.NativeEngine"))
         self.engine_kwargs = spec
@@ -100,16 +100,20 @@ class RolloutWorker(Worker):
         self.relay: WeightRelay | None = None  # asynchronous training only
         self._flops_of: flops.TransformerFlops | None = None
         self.weights_in: Any = None  # what receives synced weights: the engine, or its AdapterMerger
-        if actor_group is None and tp_size > 1:  # split: TP groups are adjacent ranks of this group
-            self.dp_size, self.dp_rank = self.group_size // tp_size, self.group_rank // tp_size
-            self._is_dp_leader = self.group_rank % tp_size == 0
-            self.tp_mesh = self.device_mesh((self.dp_size, tp_size), ("dp", "tp"))["tp"]
-        else:  # colocated: one prompt shard per rank; TP ranks pool theirs (see generate_with_current_weights)
-            self.tp_mesh = None
+        # split: TP groups are adjacent ranks of this group (`parallel_dims_for`); colocated: `_build_engine`
+        self.tp_mesh = self.build_meshes()[1] if self.parallel_dims.tp > 1 else None
         if actor_group is None:
             self.engine = self._build_engine()
             self.weights_in = self.engine if self.lora is None else \
                 AdapterMerger(self.engine, model_path, self.lora.scaling)
+
+    @classmethod
+    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
+        """On ranks of its own: ``tp_size`` adjacent ranks per replica. Colocated: one prompt shard per rank
+        (TP ranks pool theirs, see `hybrid.generate_with_current_weights`; the engine's TP groups follow the
+        actor's mesh, `hybrid.generation_mesh`), with ``tp_size`` still dividing the ranks."""
+        dims = ParallelDims(world, tp=arguments["tp_size"])
+        return dims if arguments["actor_group"] is None else ParallelDims(world)
 
     @property
     def actor(self):
@@ -129,8 +133,6 @@ class RolloutWorker(Worker):
         if self.actor_group is not None:
             engine.release()  # colocated: the weights arrive from training at each rollout
         if self.agent_spec is not None and self.agent is None:
-            from torchrlhf.agents import build_agent
-
             if self.tokenizer is None:
                 raise ValueError(f"rollout.agent renders chats with the model's tokenizer; {self.model_path} has none")
             self.agent = build_agent(self.agent_spec, self.tokenizer, max_tokens=self.max_tokens,
@@ -195,8 +197,6 @@ class RolloutWorker(Worker):
     def _mfu(self, prompts: Batch, out: Batch, seconds: float) -> float:
         """Generation's model FLOPs (`utils.flops.generation_counts`) over ``seconds`` and the peak."""
         if self._flops_of is None:
-            from torchrlhf.models import build_meta_causal_lm
-
             self._flops_of = flops.TransformerFlops.from_model(build_meta_causal_lm(self.model_path))
         width = out["responses"].shape[1]
         mask = out["attention_mask"]
