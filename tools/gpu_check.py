@@ -30,6 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from torchrlhf.generation import vllm_available
+
 ROOT = Path(__file__).resolve().parents[1]
 # Test files with tests that skip without CUDA (tests/tools/test_gpu_check.py keeps this list complete).
 CUDA_TESTS = ["tests/generation/test_cuda_graphs.py"]
@@ -135,11 +139,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="run these checks only (cuda-tests, generate, vllm, recipe, actor-update)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from torchrlhf.generation import vllm_available
-
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         if not torch.cuda.is_available():
             built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"

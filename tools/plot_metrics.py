@@ -52,7 +52,7 @@ def main() -> None:
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in args.logs]
     if len(labels) != len(args.logs):
         raise SystemExit(f"--labels: {len(labels)} labels for {len(args.logs)} logs")
-    try:
+    try:  # imported here: matplotlib is optional, needed by this tool only
         import matplotlib
 
         matplotlib.use("Agg")

@@ -31,7 +31,8 @@ import torch
 
 from torchrlhf.agents import build_agent
 from torchrlhf.data import Batch
-from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine  # VLLMEngine imports vLLM when built
+from torchrlhf.models import load_tokenizer, smollm2_model_dir
 
 SYSTEM = "You are a careful assistant. Keep every reply short: one sentence."
 FEW_SHOT = [
@@ -123,8 +124,6 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also vLLM (prefix caching on and off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from torchrlhf.models import load_tokenizer, smollm2_model_dir
-
     path = str(smollm2_model_dir())
     tok = load_tokenizer(path)
     spec = {"env": {"_component_": f"{__file__}:NotesEnv", "turns": args.turns}, "reward": "env",
@@ -140,8 +139,6 @@ def main() -> None:
     sides["native"] = (True, lambda s: native.generate(_prompt_batch(rows), params, sessions=s))
     sides["native-reprefill"] = (False, lambda s: reprefill_rounds(native, s, params))
     if args.vllm:
-        from torchrlhf.generation import VLLMEngine
-
         engines = {reuse: VLLMEngine(path, max_batch_size=args.trajectories, max_seq_len=seq,
                                      enable_prefix_caching=reuse) for reuse in (True, False)}
         sides["vllm"] = (True, lambda s: engines[True].generate(_prompt_batch(rows), params, sessions=s))

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchrlhf.models import save_tiny_model
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -93,8 +95,6 @@ def main() -> None:
     args.actor_ranks = args.actor_ranks or args.ranks // 2
     if not 1 <= args.actor_ranks < args.ranks:
         p.error(f"--actor-ranks must be in [1, {args.ranks - 1}]")
-
-    from torchrlhf.models import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)

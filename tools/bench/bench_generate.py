@@ -35,9 +35,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchrlhf.data.batch import Batch
-from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine  # VLLMEngine imports vLLM when built
+from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -56,8 +58,6 @@ def random_smollm2(path: str):
 
     Returns (model, None, path): the model is also saved to ``path`` for the engines to load.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -69,8 +69,6 @@ def random_smollm2(path: str):
 
 def load_smollm2():
     """(model, tokenizer, path): SmolLM2-135M-Instruct from the project's converted cache dir."""
-    from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
-
     path = smollm2_model_dir()
     return load_causal_lm(path, dtype=torch.float32), load_tokenizer(path), path
 
@@ -241,8 +239,6 @@ def main() -> None:
         baseline = "eager" if cuda else "unpacked"
         engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
         if args.vllm:  # vLLM in this process, on the same weights and threads
-            from torchrlhf.generation import VLLMEngine
-
             engines["vllm"] = VLLMEngine(path, tokenizer, **sizes, in_process=True)
             torch.set_num_threads(args.threads)  # vLLM's start lowers it for "serving"
     pad_id = 2 if tokenizer is None else (

@@ -25,6 +25,9 @@ import time
 
 import torch
 
+from torchrlhf.algorithms import log_probs_from_hidden
+from torchrlhf.algorithms.logprob import VOCAB_CHUNK_SIZE
+
 VOCAB = 49152
 SIDES = ("dense", "rows", "tiles")
 
@@ -39,9 +42,6 @@ def step(side: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             p = torch.softmax(z, -1)
             h = -(p * torch.log_softmax(z, -1)).sum(-1)
     else:
-        from torchrlhf.algorithms import log_probs_from_hidden
-        from torchrlhf.algorithms.logprob import VOCAB_CHUNK_SIZE
-
         vocab_chunk = {"rows": VOCAB}.get(side, VOCAB_CHUNK_SIZE)
         lp, h = log_probs_from_hidden(hidden, weight, labels, temperature, vocab_chunk_size=vocab_chunk)
         h = h if entropy_grad else h.detach()

@@ -2,7 +2,7 @@
 
 Three measurements, each side in a process of its own (its peak RSS is its own):
 
-* ``update`` (also ``tools/bench/bench_train.py --lora``): one process holding what a colocated rank holds
+* ``update``: one process holding what a colocated rank holds
   for the actor and the reference. ``full``: a full fine-tuning `ActorWorker` plus the frozen reference
   `ActorWorker`; ``lora-R``: one LoRA `ActorWorker` (rank R, alpha 2R, all-linear) that serves the reference
   itself. Per step: the reference log-probs, then one update (KL loss on). Prints seconds per update and per
@@ -31,6 +31,15 @@ import sys
 import tempfile
 import time
 
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import group_rollouts  # noqa: E402
+
+from torchrlhf.models import smollm2_model_dir  # noqa: E402
+from torchrlhf.utils.logging import read_metrics  # noqa: E402
+from torchrlhf.workers import ActorWorker, Batching  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "recipes", "configs", "grpo_arithmetic_cpu.yaml")
 
@@ -46,14 +55,6 @@ def sides(ranks: list[int]) -> list[str]:
 # ---------------------------------------------------------------------- update
 def measure_update(side: str, args: argparse.Namespace) -> dict:
     """One side in this process: seconds per reference pass and per update, peak RSS, trainable parameters."""
-    import torch
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_train import group_rollouts
-
-    from torchrlhf.models import smollm2_model_dir
-    from torchrlhf.workers import ActorWorker, Batching
-
     torch.set_num_threads(args.threads)
     path = str(smollm2_model_dir())
     batch = group_rollouts(args.prompts, args.n, args.prompt_len, args.response_len, 49152)
@@ -104,8 +105,6 @@ def update_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- recipe runs
 def run_recipe(out: str, overrides: list[str], nproc: int) -> list[dict]:
     """The recipe under torchrun with ``overrides``; its metrics.jsonl rows."""
-    from torchrlhf.utils.logging import read_metrics
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(REPO, "recipes", "ppo.py"), "--config", CONFIG, f"trainer.output_dir={out}",
            "trainer.loggers=[jsonl]", "trainer.resume=disable", "trainer.val_before_train=false",

@@ -15,7 +15,6 @@ its own. Tokens computed per step are printed beside the ideal shared/dense rati
 n(P+R) / (P+nR) (P, R: mean prompt and response tokens).
 
     python tools/bench/bench_train.py [--n 4 8 16 --prompts 2 --prompt-len 150 --response-len 48 --steps 3]
-    python tools/bench/bench_train.py --lora [8 64] [--n 8 ...]   # full fine-tuning vs LoRA (bench_lora.py update)
 
 ``--mfu``: the update's model FLOPs utilisation instead, dense and shared, for each of ``--shapes``
 (`SHAPES`: the learning config's update and a GSM8K-shaped one) and ``--dtypes`` (bf16: FSDP2 mixed
@@ -44,8 +43,15 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
+import torchrlhf
 from torchrlhf.data import Batch
+from torchrlhf.models import build_meta_causal_lm, load_causal_lm, smollm2_model_dir
+from torchrlhf.runtime.launch import _tune_malloc
+from torchrlhf.utils.flops import TransformerFlops, matmul_peak
+from torchrlhf.workers import ActorWorker, Batching
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts
 
 SIDES = ("plain HF", "dense", "shared")
 
@@ -89,8 +95,6 @@ def shape_batch(shape: dict) -> dict:
 def one_rank_group() -> None:
     """A one-rank gloo process group, as a one-process recipe run has (with it a bf16 actor is FSDP2 with
     mixed precision (fp32 master weights), as in training; an fp32 one stays a plain module)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
@@ -98,8 +102,6 @@ def one_rank_group() -> None:
 def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "float32",
                ) -> Callable[[], dict[str, float]]:
     """One `ActorWorker.update` over ``batch`` (one optimizer step, micro-batches of ``micro`` samples)."""
-    from torchrlhf.workers import ActorWorker, Batching
-
     one_rank_group()
     actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype,
                         batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
@@ -108,8 +110,6 @@ def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "
 
 def plain_hf_step(path: str, batch: Batch, micro: int) -> Callable[[], None]:
     """The textbook loop: full padded micro-batches, logits for every position, PPO token-mean loss."""
-    from torchrlhf.models import load_causal_lm
-
     model = load_causal_lm(path, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
@@ -138,8 +138,6 @@ def _rss_mb() -> float:
 
 def measure(side: str, n: int, args: argparse.Namespace) -> dict:
     """One side, one group size, in this process: seconds per update and peak RSS above the loaded state."""
-    from torchrlhf.models import smollm2_model_dir
-
     torch.set_num_threads(args.threads)
     path = str(smollm2_model_dir())
     batch = group_rollouts(args.prompts, n, args.prompt_len, args.response_len, 49152)
@@ -160,9 +158,6 @@ def measure(side: str, n: int, args: argparse.Namespace) -> dict:
 
 def measure_mfu(shape_name: str, dtype: str, side: str, args: argparse.Namespace) -> dict:
     """One ``--mfu`` row in this process (whichever library is on the path): seconds and memory per update."""
-    from torchrlhf.models import smollm2_model_dir
-    from torchrlhf.runtime.launch import _tune_malloc
-
     _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run
     torch.set_num_threads(args.threads)
     shape = SHAPES[shape_name]
@@ -177,18 +172,12 @@ def measure_mfu(shape_name: str, dtype: str, side: str, args: argparse.Namespace
         wall.append(time.perf_counter() - start)
         cpu.append(time.thread_time() - start_cpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    import torchrlhf
-
     return {"s": statistics.median(wall), "cpu_s": statistics.median(cpu), "all": wall, "peak_mb": peak,
             "over_mb": peak - built, "library": os.path.dirname(torchrlhf.__file__)}
 
 
 def update_flops(shape_name: str, shared: bool) -> int:
     """Model FLOPs of one update of ``shape_name``'s batch (forward + backward, `torchrlhf.utils.flops`)."""
-    from torchrlhf.models import build_meta_causal_lm, smollm2_model_dir
-    from torchrlhf.utils.flops import TransformerFlops
-    from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts
-
     batch = group_rollouts(**shape_batch(SHAPES[shape_name]), vocab=49152)
     counts = forward_counts(batch, SharedPrefixPlan(batch) if shared else None)
     return TransformerFlops.from_model(build_meta_causal_lm(str(smollm2_model_dir()))).train(*counts)
@@ -207,8 +196,6 @@ def _host() -> str:
 
 
 def mfu_main(args: argparse.Namespace) -> None:
-    from torchrlhf.utils.flops import matmul_peak
-
     torch.set_num_threads(args.threads)
     codes = [("before", args.baseline), ("after", None)] if args.baseline else [("after", None)]
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -246,8 +233,6 @@ def mfu_main(args: argparse.Namespace) -> None:
 
 
 def token_counts(n: int, args: argparse.Namespace) -> dict[str, float]:
-    from torchrlhf.workers.shared_prefix import SharedPrefixPlan
-
     batch = group_rollouts(args.prompts, n, args.prompt_len, args.response_len, 49152)
     plan = SharedPrefixPlan(batch)
     p = float(args.prompt_len)
@@ -278,16 +263,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="with --mfu: a checkout of the library to run side by side ('before')")
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)  # child process
     ap.add_argument("--mfu-one", nargs=3, metavar=("SHAPE", "DTYPE", "SIDE"), help=argparse.SUPPRESS)  # child
-    ap.add_argument("--lora", type=int, nargs="*", metavar="RANK",
-                    help="full fine-tuning + reference vs LoRA of these ranks (default 8 64), n = the first --n")
     args = ap.parse_args()
-    if args.lora is not None:  # the comparison lives in bench_lora.py (same workload flags)
-        from bench_lora import main as lora_main
-
-        lora_main(["update", "--ranks", *map(str, args.lora or [8, 64]), "--n", str(args.n[0]), "--prompts",
-                   str(args.prompts), "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
-                   "--micro", str(args.micro), "--steps", str(args.steps), "--threads", str(args.threads)])
-        return
     if args.one:
         print("RESULT", json.dumps(measure(args.one[0], int(args.one[1]), args)))
         return

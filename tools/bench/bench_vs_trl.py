@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchrlhf.models import smollm2_model_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "arithmetic": dict(config="grpo_arithmetic_cpu.yaml", data="recipes/data/arithmetic_train.jsonl",
@@ -267,12 +269,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, help="(overrides the settings')")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    try:
+    try:  # imported here: TRL is optional (the bench extra); it runs in the child scripts, this only checks
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from None
-    from torchrlhf.models import smollm2_model_dir
-
     model_dir = str(smollm2_model_dir())
     for name in args.settings:
         if name == "learn":

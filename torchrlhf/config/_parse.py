@@ -12,6 +12,7 @@ Values are parsed as YAML (``lr=1e-5`` is a float, ``stop=[a,b]`` a list, ``x=nu
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,8 +75,6 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, add_missing: b
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[str, list[str]]:
     """Split a recipe command line ``--config X.yaml key=value ...`` into (config path, overrides)."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path: str | None = None
     overrides: list[str] = []

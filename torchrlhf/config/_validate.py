@@ -8,6 +8,7 @@ outside a ``Literal`` — each with its full dotted key, then returns typed obje
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 import typing
 from collections.abc import Mapping
@@ -169,8 +170,6 @@ def schema_from_signature(fn: Any, *, name: str, exclude: tuple[str, ...] = ()) 
     (they then read as unknown keys if a config sets them). ``fn`` may be a class (its ``__init__``); a
     subclass whose ``__init__`` forwards ``**kwargs`` also gets its bases' parameters.
     """
-    import inspect
-
     targets = [c.__init__ for c in fn.__mro__ if "__init__" in vars(c)] if isinstance(fn, type) else [fn]
     required, optional, seen = [], [], set(exclude) | {"self"}
     for target in targets:

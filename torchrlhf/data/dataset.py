@@ -32,7 +32,7 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     if path.endswith(".parquet"):
-        try:
+        try:  # imported here: pyarrow is optional, needed for parquet files only
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 ALL_LINEAR = "all-linear"
@@ -176,15 +176,6 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
-
-
-def adapter_names(model: nn.Module) -> list[str]:
-    """The adapter parameters' names, in ``named_parameters`` order."""
-    return [n for n, _ in model.named_parameters() if is_adapter(n)]
-
-
 def module_scalings(model: nn.Module) -> dict[str, float]:
     """``<module>.weight`` -> its adapter's scaling, for every LoRA module (what a merge needs)."""
     return {f"{name}.weight": m.scaling for name, m in lora_modules(model).items()}
@@ -205,12 +196,15 @@ def lora_init_tensors(model: nn.Module, seed: int = 0) -> dict[str, torch.Tensor
 
 
 def init_lora(model: nn.Module, seed: int = 0) -> None:
-    """Fill the adapters of a model with real storage (plain or sharded) with `lora_init_tensors`."""
-    from torchrlhf.models.sharded import _fill
-
+    """Fill the adapters of an unsharded model with real storage with `lora_init_tensors`. (A sharded
+    model built on meta gets them as it loads: ``load_weights(..., extra=lora_init_tensors(model, seed))``.)"""
     params = dict(model.named_parameters())
-    for name, full in lora_init_tensors(model, seed).items():
-        _fill(params[name], full)
+    with torch.no_grad():
+        for name, full in lora_init_tensors(model, seed).items():
+            if isinstance(params[name], DTensor) or params[name].is_meta:
+                raise ValueError(f"init_lora fills unsharded storage; {name} is sharded or on meta "
+                                 "(load it with load_weights(..., extra=lora_init_tensors(model, seed)))")
+            params[name].copy_(full)
 
 
 @contextmanager

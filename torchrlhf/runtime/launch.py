@@ -43,6 +43,7 @@ if it is gone, so no rank outlives a dead controller.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import socket
@@ -165,8 +166,6 @@ def _tune_malloc() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (e.g. musl): nothing to tune
         return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _world
 
 _meshes: dict[tuple, DeviceMesh] = {}
 
@@ -65,8 +66,6 @@ def equalize_group_counts(pg: dist.ProcessGroup) -> None:
     One-rank placeholder groups (no peers, no sockets) even out the counts, so that the next
     ``new_group(use_local_synchronization=True)`` calls name their groups alike on every rank.
     """
-    from torch.distributed.distributed_c10d import _world
-
     count = torch.tensor([len(_world.pg_names)])
     target = count.clone()
     dist.all_reduce(target, op=dist.ReduceOp.MAX, group=pg)

@@ -23,6 +23,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from torchrlhf.runtime.launch import worker_name
+
 _running: dict[int, tuple[str, str, float]] = {}  # thread id -> (group, method, perf_counter at start)
 _finished: dict[str, dict[str, float]] = {}  # group -> method -> seconds of the calls that ended
 _lock = threading.Lock()  # a call moves from running to finished atomically: no moment counts it twice or never
@@ -115,8 +117,6 @@ def status() -> dict[str, Any]:
 # ---------------------------------------------------------------------- controller side
 def report(waiting_for: str, seconds: float, answer_timeout: float = 10.0) -> str:
     """Ask every rank what it is doing and write who waits on whom (collectives vs the rest), then stacks."""
-    from torchrlhf.runtime.launch import worker_name
-
     world = dist.get_world_size()
     futures = [rpc.rpc_async(worker_name(r), status, timeout=answer_timeout) for r in range(world)]
     lines = [f"torchrlhf stall report: {waiting_for} has run {seconds:.1f} s (trainer.stall_timeout_s)"]

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchrlhf.models.parallelize import find_transformer_blocks
+
 TRAIN_FORWARDS = 3  # forward + backward (activation and weight gradients)
 
 
@@ -51,8 +53,6 @@ class TransformerFlops:
     @classmethod
     def from_model(cls, model: nn.Module) -> TransformerFlops:
         """From a built model (FSDP2/TP DTensors count their global size; a meta-device model works too)."""
-        from torchrlhf.models.parallelize import find_transformer_blocks
-
         config = model.config
         blocks = find_transformer_blocks(model)
         linear = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, nn.Linear))

@@ -86,7 +86,7 @@ class ConsoleLogger(MetricLogger):
         self.file = file or sys.stdout
         self._bar = None
         if progress and total_steps:
-            try:
+            try:  # imported here: tqdm is optional (a run without it logs lines only)
                 from tqdm.auto import tqdm
             except ImportError:
                 tqdm = None
@@ -204,6 +204,7 @@ class TensorBoardLogger(MetricLogger):
     """Scalars and sample tables via ``torch.utils.tensorboard`` (needs ``pip install tensorboard``)."""
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
+        # Imported here: tensorboard is optional, needed by this logger only.
         try:
             import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
         except ImportError:
@@ -235,7 +236,7 @@ class WandbLogger(MetricLogger):
 
     def __init__(self, project: str, name: str | None = None, *, config: Mapping[str, Any] | None = None,
                  mode: str | None = None, log_dir: str | os.PathLike | None = None) -> None:
-        try:
+        try:  # imported here: wandb is optional (and slow to import), needed by this logger only
             import wandb
         except ImportError:
             raise ImportError("the wandb logger needs wandb: pip install wandb (or torchrlhf[wandb])") from None

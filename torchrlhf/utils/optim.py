@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchrlhf.config import get_component
+
 
 DEFAULT_OPTIMIZER = "torch.optim.AdamW"
 # Keys of an ``optim`` section that shape the learning-rate schedule instead of going to the optimizer.
@@ -28,8 +30,6 @@ class LRSchedule:
 
 def optimizer_class(optim: Mapping[str, Any]) -> type:
     """The class an ``optim`` section names (``_component_``, default `torch.optim.AdamW`)."""
-    from torchrlhf.config import get_component
-
     return get_component(optim.get("_component_") or DEFAULT_OPTIMIZER)
 
 
