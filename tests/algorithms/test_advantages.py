@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from torchrlhf.algorithms import ADV_ESTIMATORS, compute_advantage
+from torchrlhf.algorithms.advantages import EstimatorRegistry
 
 
 def _outcome(scores, lengths, T=4):
@@ -195,3 +196,39 @@ def test_bad_shapes_and_missing_index():
         compute_advantage("grpo", torch.zeros(2, 3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="index has 1 entries"):
         compute_advantage("grpo", torch.zeros(2, 3), torch.ones(2, 3), index=["a"])
+
+
+# What each built-in estimator needs, written out here as the papers define them (not read from the registry).
+GROUP = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
+VALUES = {"gae"}
+GREEDY_BASELINE = {"remax"}
+
+
+@pytest.mark.parametrize("name", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax",
+                                  "opo", "grpo_passk"])
+def test_each_estimator_declares_its_traits_and_inputs(name):
+    estimator = ADV_ESTIMATORS[name]
+    assert (estimator.group, estimator.values, estimator.greedy_baseline) == (
+        name in GROUP, name in VALUES, name in GREEDY_BASELINE)
+    expected = {**({"index": "uid"} if name in GROUP else {}), **({"values": "values"} if name in VALUES else {}),
+                **({"reward_baselines": "reward_baselines"} if name in GREEDY_BASELINE else {})}
+    assert estimator.inputs == expected
+    for trait, members in (("group", GROUP), ("values", VALUES), ("greedy_baseline", GREEDY_BASELINE)):
+        assert (name in ADV_ESTIMATORS.having(trait)) == (name in members)
+
+
+def test_registration_keeps_the_function_and_refuses_contradicting_traits():
+    registry = EstimatorRegistry("advantage estimator")
+
+    @registry.register("mine", "mine_alias", group=True)
+    def mine(token_level_rewards, response_mask, *, index, **_):
+        return token_level_rewards, token_level_rewards
+
+    assert mine.__name__ == "mine"  # the decorator hands the plain function back
+    assert registry["mine"].fn is mine and registry["mine_alias"] == registry["mine"]
+    assert registry["mine"].inputs == {"index": "uid"} and registry.having("group") == ["mine", "mine_alias"]
+    assert registry.having("values") == []
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("mine")(mine)
+    with pytest.raises(ValueError, match="group .* and greedy_baseline .* exclude each other"):
+        registry.register("both", group=True, greedy_baseline=True)

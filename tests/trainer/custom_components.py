@@ -1,4 +1,5 @@
-"""User-style subclasses for ``_component_`` tests (importable on every rank through PYTHONPATH)."""
+"""User-style subclasses for ``_component_`` tests (importable on every rank through PYTHONPATH), and a
+user's advantage estimator: registering it here, with its traits, is all a new estimator takes."""
 
 import os
 import signal
@@ -6,6 +7,7 @@ import time
 
 import torch
 
+from torchrlhf.algorithms import ADV_ESTIMATORS, group_ids
 from torchrlhf.generation import NativeEngine
 from torchrlhf.rewards import RewardManager
 from torchrlhf.runtime import Dispatch, register
@@ -126,3 +128,19 @@ class CountingEnv:
     def step(self, text):
         self.turns += 1
         return f"turn {self.turns} done", 0.5, self.turns >= 3
+
+
+@ADV_ESTIMATORS.register("best_of_group", group=True)
+def best_of_group_advantage(token_level_rewards, response_mask, *, index, **_):
+    """+1 for the best response of each prompt's group (the first on a tie), -1/(n-1) for the n-1 others:
+    the advantages of a group sum to 0. ``group=True``: the trainer passes ``index`` (the batch's ``uid``)."""
+    mask = response_mask.float()
+    scores = (token_level_rewards.float() * mask).sum(-1)
+    gid = group_ids(index, len(scores), scores.device)
+    adv = torch.zeros_like(scores)
+    for g in gid.unique():
+        members = (gid == g).nonzero().squeeze(-1)
+        adv[members] = -1.0 / max(len(members) - 1, 1)
+        adv[members[torch.argmax(scores[members])]] = 1.0
+    adv = adv.unsqueeze(-1) * mask
+    return adv, adv

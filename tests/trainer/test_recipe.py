@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +123,33 @@ def test_algorithm_runs(tiny_model_dir, tmp_path, name):
         assert all(m["actor/marker"] == 7.0 and m["critic/score/mean"] >= 10.0 for m in metrics), metrics
     if name == "safe_rlhf":  # cost above the threshold 0 pushes lambda up; below it, down
         assert metrics[1]["safe_rlhf/lambda"] != metrics[0]["safe_rlhf/lambda"]
+
+
+USER_ESTIMATOR = """
+import sys
+import custom_components  # registers `best_of_group` with its traits: all that a new estimator takes
+from torchrlhf.trainer.run import train
+
+train(sys.argv[1])
+"""
+
+
+def test_an_estimator_registered_in_a_users_module_trains(tiny_model_dir, tmp_path):
+    """`custom_components.best_of_group` (group=True) runs a recipe step through `train`: the trainer hands it the
+    group uids, and its advantages, +1 for each group's best response and -1/(n-1) = -1/3 for the others, are
+    the step's."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, algorithm={"adv_estimator": "best_of_group"},
+                       trainer={"total_steps": 1, "output_dir": str(out), "loggers": ["jsonl"]})
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run([sys.executable, "-c", USER_ESTIMATOR, str(cfg)], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    (m,) = metrics_of(out)
+    assert m["critic/advantages/max"] == 1.0 and m["critic/advantages/min"] == pytest.approx(-1 / 3), m
+    assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]), m
 
 
 def test_every_pass_logs_its_mfu(tiny_model_dir, tmp_path):

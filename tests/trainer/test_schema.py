@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +48,22 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"actor": {"optim": {"lrr": 1e-3}}}, "actor.optim.lrr: unknown key (did you mean 'lr'?)"),
     ({"actor": {"optim": {"lr": "fast"}}}, "actor.optim.lr: expected float, got 'fast'"),
     ({"trainer": {"total_step": 3}}, "trainer.total_step: unknown key (did you mean 'total_steps'?)"),
-    ({"algorithm": {"adv_estimator": "gae"}}, "adv_estimator=gae (PPO) needs a critic section"),
+    ({"algorithm": {"adv_estimator": "gae"}}, "algorithm.adv_estimator=gae learns against a critic's values: it "
+                                              "needs a critic section"),
     ({"algorithm": {"adv_estimator": "grpoo"}}, "algorithm.adv_estimator: unknown 'grpoo'"),
-    ({"rollout": {"n": 1}}, "rollout.n must be >= 2"),
+    ({"rollout": {"n": 1}}, "algorithm.adv_estimator=grpo compares the responses of one prompt: rollout.n must be "
+                            ">= 2, got 1"),
+    ({"algorithm": {"adv_estimator": "remax"}}, "algorithm.adv_estimator=remax samples one response per prompt beside "
+                                                "a greedy baseline: set rollout.n=1, got 4"),
+    ({"critic": {"model_path": "${model_path}"}}, "a critic is configured but algorithm.adv_estimator=grpo does not "
+                                                  "use values; remove the critic section (critic=null) or use an "
+                                                  "estimator that does (gae"),
+    ({"algorithm": {"adv_estimator": "reinforce_pp", "filter_groups": True}},
+     "algorithm.filter_groups (DAPO dynamic sampling) drops groups of equal rewards: it needs a group estimator "
+     "("),
+    ({"algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1}, "cost_model": {"model_path": "${model_path}"}},
+     "Safe-RLHF (cost_model) estimates the cost's advantage with algorithm.adv_estimator, which here needs what the "
+     "cost has not (a value head, a greedy baseline's cost): use one of "),
     ({"actor": {"batching": {"ppo_mini_batch_size": 3}}}, "actor"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode: unknown 'mean'"),
     ({"actor": {"rollout_is": "tokens"}}, "actor.rollout_is must be one of ('token', 'sequence') or null"),
@@ -60,8 +74,6 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"rollout": {"engine": {"_component_": "torchrlhf.data.Batch"}}}, "is not a rollout engine class"),
     ({"rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine", "kv_cache_gib": "lots"}}},
      "rollout.engine.kv_cache_gib: expected float, got 'lots'"),
-    ({"actor": {"generation_max_batch_size": 32}}, "actor.generation_max_batch_size: moved to "
-                                                    "rollout.engine.max_batch_size"),
     ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
@@ -87,7 +99,7 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
      "rollout thread"),
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"adv_estimator": "remax"},
       "reward_model": {"model_path": "${model_path}"}, "rollout": {"n": 1}},
-     "algorithm.adv_estimator=remax with trainer.mode=async needs each sample's full score"),
+     "algorithm.adv_estimator=remax (a greedy baseline) with trainer.mode=async needs each sample's full score"),
     ({"placement": {"actor": [0], "rollout": [1]},
       "async_training": {"partial_rollout": True, "schedule": "deterministic"}},
      "async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1"),
@@ -198,3 +210,18 @@ def test_bad_component_is_refused(tmp_path, monkeypatch, sections, message):
     with pytest.raises(ConfigError) as e:
         _check(tmp_path, **sections)
     assert message in str(e.value), str(e.value)
+
+
+def test_a_users_estimator_is_checked_by_the_traits_it_registers(tmp_path, monkeypatch):
+    """`custom_components.best_of_group` registers itself with group=True: the checks know it from that alone."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    importlib.import_module("custom_components")
+    assert _check(tmp_path, algorithm={"adv_estimator": "best_of_group"}).algorithm.adv_estimator == "best_of_group"
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, algorithm={"adv_estimator": "best_of_group"}, rollout={"n": 1},
+               critic={"model_path": "${model_path}"})
+    assert "algorithm.adv_estimator=best_of_group compares the responses of one prompt: rollout.n must be >= 2, " \
+           "got 1" in str(e.value)
+    assert "a critic is configured but algorithm.adv_estimator=best_of_group does not use values" in str(e.value)
+    with pytest.raises(ConfigError, match=r"needs a group estimator \(best_of_group, dr_grpo, .*\), not reinforce_pp"):
+        _check(tmp_path, algorithm={"adv_estimator": "reinforce_pp", "filter_groups": True})

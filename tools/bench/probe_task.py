@@ -28,7 +28,8 @@ sys.path.insert(0, REPO)
 from torchrlhf.config import get_component, load_config  # noqa: E402
 from torchrlhf.generation import SamplingParams  # noqa: E402
 from torchrlhf.models import load_tokenizer  # noqa: E402
-from torchrlhf.trainer.build import build_prompts, resolve_model_path  # noqa: E402
+from torchrlhf.trainer.build import build_prompts  # noqa: E402
+from torchrlhf.trainer.schema import resolve_model_path  # noqa: E402
 from torchrlhf.trainer.schema import load_recipe_config, section_kwargs  # noqa: E402
 
 

@@ -1,20 +1,76 @@
 """Advantage estimators: token-level rewards [B, T] -> (advantages, returns) [B, T].
 
-Outputs are zero outside ``response_mask``. Group estimators take ``index`` (one uid per sample) and a
+Each estimator is registered with its traits (`Estimator`): the config checks, the rollout pipeline and the
+trainer read them, so a new estimator is one decorated function::
+
+    @ADV_ESTIMATORS.register("my_estimator", group=True)
+    def my_advantage(token_level_rewards, response_mask, *, index, **_): ...
+
+An estimator takes the inputs its traits name (``index``, ``values``, ``reward_baselines``) and the
+algorithm's hyper-parameters (``gamma``, ``lam``, ``norm_adv_by_std``, ``epsilon``, ``whiten``) as keyword
+arguments; ``**_`` takes those it ignores. Outputs are zero outside ``response_mask``. Group estimators take ``index`` (one uid per sample) and a
 sequence score = sum of ``token_level_rewards`` over the response, and broadcast the scalar advantage over
 the response tokens. A group of one sample has no baseline to compare against, so its advantage is 0 in every
 group estimator (verl instead uses mean 0 / std 1 for such groups, i.e. the raw score).
 Maths is done in float32; results are cast back to the dtype of ``token_level_rewards``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from torchrlhf.algorithms.masked import masked_whiten
 from torchrlhf.algorithms.registry import Registry
 
-ADV_ESTIMATORS = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what it needs from the run.
+
+    group: compares the responses of one prompt, so it needs ``rollout.n`` >= 2 (DAPO's group filter works
+        with it); it takes ``index``, each sample's group uid.
+    values: learns against a critic's ``values``, so the run needs a critic.
+    greedy_baseline: subtracts the reward of a greedy response to the same prompt (ReMax): the rollout
+        generates and scores that response, one sampled response per prompt (``rollout.n`` = 1); it takes
+        ``reward_baselines``.
+    """
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    group: bool = False
+    values: bool = False
+    greedy_baseline: bool = False
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        """The batch inputs the traits name: keyword argument -> the batch column it is read from."""
+        named = {"index": ("uid", self.group), "values": ("values", self.values),
+                 "reward_baselines": ("reward_baselines", self.greedy_baseline)}
+        return {keyword: column for keyword, (column, wanted) in named.items() if wanted}
+
+
+class EstimatorRegistry(Registry):
+    """Name -> `Estimator`; ``register`` takes the traits beside the names."""
+
+    def register(self, *names: str, group: bool = False, values: bool = False,
+                 greedy_baseline: bool = False) -> Callable[[Callable], Callable]:
+        if group and greedy_baseline:
+            raise ValueError(f"advantage estimator {names}: group (rollout.n >= 2) and greedy_baseline "
+                             "(rollout.n = 1) exclude each other")
+
+        def deco(fn: Callable) -> Callable:
+            Registry.register(self, *names)(Estimator(fn, group=group, values=values, greedy_baseline=greedy_baseline))
+            return fn
+
+        return deco
+
+    def having(self, trait: str) -> list[str]:
+        """The names of the estimators with ``trait`` (for error messages)."""
+        return sorted(name for name, estimator in self.items() if getattr(estimator, trait))
+
+
+ADV_ESTIMATORS = EstimatorRegistry("advantage estimator")
 
 Index = Sequence | torch.Tensor
 
@@ -55,7 +111,7 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
     return returns * mask
 
 
-@ADV_ESTIMATORS.register("gae")
+@ADV_ESTIMATORS.register("gae", values=True)
 def gae_advantage(token_level_rewards, response_mask, *, values, gamma=1.0, lam=1.0, whiten=True, **_):
     """GAE over valid tokens; the recursion jumps over masked tokens (tool/observation tokens inside a
     response carry the next value and advantage). returns = advantages + values (before whitening)."""
@@ -79,7 +135,7 @@ def gae_advantage(token_level_rewards, response_mask, *, values, gamma=1.0, lam=
     return adv, returns
 
 
-@ADV_ESTIMATORS.register("grpo")
+@ADV_ESTIMATORS.register("grpo", group=True)
 def grpo_advantage(token_level_rewards, response_mask, *, index, norm_adv_by_std=True, epsilon=1e-6, **_):
     """(r - group mean) / (group std + eps), std unbiased (torch.std); without std normalisation it is Dr.GRPO."""
     mask = response_mask.float()
@@ -92,13 +148,13 @@ def grpo_advantage(token_level_rewards, response_mask, *, index, norm_adv_by_std
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("dr_grpo")
+@ADV_ESTIMATORS.register("dr_grpo", group=True)
 def dr_grpo_advantage(token_level_rewards, response_mask, *, index, epsilon=1e-6, **_):
     """Dr.GRPO: r - group mean (no std normalisation)."""
     return grpo_advantage(token_level_rewards, response_mask, index=index, norm_adv_by_std=False, epsilon=epsilon)
 
 
-@ADV_ESTIMATORS.register("rloo")
+@ADV_ESTIMATORS.register("rloo", group=True)
 def rloo_advantage(token_level_rewards, response_mask, *, index, **_):
     """Leave-one-out: r_i - mean_{j != i} r_j = (r_i - mean) * n / (n - 1)."""
     mask = response_mask.float()
@@ -117,7 +173,7 @@ def reinforce_pp_advantage(token_level_rewards, response_mask, *, gamma=1.0, **_
     return masked_whiten(returns, mask) * mask, returns
 
 
-@ADV_ESTIMATORS.register("reinforce_pp_baseline")
+@ADV_ESTIMATORS.register("reinforce_pp_baseline", group=True)
 def reinforce_pp_baseline_advantage(token_level_rewards, response_mask, *, index, **_):
     """REINFORCE++ with baseline: score minus group mean, broadcast over tokens, then whitened over the batch."""
     mask = response_mask.float()
@@ -127,7 +183,7 @@ def reinforce_pp_baseline_advantage(token_level_rewards, response_mask, *, index
     return masked_whiten(centred, mask) * mask, centred
 
 
-@ADV_ESTIMATORS.register("remax")
+@ADV_ESTIMATORS.register("remax", greedy_baseline=True)
 def remax_advantage(token_level_rewards, response_mask, *, reward_baselines, gamma=1.0, **_):
     """ReMax: return-to-go minus the greedy rollout's reward ``reward_baselines`` [B]."""
     if reward_baselines is None:
@@ -138,7 +194,7 @@ def remax_advantage(token_level_rewards, response_mask, *, reward_baselines, gam
     return adv, returns
 
 
-@ADV_ESTIMATORS.register("opo")
+@ADV_ESTIMATORS.register("opo", group=True)
 def opo_advantage(token_level_rewards, response_mask, *, index, **_):
     """OPO: r_i - sum_j(len_j * r_j) / sum_j(len_j) over the group (length-weighted baseline)."""
     mask = response_mask.float()
@@ -154,7 +210,7 @@ def opo_advantage(token_level_rewards, response_mask, *, index, **_):
     return adv, adv
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@ADV_ESTIMATORS.register("grpo_passk", group=True)
 def grpo_passk_advantage(token_level_rewards, response_mask, *, index, norm_adv_by_std=True, epsilon=1e-6, **_):
     """Pass@k GRPO (verl's definition): only the best sample of each group gets credit, r_max - r_second_max
     (divided by group std + eps when ``norm_adv_by_std``); all others get 0. Ties go to the first best sample."""
@@ -194,7 +250,7 @@ def compute_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator ``name`` (see ``ADV_ESTIMATORS``) without autograd; ``whiten`` only applies to gae.
     ``index`` holds one uid per sample (list, array or tensor), needed by the group estimators."""
-    fn = ADV_ESTIMATORS[name]
+    fn = ADV_ESTIMATORS[name].fn
     if token_level_rewards.shape != response_mask.shape or token_level_rewards.dim() != 2:
         raise ValueError(
             f"compute_advantage({name!r}): token_level_rewards {tuple(token_level_rewards.shape)} and "

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 from torchrlhf.data.dataset import PromptDataset
-from torchrlhf.models import load_tokenizer, smollm2_model_dir
+from torchrlhf import algorithms
+from torchrlhf.models import load_tokenizer
 from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate, set_stall_timeout
 from torchrlhf.trainer.prompts import PromptLoader
@@ -29,25 +29,17 @@ from torchrlhf.rollouts import (
 )
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
 from torchrlhf.trainer.schema import (
-    SMOLLM2,
     RecipeConfig,
     models_in_unit,
     needs_reference,
     reference_is_actor,
     reference_kwargs,
+    resolve_model_path,
     role_ranks,
     section_kwargs,
 )
 from torchrlhf.utils.logging import build_logger
 from torchrlhf.workers import ActorWorker, RolloutWorker
-
-def resolve_model_path(path: str) -> str:
-    """``smollm2`` -> the converted SmolLM2 directory; any other path must exist."""
-    if path == SMOLLM2:
-        return str(smollm2_model_dir())
-    if not Path(path).expanduser().exists():
-        raise FileNotFoundError(f"model path does not exist: {path}")
-    return str(Path(path).expanduser())
 
 
 def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
@@ -118,7 +110,8 @@ def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], s
     algo, a = cfg.algorithm, cfg.async_training
     group_filter = GroupFilter(cfg.rollout.n, max(1, algo.max_num_gen_batches) * cfg.data.train_batch_size) \
         if algo.filter_groups else None
-    pipeline = RolloutPipeline(scorer, cfg.rollout.sampling(), remax=algo.adv_estimator == "remax",
+    greedy_baseline = algorithms.ADV_ESTIMATORS[algo.adv_estimator].greedy_baseline
+    pipeline = RolloutPipeline(scorer, cfg.rollout.sampling(), remax=greedy_baseline,
                                group_filter=group_filter, models_in_unit=models_in_unit(cfg, world_size))
     weight_sync = None if colocated else WeightSync(
         groups["actor"], replicas, dtype=cfg.actor.dtype, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
@@ -165,8 +158,8 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     rollouts = build_rollouts(cfg, world_size, groups, scorer, train_prompts)
     ref = groups["actor"] if reference_is_actor(cfg) else groups.get("ref")
     roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"), rollout=groups["rollout"])
-    return RLTrainer(algorithm=cfg.algorithm, rollout=cfg.rollout, trainer=cfg.trainer, roles=roles,
-                     rollouts=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
+    return RLTrainer(algorithm=cfg.algorithm, rollout_cfg=cfg.rollout, trainer_cfg=cfg.trainer, roles=roles,
+                     source=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
                      max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
                      safe_rlhf=cfg.cost_model is not None)

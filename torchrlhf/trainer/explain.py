@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
-from torchrlhf.trainer.schema import RecipeConfig, needs_reference, reference_is_actor, reference_kwargs, role_ranks
+from torchrlhf.trainer.schema import (
+    RecipeConfig,
+    needs_reference,
+    reference_is_actor,
+    reference_kwargs,
+    resolve_model_path,
+    role_ranks,
+)
 from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
@@ -205,8 +212,6 @@ def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[st
 
 def explain(cfg: RecipeConfig, world_size: int) -> str:
     """The dry-run report of a validated config (see the module docstring)."""
-    from torchrlhf.trainer.build import resolve_model_path
-
     ranks = role_ranks(cfg, world_size)
     shape = model_shape(resolve_model_path(cfg.actor.model_path), cfg.actor.lora)
     out = [f"torchrlhf dry run: world size {world_size}, rank 0 is the controller"]

