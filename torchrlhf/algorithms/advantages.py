@@ -8,7 +8,9 @@ trainer read them, so a new estimator is one decorated function::
 
 An estimator takes the inputs its traits name (``index``, ``values``, ``reward_baselines``) and the
 algorithm's hyper-parameters (``gamma``, ``lam``, ``norm_adv_by_std``, ``epsilon``, ``whiten``) as keyword
-arguments; ``**_`` takes those it ignores. Outputs are zero outside ``response_mask``. Group estimators take ``index`` (one uid per sample) and a
+arguments; ``**_`` takes those it ignores.
+
+Outputs are zero outside ``response_mask``. Group estimators take ``index`` (one uid per sample) and a
 sequence score = sum of ``token_level_rewards`` over the response, and broadcast the scalar advantage over
 the response tokens. A group of one sample has no baseline to compare against, so its advantage is 0 in every
 group estimator (verl instead uses mean 0 / std 1 for such groups, i.e. the raw score).
@@ -22,7 +24,6 @@ import torch
 
 from torchrlhf.algorithms.masked import masked_whiten
 from torchrlhf.algorithms.registry import Registry
-
 
 
 @dataclass(frozen=True)
