@@ -78,6 +78,12 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
       "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4}}}, "placement.critic: ranks [0, 5]"),
+    ({"trainer": {"profile": {"roles": ["ref"]}}}, "trainer.profile.roles: ['ref'] not in this run; its roles: "
+                                                   "['actor', 'rollout']"),
+    ({"trainer": {"profile": {"steps": [0]}}}, "trainer.profile.steps: must be >= 1"),
+    ({"trainer": {"total_steps": 2, "profile": {"steps": [2, 3]}}},
+     "trainer.profile.steps: [3] after the last step (trainer.total_steps=2)"),
+    ({"trainer": {"profile": {"step": [1]}}}, "trainer.profile.step: unknown key (did you mean 'steps'?)"),
 ])
 def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from torchrlhf.runtime import compute_thread, stall
+from torchrlhf.runtime import compute_thread, profiling, stall
 from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Worker, WorkerContext, set_current_context
 
@@ -97,7 +97,7 @@ def invoke(name: str, method: str, args: tuple, kwargs: dict, want_result: bool)
 def _run_method(name: str, method: str, args: tuple, kwargs: dict, want_result: bool) -> Any:
     stall.enter(name, method)
     try:
-        out = getattr(_workers[name], method)(*args, **kwargs)
+        out = profiling.record(name, method, lambda: getattr(_workers[name], method)(*args, **kwargs))
     except Exception:
         return Failure(traceback.format_exc())
     finally:

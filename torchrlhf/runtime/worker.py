@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchrlhf.runtime import stall
+from torchrlhf.runtime import profiling, stall
 from torchrlhf.runtime.parallel_dims import ParallelDims
 
 
@@ -164,6 +164,17 @@ class Worker:
     def busy_seconds(self) -> tuple[float, dict[str, float]]:
         """This rank's clock and the seconds it has spent inside each method (`runtime.stall.busy_seconds`)."""
         return stall.busy_seconds(self.context.group_name)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def start_profile(self, step: int, out_dir: str) -> None:
+        """Record each of this worker's calls with torch.profiler, in the thread that runs it, until
+        `stop_profile` (`runtime.profiling`)."""
+        profiling.start(self.context.group_name, self.rank, step, out_dir)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> list[str]:
+        """Write the recorded calls' trace and key-averages table; returns their paths on this rank."""
+        return profiling.stop(self.context.group_name)
 
     def build_meshes(self) -> tuple[DeviceMesh, DeviceMesh | None]:
         """(dp_mesh, tp_mesh) of ``self.parallel_dims`` over this group's ranks (tp_mesh None without TP).

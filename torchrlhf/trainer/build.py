@@ -15,6 +15,7 @@ from torchrlhf import algorithms
 from torchrlhf.models import load_tokenizer
 from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate, set_stall_timeout
+from torchrlhf.runtime.profiling import StepProfiler
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.rollouts import (
     DeterministicRollouts,
@@ -158,8 +159,11 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     rollouts = build_rollouts(cfg, world_size, groups, scorer, train_prompts)
     ref = groups["actor"] if reference_is_actor(cfg) else groups.get("ref")
     roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"), rollout=groups["rollout"])
+    profile = cfg.trainer.profile
+    profiler = StepProfiler(profile.steps, {role: groups[role] for role in profile.roles or groups},
+                            profile.dir or os.path.join(cfg.trainer.output_dir, "profile"))
     return RLTrainer(algorithm=cfg.algorithm, rollout_cfg=cfg.rollout, trainer_cfg=cfg.trainer, roles=roles,
                      source=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
                      max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
-                     safe_rlhf=cfg.cost_model is not None)
+                     safe_rlhf=cfg.cost_model is not None, profiler=profiler)

@@ -80,6 +80,28 @@ class RolloutConfig(SamplingParams):
 
 
 @dataclass
+class ProfileConfig:
+    """``trainer.profile``: torch.profiler traces of chosen steps (verl's ``profile_steps``).
+
+    In each of ``steps`` (1-based, as logged) every rank of each of ``roles`` (None: every role of the run)
+    records its calls of the step in the thread that computes them (`torchrlhf.runtime.profiling`) and
+    writes ``<dir>/step_<N>/<role>_rank<R>.json`` (Chrome/Perfetto trace) and ``.txt`` (key-averages
+    table). ``dir``: None puts them in ``<trainer.output_dir>/profile``.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    roles: list[str] | None = None
+    dir: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.steps if s < 1]
+        if bad:
+            raise ValueError(f"steps: must be >= 1 (global steps count from 1), got {bad}")
+        if self.roles is not None and len(set(self.roles)) != len(self.roles):
+            raise ValueError(f"roles: listed twice in {self.roles}")
+
+
+@dataclass
 class TrainerConfig:
     """The loop: length, validation, checkpoints, logging.
 
@@ -89,6 +111,7 @@ class TrainerConfig:
     doing (method, seconds, the collective it waits in, its stack; `runtime.stall`); 0 turns it off.
     ``peak_flops``: one device's peak FLOP/s, the denominator of the ``perf/mfu/*`` metrics (`utils.flops`);
     None: each rank measures its matmul peak in each role's dtype once, at start-up.
+    ``profile``: torch.profiler traces of chosen steps (`ProfileConfig`; off by default).
     """
 
     total_steps: int = 10
@@ -107,6 +130,7 @@ class TrainerConfig:
     log_val_generations: int = 4
     seed: int = 0
     peak_flops: float | None = None
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         if self.peak_flops is not None and not self.peak_flops > 0:

@@ -17,6 +17,7 @@ import torch
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
+from torchrlhf.runtime.profiling import StepProfiler
 from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.trainer.checkpointing import CheckpointManager
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
@@ -59,6 +60,7 @@ class RLTrainer:
             (and, in asynchronous training, is decoupled PPO's proximal policy).
         max_staleness: how many versions samples may lag (0 when synchronous), for the staleness histogram.
         safe_rlhf: the samples carry ``cost_scores`` (a cost model): constrain them with a Lagrange multiplier.
+        profiler: which steps' worker calls are recorded with torch.profiler (``trainer.profile``).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class RLTrainer:
         recompute_old_log_prob: bool = True,
         max_staleness: int = 0,
         safe_rlhf: bool = False,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.algo = algorithm
         self.estimator = algorithms.ADV_ESTIMATORS[algorithm.adv_estimator]
@@ -105,6 +108,7 @@ class RLTrainer:
             if safe_rlhf
             else None
         )
+        self.profiler = profiler or StepProfiler()
         self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=trainer_cfg.keep_last_checkpoints)
 
     # ------------------------------------------------------------------ loop
@@ -126,7 +130,8 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         while self.global_step < self.trainer_cfg.total_steps:
             self.global_step += 1
-            metrics = self.train_step()
+            with self.profiler.step(self.global_step):
+                metrics = self.train_step()
             last = self.global_step == self.trainer_cfg.total_steps
             if self.val_prompts is not None and self.trainer_cfg.test_freq > 0 and (
                 self.global_step % self.trainer_cfg.test_freq == 0 or last

@@ -332,10 +332,26 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         if rollout.weight_sync_bucket_mb < 1:
             errors.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
         errors += _batch_size_errors(cfg, ranks)
+        errors += _profile_errors(cfg, ranks)
         if cfg.trainer.mode == "async":
             errors += _async_errors(cfg, ranks, world_size)
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _profile_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+    """``trainer.profile`` names roles this run has, and steps it runs."""
+    errors, profile = [], cfg.trainer.profile
+    missing = sorted(set(profile.roles or ()) - set(ranks))
+    if missing:
+        lora = " (a LoRA actor serves the reference itself: profile actor)" if "ref" in missing and \
+            reference_is_actor(cfg) else ""
+        errors.append(f"trainer.profile.roles: {missing} not in this run{lora}; its roles: {sorted(ranks)}")
+    late = [s for s in profile.steps if s > cfg.trainer.total_steps]
+    if late:
+        errors.append(f"trainer.profile.steps: {late} after the last step (trainer.total_steps="
+                      f"{cfg.trainer.total_steps})")
+    return errors
 
 
 def _estimator_errors(cfg: RecipeConfig) -> list[str]:
