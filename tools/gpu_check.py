@@ -11,6 +11,12 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
 - ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
 - ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
   bf16 FSDP2 actor (``actor-update`` reports that run's actor update: its time and gradient norm).
+- ``train-1b``, ``train-3b``, ``train-1b-lora`` (with ``--models DIR`` holding random-weight models ``1b``
+  and ``3b``, e.g. made by the GPU kit's ``mkmodels.py``): the GRPO recipe at world size 1, 16 prompts x 8
+  samples of <= 64 prompt + 256 response tokens, bf16 actor and reference, LoRA rank 16 on the last row.
+  Figures: the last step's actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
+  memory against the dry run's estimate. ``--profile-dir DIR`` also records the step before the last with
+  ``trainer.profile`` (``DIR/<check>/step_N/<role>_rank0.{json,txt}``).
 
 Without a CUDA device it says so, lists the checks it skipped and exits 0. Otherwise it exits 1 if a check
 failed. Paste the table, with its header line (device, date, commit), into docs/performance.md.
@@ -40,6 +46,22 @@ CUDA_TESTS = ["tests/generation/test_cuda_graphs.py"]
 BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--random-weights",
          "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
 RECIPE_STEPS = 3
+# name -> (model folder under --models, micro-batch, extra overrides): the training rows (issue figures' shapes)
+TRAIN_ROWS = {
+    "train-1b": ("1b", 16, []),
+    "train-1b-lora": ("1b", 16, ["actor.lora.rank=16", "actor.lora.alpha=32"]),
+    "train-3b": ("3b", 8, []),
+}
+
+
+def train_overrides(model_dir: str, micro: int, output_dir: str) -> list[str]:
+    """The training rows' recipe: GRPO, world size 1, 128 samples of <= 64 + 256 tokens, bf16."""
+    return [f"model_path={model_dir}", "actor.dtype=bfloat16", "data.train_batch_size=16", "rollout.n=8",
+            "rollout.max_tokens=256", "rollout.engine.max_batch_size=128", "rollout.engine.max_seq_len=320",
+            "data.max_prompt_length=64", "actor.batching.ppo_mini_batch_size=16",
+            f"actor.batching.ppo_micro_batch_size_per_device={micro}", f"trainer.total_steps={RECIPE_STEPS}",
+            "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.resume=disable",
+            f"trainer.output_dir={output_dir}", "trainer.loggers=[console,jsonl]"]
 
 
 @dataclass
@@ -57,10 +79,12 @@ class Result:
     figure: str = ""
 
 
-def checks(output_dir: str, vllm_ok: bool) -> list[Check]:
+def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_dir: str | None = None) -> list[Check]:
+    """The checks to run; each recipe run writes into ``output_dir/<check name>``."""
     py = sys.executable
     recipe = [py, "recipes/ppo.py", "--config", "recipes/configs/grpo_arithmetic_cpu.yaml",
-              f"trainer.total_steps={RECIPE_STEPS}", f"trainer.output_dir={output_dir}", "trainer.resume=disable",
+              f"trainer.total_steps={RECIPE_STEPS}", f"trainer.output_dir={os.path.join(output_dir, 'recipe')}",
+              "trainer.resume=disable",
               "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
               "trainer.loggers=[console,jsonl]", "actor.dtype=bfloat16"]
     found = [
@@ -70,7 +94,39 @@ def checks(output_dir: str, vllm_ok: bool) -> list[Check]:
     ]
     if vllm_ok:
         found.insert(2, Check("vllm", "the same bench with vLLM beside it", [py, *BENCH, "--vllm"], 240))
+    for name, (shape, micro, extra) in TRAIN_ROWS.items():
+        if models is None or not (Path(models) / shape).is_dir():
+            continue
+        command = [py, "recipes/ppo.py", "--config", "recipes/configs/grpo_arithmetic_cpu.yaml",
+                   *train_overrides(str(Path(models) / shape), micro, os.path.join(output_dir, name)), *extra]
+        if profile_dir:
+            # the step before the last: the figures come from the last, which the profiler does not slow
+            command += [f"trainer.profile.steps=[{RECIPE_STEPS - 1}]", f"trainer.profile.dir={profile_dir}/{name}"]
+        found.append(Check(name, f"GRPO update, {shape} shape, micro {micro}" + (", LoRA" if extra else ""),
+                           command, 360))
     return found
+
+
+def _figure_of_training(output_dir: str, estimate_gib: float | None) -> str:
+    """The last step's update time, actor and ref MFU, and peak memory against the dry run's estimate."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return ""
+    last = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][-1]
+    text = (f"update {last['timing_s/update_actor']:.2f} s, MFU actor {100 * last.get('perf/mfu/actor', 0):.1f} %, "
+            f"ref {100 * last.get('perf/mfu/ref', 0):.1f} %, gen {last.get('timing_s/gen', 0):.2f} s, "
+            f"peak {last.get('perf/max_memory_allocated_gb', 0):.1f} GiB")
+    if estimate_gib is not None:
+        text += f" (estimate {estimate_gib:.1f} GiB)"
+    return text
+
+
+def dry_run_estimate(command: list[str]) -> float | None:
+    """The dry run's memory estimate for rank 0 of a recipe command (GiB), or None if it did not print one."""
+    p = subprocess.run([*command, "--dry-run", "--world-size", "1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    found = re.search(r"^\s*rank 0: ([\d.]+) GiB", p.stdout, re.MULTILINE)
+    return float(found.group(1)) if found else None
 
 
 def _figure_of_bench(out: str, vllm: bool) -> str:
@@ -138,19 +194,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", default=None,
                         help="run these checks only (cuda-tests, generate, vllm, recipe, actor-update)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
+    parser.add_argument("--models", default=None, help="a folder with random-weight models 1b and 3b (training rows)")
+    parser.add_argument("--profile-dir", default=None, help="record the training rows' last step there")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         if not torch.cuda.is_available():
             built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
             print(f"gpu_check: no CUDA device (torch {torch.__version__}, {built}); nothing was run.")
             print("skipped checks:")
-            for c in checks(os.path.join(tmp, "recipe"), vllm_ok=True):
+            for c in checks(tmp, vllm_ok=True):
                 command = " ".join("python" if a == sys.executable else a for a in c.command)
                 print(f"  {c.name:<12} {c.what}: {command}")
             print("  actor-update bf16 FSDP2 actor update (measured in the recipe run)")
             return 0
         vllm_ok, why = vllm_available()
-        todo = checks(os.path.join(tmp, "recipe"), vllm_ok)
+        todo = checks(tmp, vllm_ok, args.models, args.profile_dir)
         wanted = set(args.only or [])
         if "actor-update" in wanted:
             wanted.add("recipe")
@@ -169,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(Result(check.name, result, ", ".join(counts)))
             elif check.name in ("generate", "vllm"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
+            elif check.name in TRAIN_ROWS:
+                estimate = dry_run_estimate([a for a in check.command if not a.startswith("trainer.profile")])
+                results.append(Result(check.name, result, _figure_of_training(os.path.join(tmp, check.name), estimate)))
             else:
                 step, update = _figures_of_recipe(os.path.join(tmp, "recipe")) if result == "pass" else ("", "")
                 results.append(Result("recipe", result, step))
