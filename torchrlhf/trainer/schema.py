@@ -137,6 +137,9 @@ def section_schema(cls: type, exclude: tuple[str, ...], optim: type | None = Non
     if optim is not None:
         schema = optim_schema(optim, tuple(sorted(getattr(cls, "OPTIM_DEFAULTS", {}).items())))
         extra.append(("optim", schema, dataclasses.field(default_factory=schema)))
+        # A trainable role's batch sizes: the worker's ``batching=None`` means ``Batching()``, said here once so
+        # that the checks and the dry run read one value.
+        extra.append(("batching", Batching, dataclasses.field(default_factory=Batching)))
     return dataclasses.make_dataclass(base.__name__, extra, bases=(base,))
 
 
