@@ -19,12 +19,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Tile sizes: each tile's float32 temporaries are [CHUNK_SIZE, VOCAB_CHUNK_SIZE] (4 MiB), small enough to
-# stay in cache across the several elementwise passes over them; a [CHUNK_SIZE, V] chunk (48 MiB for
-# SmolLM2) is not: forward + backward took 1.2x as long at hidden size 576 and 2.3x at 64
-# (`tools/bench/bench_logprob.py`, sides ``rows`` and ``tiles``).
-CHUNK_SIZE = 256
-VOCAB_CHUNK_SIZE = 4096
+# Tile sizes (positions x vocabulary rows) by device type. On a CPU each tile's float32 temporaries are
+# [256, 4096] (4 MiB), small enough to stay in cache across the several elementwise passes over them; a
+# [256, V] chunk (48 MiB for SmolLM2) is not: forward + backward took 1.2x as long at hidden size 576 and
+# 2.3x at 64 (`tools/bench/bench_logprob.py`, sides ``rows`` and ``tiles``). On a GPU the cache argument
+# does not hold and every tile costs ~10 kernel launches: an H100 profile of a 1.07 B update at CPU tiles
+# showed 1536 tiles per update, with the GPU idle most of the time, so GPU tiles are [2048, 16384]
+# (128 MiB of float32).
+TILE_SIZES = {"cpu": (256, 4096)}
+GPU_TILE_SIZES = (2048, 16384)
+
+
+def tile_sizes(device: torch.device) -> tuple[int, int]:
+    """(positions, vocabulary rows) of the head's tiles on ``device``."""
+    return TILE_SIZES.get(device.type, GPU_TILE_SIZES)
 
 
 def _chunks(n: int, chunk_size: int) -> list[slice]:
@@ -32,9 +40,10 @@ def _chunks(n: int, chunk_size: int) -> list[slice]:
 
 
 def _tile_labels(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows whose label falls in vocabulary columns ``start:start + width``, those labels' column in the tile)."""
-    rows = ((labels >= start) & (labels < start + width)).nonzero().squeeze(-1)
-    return rows, labels[rows] - start
+    """(whether each label falls in vocabulary columns ``start:start + width``, its column in the tile,
+    clamped into the tile where it does not). Masks, not indices: no device-to-host sync per tile."""
+    in_tile = (labels >= start) & (labels < start + width)
+    return in_tile, (labels - start).clamp_(0, width - 1)
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -96,8 +105,8 @@ class _FusedLogProb(torch.autograd.Function):
                     s, u, target = _rescaled(m, m_tile, s, u, target)
                     s_tile += s
                     u_tile += u
-                rows, cols = _tile_labels(local[c], v.start, z.shape[1])
-                target[rows] = z[rows, cols]
+                in_tile, cols = _tile_labels(local[c], v.start, z.shape[1])
+                target = torch.where(in_tile, z.gather(1, cols[:, None]).squeeze(1), target)
                 m, s, u = m_tile, s_tile, u_tile
             if group is not None:  # the same fold across the ranks' vocabulary shards
                 m_all = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
@@ -132,8 +141,8 @@ class _FusedLogProb(torch.autograd.Function):
                     g = log_p.exp_().mul_(coeff).neg_()
                 else:
                     g = log_p.exp_().mul_(a.neg())
-                rows, cols = _tile_labels(local[c], v.start, g.shape[1])
-                g[rows, cols] += a_all[c][rows]
+                in_tile, cols = _tile_labels(local[c], v.start, g.shape[1])
+                g.scatter_add_(1, cols[:, None], torch.where(in_tile, a_all[c], 0.0)[:, None])
                 if temperature != 1.0:
                     g.div_(temperature)
                 g = g.to(weight.dtype)
@@ -154,8 +163,8 @@ def log_probs_from_hidden(
     labels: torch.Tensor,
     temperature: float = 1.0,
     *,
-    chunk_size: int = CHUNK_SIZE,
-    vocab_chunk_size: int = VOCAB_CHUNK_SIZE,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +173,11 @@ def log_probs_from_hidden(
     ``hidden`` [..., D], ``weight`` [V, D] (this rank's vocabulary rows ``vocab_start:vocab_start + V``
     when ``group`` is a tensor-parallel group; every rank passes the same ``hidden`` and ``labels``),
     ``labels`` [...]. Gradients flow to ``hidden`` and ``weight``; an unused entropy costs no backward work.
+    Tiles default to `tile_sizes` of the device.
     """
+    default_chunk, default_vocab_chunk = tile_sizes(hidden.device)
+    chunk_size = default_chunk if chunk_size is None else chunk_size
+    vocab_chunk_size = default_vocab_chunk if vocab_chunk_size is None else vocab_chunk_size
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"log_probs_from_hidden: hidden {tuple(hidden.shape)} do not match labels "
                          f"{tuple(labels.shape)}")

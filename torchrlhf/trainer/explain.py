@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torchrlhf.algorithms.logprob import CHUNK_SIZE, VOCAB_CHUNK_SIZE
+from torchrlhf.algorithms.logprob import tile_sizes
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     needs_reference,
@@ -151,7 +151,9 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
             per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
         positions = micro * r_len if not batching.use_dynamic_bsz else micro_tokens
         # the fused head's float32 temporaries: about three [chunk, vocab chunk] tiles, never [positions, V]
-        logits = min(positions, CHUNK_SIZE) * min(VOCAB_CHUNK_SIZE, shape.vocab / tp) * 4 * 3
+        # (the workers' device: a GPU where this machine has one, as `runtime.registry` picks it)
+        chunk, vocab_chunk = tile_sizes(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        logits = min(positions, chunk) * min(vocab_chunk, shape.vocab / tp) * 4 * 3
         memory["activations (one micro-batch)"] = micro_tokens * per_token + (logits if role == "actor" else 0)
     return lines, memory
 
