@@ -26,7 +26,7 @@ import time
 import torch
 
 from torchrlhf.algorithms import log_probs_from_hidden
-from torchrlhf.algorithms.logprob import VOCAB_CHUNK_SIZE
+from torchrlhf.algorithms.logprob import tile_sizes
 
 VOCAB = 49152
 SIDES = ("dense", "rows", "tiles")
@@ -42,7 +42,7 @@ def step(side: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             p = torch.softmax(z, -1)
             h = -(p * torch.log_softmax(z, -1)).sum(-1)
     else:
-        vocab_chunk = {"rows": VOCAB}.get(side, VOCAB_CHUNK_SIZE)
+        vocab_chunk = {"rows": VOCAB}.get(side, tile_sizes(hidden.device)[1])
         lp, h = log_probs_from_hidden(hidden, weight, labels, temperature, vocab_chunk_size=vocab_chunk)
         h = h if entropy_grad else h.detach()
     loss = lp.sum() + (0.01 * h.sum() if entropy_grad else 0.0)
