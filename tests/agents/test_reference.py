@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchrlhf.agents import build_agent, run_sessions_reference
+from agent_reference import run_sessions_reference
+
+from torchrlhf.agents import AgentSession, build_agent
 from torchrlhf.models import build_tiny_causal_lm
 
 IM_END = 2
@@ -35,7 +37,7 @@ def test_reference_driver_turns_equal_a_fresh_full_prefill(tiny_lm, smollm2_tok,
                         tok, max_tokens=40)
     rows = [{"prompt": "Count."}, {"prompt": [{"role": "system", "content": "Be brief."},
                                               {"role": "user", "content": "Count to three."}]}]
-    sessions = [agent.session(row) for row in rows]
+    sessions = [AgentSession(agent, row) for row in rows]
     trajectories = run_sessions_reference(tiny_lm, tok, sessions, stop_token_ids=stops)
     for traj in trajectories:
         assert traj.metrics["num_turns"] >= 2

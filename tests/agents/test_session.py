@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from torchrlhf.agents import AgentSpec, TokenMismatchError, build_agent
+from torchrlhf.agents import AgentSession, AgentSpec, TokenMismatchError, build_agent
 from torchrlhf.config import ConfigError
 
 IM_END = 2  # SmolLM2's <|im_end|>: the token the model samples to end its turn
@@ -46,7 +46,7 @@ QUESTION = [{"role": "user", "content": "What is 231 * 47?"}]
 def test_delta_is_token_exact_for_smollm2_template(smollm2_tok):
     tok = smollm2_tok
     agent = calc_agent(tok)
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     assert s.prompt_tokens == full_render(tok, QUESTION)
     t1 = turn(tok, "<calc>231 * 47</calc>")
     r1 = s.end_turn(t1, "stop").result()
@@ -70,11 +70,11 @@ def test_check_mode_finds_a_non_canonical_tokenization(smollm2_tok):
     # The model sampled "The answer" one character at a time: the same text, other tokens.
     chars = [tok.convert_tokens_to_ids(c) for c in "The"] + tok.encode(" answer is 5.", add_special_tokens=False)
     assert tok.decode(chars) == "The answer is 5." and chars != tok.encode("The answer is 5.", add_special_tokens=False)
-    s = calc_agent(tok).session({"prompt": QUESTION})
+    s = AgentSession(calc_agent(tok), {"prompt": QUESTION})
     s.end_turn(chars + [IM_END], "stop")
     check = s.result().token_check
     assert check.mismatches > 0 and check.first_mismatch == len(s.prompt_tokens)
-    s = calc_agent(tok, check_tokens="error").session({"prompt": QUESTION})
+    s = AgentSession(calc_agent(tok, check_tokens="error"), {"prompt": QUESTION})
     s.end_turn(chars + [IM_END], "stop")
     with pytest.raises(TokenMismatchError, match="differs"):
         s.result()
@@ -87,7 +87,7 @@ def test_tool_role_template_with_tools_and_parallel_hermes_calls(smollm2_tok, us
                         max_tokens=200)
     assert agent.renderer.observation_role == "tool"
     schemas = [t.schema for t in agent.tools.values()]
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     assert s.prompt_tokens == full_render(tok, QUESTION, schemas) and '"calculator"' in tok.decode(s.prompt_tokens)
     text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "231 * 47"}}</tool_call>'
             '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>')
@@ -108,7 +108,7 @@ def test_bad_tools_become_counted_error_observations(smollm2_tok, user_tools):
     tools = ["agent_user_tools:boom", "agent_user_tools:sleepy", "agent_user_tools:number", "agent_user_tools:echo"]
     with build_agent({"tools": tools, "timeout_s": 2.0, "num_workers": 2, "max_parallel_calls": 5}, smollm2_tok,
                      max_tokens=300) as agent:
-        s = agent.session({"prompt": QUESTION})
+        s = AgentSession(agent, {"prompt": QUESTION})
         calls = [{"name": "boom", "arguments": {"text": "x"}}, {"name": "sleepy", "arguments": {"seconds": 60}},
                  {"name": "number", "arguments": {"text": "x"}}, {"name": "nope", "arguments": {}},
                  {"name": "echo", "arguments": {"text": "still here"}}]
@@ -129,7 +129,7 @@ def test_bad_tools_become_counted_error_observations(smollm2_tok, user_tools):
 def test_on_error_end_scores_the_trajectory(smollm2_tok):
     agent = build_agent({"tools": ["calculator"], "isolate": False, "on_error": "end", "on_error_score": -1.0},
                         smollm2_tok, max_tokens=100)
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     assert s.end_turn(turn(smollm2_tok, '<tool_call>{"name": "calc"}</tool_call>'), "stop").result().done
     traj = s.result()
     assert traj.error and traj.finish_reason == "error" and traj.metrics["tool_errors"] == 1
@@ -139,7 +139,7 @@ def test_on_error_end_scores_the_trajectory(smollm2_tok):
 def test_environment_reset_step_done_and_per_trajectory_state(smollm2_tok, user_tools):
     agent = build_agent({"env": {"_component_": "agent_user_tools.Counter"}, "reward": "sum", "max_turns": 5},
                         smollm2_tok, max_tokens=100)
-    a, b = agent.session({"prompt": QUESTION}), agent.session({"prompt": QUESTION})
+    a, b = AgentSession(agent, {"prompt": QUESTION}), AgentSession(agent, {"prompt": QUESTION})
     assert smollm2_tok.decode(a.prompt_tokens).endswith("<|im_start|>user\ncount with me<|im_end|>\n<|im_start|>assistant\n")
     r = a.end_turn(turn(smollm2_tok, "one"), "stop").result()
     assert smollm2_tok.decode(r.observation_tokens) == "\n<|im_start|>user\nturn 1<|im_end|>\n<|im_start|>assistant\n"
@@ -153,15 +153,15 @@ def test_environment_reset_step_done_and_per_trajectory_state(smollm2_tok, user_
 
 
 def test_environment_failures(smollm2_tok, user_tools):
-    bad_reset = build_agent({"env": {"_component_": "agent_user_tools.BadReset"}, "reward": "env",
-                             "on_error_score": -2.0}, smollm2_tok, max_tokens=50).session({"prompt": QUESTION})
+    bad_reset = AgentSession(build_agent({"env": {"_component_": "agent_user_tools.BadReset"}, "reward": "env",
+                                          "on_error_score": -2.0}, smollm2_tok, max_tokens=50), {"prompt": QUESTION})
     assert bad_reset.turn_budget() == 0
     traj = bad_reset.result()
     assert traj.error and traj.response_tokens == [] and traj.metrics["env_errors"] == 1
     assert bad_reset.final_reward() == -2.0
     agent = build_agent({"env": {"_component_": "agent_user_tools.BadStep"}, "reward": "env", "max_turns": 2},
                         smollm2_tok, max_tokens=50)
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     r = s.end_turn(turn(smollm2_tok, "hi"), "stop").result()
     assert "Error: the environment failed: KeyError" in smollm2_tok.decode(r.observation_tokens)
     assert s.end_turn(turn(smollm2_tok, "hi"), "stop").result().done
@@ -189,7 +189,7 @@ def test_config_from_yaml(smollm2_tok, user_tools):
     spec = AgentSpec.from_config(cfg)
     assert spec.check_tokens == "off" and spec.tools == ("calculator",) and spec.env["start"] == 2
     agent = build_agent(cfg, smollm2_tok, max_tokens=64)
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     r = s.end_turn(turn(smollm2_tok, "<calc>6 * 7</calc>"), "stop").result()  # a tool turn: the env is not stepped
     assert "42" in smollm2_tok.decode(r.observation_tokens) and s.env.n == 0
     r = s.end_turn(turn(smollm2_tok, "The answer is 42."), "stop").result()  # no call: the env's action
@@ -199,21 +199,21 @@ def test_config_from_yaml(smollm2_tok, user_tools):
 def test_env_reset_failure_without_a_prompt_still_ends_cleanly(smollm2_tok, user_tools):
     agent = build_agent({"env": {"_component_": "agent_user_tools.BadReset"}, "reward": "env"}, smollm2_tok,
                         max_tokens=8)
-    s = agent.session({"ground_truth": "1"})
+    s = AgentSession(agent, {"ground_truth": "1"})
     assert s.turn_budget() == 0 and s.result().error and s.result().metrics["env_errors"] == 1
 
 
 def test_max_turns_budgets_and_length(smollm2_tok):
     tok = smollm2_tok
     call = turn(tok, "<calc>1 + 1</calc>")
-    s = calc_agent(tok, max_turns=2).session({"prompt": QUESTION})
+    s = AgentSession(calc_agent(tok, max_turns=2), {"prompt": QUESTION})
     r = s.end_turn(call, "stop").result()
     assert s.turn_budget() == 200 - len(call)
     assert s.end_turn(call, "stop").result().done  # a call on the last allowed turn is not run
     assert s.result().finish_reason == "max_turns" and s.result().metrics["tool_calls"] == 1
     assert s.result().response_tokens == call + r.observation_tokens + call
 
-    s = calc_agent(tok).session({"prompt": QUESTION, "max_tokens": len(call) + 3})  # the row's own budget
+    s = AgentSession(calc_agent(tok), {"prompt": QUESTION, "max_tokens": len(call) + 3})  # the row's own budget
     s.end_turn(call, "stop").result()
     assert s.turn_budget() == 3  # model tokens count over all turns; observation tokens do not
     s.end_turn([5, 6, 7], "length").result()
@@ -221,10 +221,10 @@ def test_max_turns_budgets_and_length(smollm2_tok):
     with pytest.raises(RuntimeError, match="done"):
         s.end_turn([5], "stop")
 
-    prompt = calc_agent(tok).session({"prompt": QUESTION}).prompt_tokens
+    prompt = AgentSession(calc_agent(tok), {"prompt": QUESTION}).prompt_tokens
     cap = len(prompt) + len(call) + 5  # room for the call, not for the observation (15 tokens) + 1
-    s = build_agent({"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"}, "isolate": False},
-                    tok, max_tokens=200, max_trajectory_tokens=cap).session({"prompt": QUESTION})
+    s = AgentSession(build_agent({"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"},
+                                  "isolate": False}, tok, max_tokens=200, max_trajectory_tokens=cap), {"prompt": QUESTION})
     assert s.turn_budget() == len(call) + 5
     with pytest.raises(ValueError, match="a turn has 1 to turn_budget"):
         s.end_turn(list(range(len(call) + 6)), "stop")
@@ -236,7 +236,7 @@ def test_long_observation_is_truncated_with_a_marker(smollm2_tok, user_tools):
     tok = smollm2_tok
     agent = build_agent({"tools": ["agent_user_tools:echo"], "format": "tags", "isolate": False,
                          "max_tool_response_tokens": 12, "check_tokens": "metric"}, tok, max_tokens=300)
-    s = agent.session({"prompt": QUESTION})
+    s = AgentSession(agent, {"prompt": QUESTION})
     long = " ".join(str(i) for i in range(100))
     r = s.end_turn(turn(tok, f"<echo>{long}</echo>"), "stop").result()
     obs = tok.decode(r.observation_tokens)
@@ -250,7 +250,7 @@ def test_long_observation_is_truncated_with_a_marker(smollm2_tok, user_tools):
 def test_guess_number_binary_search(smollm2_tok):
     agent = build_agent({"env": {"_component_": "torchrlhf.agents.builtin.GuessNumber", "low": 1, "high": 100},
                          "reward": "env", "max_turns": 8}, smollm2_tok, max_tokens=200)
-    s = agent.session({"ground_truth": "37"})
+    s = AgentSession(agent, {"ground_truth": "37"})
     low, high, hints = 1, 100, []
     while s.turn_budget():
         guess = (low + high) // 2

@@ -11,10 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from torchrlhf.agents import build_agent, run_sessions_reference
+from torchrlhf.agents import AgentSession, build_agent
 from torchrlhf.data import Batch
-from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.generation import NativeEngine, SamplingParams, generate_in_rounds
 from torchrlhf.models import load_tokenizer, save_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "agents"))
+from agent_reference import run_sessions_reference  # noqa: E402
 
 # The agent tests' tools and environments (tests/agents/conftest.py), importable as `agent_user_tools`.
 USER_TOOLS = runpy.run_path(str(Path(__file__).parents[1] / "agents" / "conftest.py"))["USER_TOOLS"]
@@ -77,12 +80,12 @@ def test_native_engine_turns_equal_a_full_reprefill_and_prefill_only_new_tokens(
     engine = NativeEngine(tiny_dir, max_batch_size=max_batch_size, max_seq_len=256)
     counting = Counting(engine)
     agent = build_agent(spec, tok, max_tokens=40, max_trajectory_tokens=256)
-    sessions = [agent.session(row) for row in rows for _ in range(n)]
+    sessions = [AgentSession(agent, row) for row in rows for _ in range(n)]
     sampling = SamplingParams(n=n, temperature=0.0, max_tokens=40, stop_token_ids=stops)
     out = engine.generate(_prompt_batch(rows), sampling, sessions=sessions)
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    reference = run_sessions_reference(hf, tok, [agent.session(row) for row in rows for _ in range(n)],
+    reference = run_sessions_reference(hf, tok, [AgentSession(agent, row) for row in rows for _ in range(n)],
                                        stop_token_ids=stops)
     assert len(out) == len(rows) * n
     for i, (session, want) in enumerate(zip(sessions, reference)):
@@ -114,7 +117,7 @@ def test_rollout_log_probs_of_model_tokens_match_a_full_forward(tiny_dir, env_mo
     rows = _rows(2)
     engine = NativeEngine(tiny_dir, max_batch_size=8, max_seq_len=256)
     sampling = SamplingParams(n=2, temperature=0.8, max_tokens=30, stop_token_ids=stops, seed=3)
-    sessions = [agent.session(row) for row in rows for _ in range(2)]
+    sessions = [AgentSession(agent, row) for row in rows for _ in range(2)]
     out = engine.generate(_prompt_batch(rows), sampling, sessions=sessions)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     r = out["responses"].shape[1]
@@ -126,6 +129,55 @@ def test_rollout_log_probs_of_model_tokens_match_a_full_forward(tiny_dir, env_mo
     torch.testing.assert_close(out["rollout_log_probs"][model], want[model], atol=1e-4, rtol=1e-4)
     assert (out["rollout_log_probs"][~model] == 0).all()
     assert (~model & out["attention_mask"][:, -r:].bool()).any()  # there are observation tokens
+
+
+class SingleTurn:
+    """The native engine as an engine without agent sessions: its `generate` samples single turns only."""
+
+    def __init__(self, engine: NativeEngine) -> None:
+        self.engine, self.calls = engine, 0
+
+    def generate(self, prompts, sampling):
+        self.calls += 1
+        return self.engine.generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rounds_give_a_single_turn_engine_multi_turn_trajectories(tiny_dir, env_module, temperature):
+    """`generate_in_rounds` (the driver vLLM uses) over any single-turn `generate`: greedy, token for token what
+    the reference gives; sampled, the model tokens' log-probs are the policy's on the whole trajectory."""
+    tok = load_tokenizer(tiny_dir)
+    stops = [IM_END] + list(range(0, tok.vocab_size, 7))
+    agent = build_agent({"env": {"_component_": f"{env_module}.Counter"}, "reward": "env", "max_turns": 4}, tok,
+                        max_tokens=30, max_trajectory_tokens=256)
+    rows = _rows(3)
+    engine = SingleTurn(NativeEngine(tiny_dir, max_batch_size=4, max_seq_len=256))
+    sampling = SamplingParams(n=2, temperature=temperature, max_tokens=30, stop_token_ids=stops, seed=5)
+    sessions = [AgentSession(agent, row) for row in rows for _ in range(2)]
+    out = generate_in_rounds(engine.generate, _prompt_batch(rows), sampling, sessions, pad_id=0)
+    assert engine.calls == max(len(s.result().turn_spans) for s in sessions) >= 2  # one call per round
+    assert len(out) == 6 and list(out["index"]) == [0, 0, 1, 1, 2, 2]
+    for i, session in enumerate(sessions):
+        got = session.result()
+        r = len(got.response_tokens)
+        assert out["responses"][i, :r].tolist() == got.response_tokens
+        assert out["response_mask"][i, :r].tolist() == got.loss_mask
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    if temperature == 0.0:
+        reference = run_sessions_reference(hf, tok, [AgentSession(agent, row) for row in rows for _ in range(2)],
+                                           stop_token_ids=stops)
+        for i, (session, want) in enumerate(zip(sessions, reference)):
+            got = session.result()
+            assert got.response_tokens == want.response_tokens and got.loss_mask == want.loss_mask, i
+        return
+    r = out["responses"].shape[1]
+    with torch.no_grad():
+        logits = hf(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                    position_ids=out["position_ids"]).logits[:, -r - 1 : -1] / temperature
+    want = torch.log_softmax(logits.float(), -1).gather(-1, out["responses"][..., None]).squeeze(-1)
+    model = out["response_mask"].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][model], want[model], atol=1e-4, rtol=1e-4)
+    assert (out["rollout_log_probs"][~model] == 0).all() and (~model & out["attention_mask"][:, -r:].bool()).any()
 
 
 def test_vllm_engine_turns_equal_a_full_reprefill(tmp_path, env_module):
@@ -144,7 +196,7 @@ def test_vllm_engine_turns_equal_a_full_reprefill(tmp_path, env_module):
     spec = {"env": {"_component_": f"{env_module}.Counter"}, "reward": "env", "max_turns": 4}
     agent = build_agent(spec, tok, max_tokens=30, max_trajectory_tokens=256)
     rows = _rows(2)
-    sessions = [agent.session(row) for row in rows for _ in range(2)]
+    sessions = [AgentSession(agent, row) for row in rows for _ in range(2)]
     engine = VLLMEngine(model_dir, max_batch_size=8, max_seq_len=256)
     try:
         out = engine.generate(_prompt_batch(rows), SamplingParams(n=2, temperature=0.0, max_tokens=30,
@@ -152,7 +204,7 @@ def test_vllm_engine_turns_equal_a_full_reprefill(tmp_path, env_module):
     finally:
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    reference = run_sessions_reference(hf, tok, [agent.session(row) for row in rows for _ in range(2)],
+    reference = run_sessions_reference(hf, tok, [AgentSession(agent, row) for row in rows for _ in range(2)],
                                        stop_token_ids=stops)
     for i, (session, want) in enumerate(zip(sessions, reference)):
         got = session.result()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchrlhf.generation import SamplingParams, sample_tokens
-from torchrlhf.generation.sampling import request_uniforms
+from torchrlhf.generation.sampling import prompt_seed_for, request_uniforms, sample_seed
 
 
 def test_params_validation():
@@ -15,6 +15,13 @@ def test_params_validation():
             SamplingParams(**bad)
     assert SamplingParams(stop="x").stop == ["x"]
     assert SamplingParams().logprobs is True
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**62 + 7, 2**63 - 1])
+def test_prompt_seed_for_picks_the_seed_of_sample_0(seed):
+    """A caller that generates one sample per prompt can give each the seed it wants (agent rounds)."""
+    assert sample_seed(prompt_seed_for(seed), 0) == seed
+    assert 0 <= prompt_seed_for(seed) < 2**63  # fits an int64 seed column
 
 
 def test_greedy_is_argmax_with_untempered_logprob():

@@ -272,10 +272,17 @@ def engine_checks(world, n: int) -> None:
         rank = dist.get_rank()
         mine = Batch.from_dict({"input_ids": prompts_ids[rank % 2 :][:1] + rank,
                                 "attention_mask": torch.ones(1, 4, dtype=torch.long)})
+        # Every generate argument reaches the engine, at TP 2 too (the pooled call): between_steps' version
+        # is on every token.
         out = generate_with_current_weights(model, engine, mine, SamplingParams(temperature=0.0, max_tokens=4, n=2,
-                                                                                 ignore_eos=True), optimizer=opt)
+                                                                                 ignore_eos=True), optimizer=opt,
+                                            between_steps=lambda: 7)
         check(f"hook_tp{t}/own_rows", len(out) == 2 and torch.equal(out["prompts"], mine["input_ids"].repeat(2, 1)),
               f"got prompts {out['prompts'].tolist()} for {mine['input_ids'].tolist()}")
+        versions = out.get("token_weight_versions")
+        check(f"hook_tp{t}/generate_kwargs_arrive",
+              versions is not None and torch.equal(versions, 7 * out["response_mask"]),
+              f"token_weight_versions {None if versions is None else versions.tolist()}")
         err = (out["rollout_log_probs"] - reference_log_probs(out)).abs().max().item()
         check(f"hook_tp{t}/log_probs_match_current_weights", err < 1e-4, f"max err {err}")
         check(f"hook_tp{t}/stats_in_meta", out.meta["reshard"]["num_tensors"] > 0)

@@ -85,15 +85,28 @@ class SlowEngine(NativeEngine):
         super().__init__(*args, **kwargs)
         self.step_delay_s = step_delay_s
 
-    def generate(self, prompts, sampling=None, *, between_steps=None):
+    def generate(self, prompts, sampling=None, *, between_steps=None, **kwargs):
         if between_steps is None:
-            return super().generate(prompts, sampling)
+            return super().generate(prompts, sampling, **kwargs)
 
         def slowly() -> int:
             time.sleep(self.step_delay_s)
             return between_steps()
 
-        return super().generate(prompts, sampling, between_steps=slowly)
+        return super().generate(prompts, sampling, between_steps=slowly, **kwargs)
+
+
+class SingleTurnEngine(NativeEngine):
+    """An engine that declares no capability beyond single-turn sampling."""
+
+    capabilities = frozenset()
+
+
+class StaleEngine(NativeEngine):
+    """Overrides generate without the arguments of the capabilities it inherits."""
+
+    def generate(self, prompts, sampling=None):
+        return super().generate(prompts, sampling)
 
 
 class KillOnceActor(ActorWorker):

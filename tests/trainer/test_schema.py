@@ -111,7 +111,9 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
      "async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1"),
     ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"partial_rollout": True},
       "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
-     "async_training.partial_rollout: VLLMEngine.generate cannot load weights between decode steps"),
+     "async_training.partial_rollout needs a rollout engine that can load newer weights between two decode steps "
+     "(between_steps) and record each token's weight version (token_weight_versions); VLLMEngine does not declare "
+     "'partial_rollout' in its capabilities"),
 ])
 def test_bad_async_config_is_refused(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:
@@ -162,6 +164,24 @@ def test_a_bad_agent_is_refused_before_anything_loads(tmp_path, agent, message):
 def test_an_agent_needs_one_rank_per_engine(tmp_path):
     with pytest.raises(ConfigError, match="rollout.agent runs with rollout.tp_size=1"):
         _check(tmp_path, world=2, rollout={"tp_size": 2, "agent": {"tools": ["calculator"]}})
+
+
+@pytest.mark.parametrize("engine, rollout, message", [
+    ("SingleTurnEngine", {"agent": {"tools": ["calculator"]}},
+     "rollout.agent needs a rollout engine that can run multi-turn agent sessions (sessions=): natively, or in rounds "
+     "of single-turn calls with torchrlhf.generation.base.generate_in_rounds; SingleTurnEngine does not declare "
+     "'agent_sessions' in its capabilities"),
+    ("StaleEngine", {}, "rollout.engine._component_: 'custom_components.StaleEngine' declares ['agent_sessions', "
+                        "'partial_rollout'] but its generate takes no ['sessions', 'between_steps'] argument"),
+])
+def test_an_engine_is_checked_by_the_capabilities_it_declares(tmp_path, monkeypatch, engine, rollout, message):
+    """A custom engine's capabilities (`torchrlhf.generation.CAPABILITIES`) are checked at config time, not at its
+    first generate: what the config asks for, and that its generate takes the arguments they add."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    with pytest.raises(ConfigError) as e:
+        _check(tmp_path, rollout={"engine": {"_component_": f"custom_components.{engine}"}, **rollout})
+    assert message in str(e.value), str(e.value)
+    assert _check(tmp_path, rollout={"engine": {"_component_": "custom_components.SingleTurnEngine"}})  # no agent
 
 
 def test_a_missing_model_and_missing_data_are_reported_together(tmp_path):

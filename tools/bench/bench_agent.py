@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchrlhf.agents import build_agent
+from torchrlhf.agents import AgentSession, build_agent
 from torchrlhf.data import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine  # VLLMEngine imports vLLM when built
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
@@ -132,7 +132,7 @@ def main() -> None:
     params = SamplingParams(n=args.n, temperature=0.0, max_tokens=args.max_tokens)
     seq = 1024
     agent = build_agent(spec, tok, max_tokens=args.max_tokens, max_trajectory_tokens=seq)
-    sessions = lambda: [agent.session(r) for r in rows for _ in range(args.n)]  # noqa: E731
+    sessions = lambda: [AgentSession(agent, r) for r in rows for _ in range(args.n)]  # noqa: E731
 
     sides: dict[str, Any] = {}
     native = NativeEngine(path, max_batch_size=args.trajectories, max_seq_len=seq)

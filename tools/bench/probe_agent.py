@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from torchrlhf.agents import build_agent  # noqa: E402
+from torchrlhf.agents import AgentSession, build_agent  # noqa: E402
 from torchrlhf.data.dataset import read_rows  # noqa: E402
 from torchrlhf.models import load_tokenizer, smollm2_model_dir  # noqa: E402
 from torchrlhf.rewards import get_reward_fn  # noqa: E402
@@ -76,7 +76,7 @@ def main() -> None:
     # One turn allowed: a tool call in it is never run, so the baseline answers alone.
     agent_cfg = {**json.loads(args.agent), "max_turns": 1 if args.no_tools else args.max_turns}
     agent = build_agent(agent_cfg, tokenizer, max_tokens=args.max_tokens)
-    sessions = [agent.session(row) for row in rows for _ in range(args.n)]
+    sessions = [AgentSession(agent, row) for row in rows for _ in range(args.n)]
     stop_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     start = time.time()
     while live := [s for s in sessions if s.turn_budget() > 0]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,6 @@ from omegaconf import DictConfig, OmegaConf
 from torchrlhf.agents.env import load_env_factory
 from torchrlhf.agents.parsing import ToolCallParser
 from torchrlhf.agents.render import ChatRenderer
-from torchrlhf.agents.session import AgentSession
 from torchrlhf.agents.tools import ToolExecutor, load_tools
 from torchrlhf.config import ConfigError
 from torchrlhf.config._errors import close_matches
@@ -123,7 +122,8 @@ class AgentSpec:
 
 
 class Agent:
-    """What a rollout worker holds: the spec, the chat renderer, the tool parser and executor.
+    """What a rollout worker holds: the spec, the chat renderer, the tool parser and executor; each trajectory
+    is an `torchrlhf.agents.session.AgentSession` over it.
 
     Args:
         spec: the agent config.
@@ -149,10 +149,6 @@ class Agent:
         if self.tools and spec.format == "hermes" and not self.renderer.template_uses_tools:
             log.warning("rollout.agent: the chat template ignores tools=, so the model is not shown the tools' "
                         "schemas; describe them (and the <tool_call> format) in the prompt")
-
-    def session(self, row: Mapping[str, Any], prompt_messages: Sequence[Mapping[str, Any]] | None = None) -> AgentSession:
-        """A new trajectory for a data row (its ``prompt`` messages, unless ``prompt_messages`` are given)."""
-        return AgentSession(self, row, prompt_messages)
 
     def close(self) -> None:
         """Stop the tool worker processes."""

@@ -2,7 +2,7 @@
 
 Engines only schedule tokens; the agent logic lives here, once. For each trajectory (sample)::
 
-    session = agent.session(row)                  # renders the prompt (env.reset, tools=)
+    session = AgentSession(agent, row)            # renders the prompt (env.reset, tools=)
     tokens = session.prompt_tokens
     while (budget := session.turn_budget()) > 0:   # 0: done (or a turn is pending)
         turn = <sample up to `budget` tokens after `tokens`, stopping at the end-of-turn token>
@@ -28,19 +28,24 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from torchrlhf.agents.agent import Agent
 from torchrlhf.agents.env import Environment, check_step
 from torchrlhf.agents.parsing import CallError, ToolCall
 from torchrlhf.agents.render import ChatRenderer, TokenCheck
 from torchrlhf.utils.isolated import CallTimeout
 
-if TYPE_CHECKING:
-    from torchrlhf.agents.agent import Agent
-
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
+
+COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens", "truncated_observations")
+# A rollout batch's per-trajectory agent columns (`agent_columns`): ``Trajectory.metrics`` (the turns, the
+# `COUNTS`, ``token_mismatches`` with ``check_tokens``), the environment's reward, 1 where an error ended it.
+AGENT_COLUMNS = ("num_turns", *COUNTS, "token_mismatches", "env_reward", "agent_error")
 
 
 class TokenMismatchError(ValueError):
@@ -98,8 +103,7 @@ class AgentSession:
         self._pending: Future | None = None
         self.row = row
         self.env: Environment | None = None
-        self._counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "env_errors",
-                                      "observation_tokens", "truncated_observations"), 0)
+        self._counts = dict.fromkeys(COUNTS, 0)
         self.done = False
         messages = [dict(m) for m in (prompt_messages if prompt_messages is not None else _row_messages(row))]
         reset_error = None
@@ -319,6 +323,13 @@ class AgentSession:
         decode = self._renderer.tokenizer.decode
         return (f"re-rendering the conversation from text differs from the trajectory's tokens at {check.mismatches} "
                 f"position(s), first at token {i}: trajectory {decode(self.tokens[max(0, i - 3): i + 3])!r}")
+
+
+def agent_columns(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
+    """The `AGENT_COLUMNS` of finished trajectories (those they have: ``token_mismatches`` only when checked)
+    as float columns, one row per trajectory."""
+    values = [{**t.metrics, "env_reward": t.env_reward, "agent_error": float(t.error)} for t in trajectories]
+    return {k: torch.tensor([v[k] for v in values], dtype=torch.float32) for k in AGENT_COLUMNS if k in values[0]}
 
 
 def _row_messages(row: Mapping[str, Any]) -> list[Message]:

@@ -14,17 +14,26 @@ interchangeable behind ``rollout.engine._component_``:
 
 Every engine returns `GENERATION_COLUMNS` built by `assemble_generation` (so the columns, padding and
 masks cannot drift apart between engines), plus the non-tensor ``finish_reason`` ("stop" or "length").
+
+What an engine can do beyond single-turn sampling it declares in ``capabilities`` (names of `CAPABILITIES`);
+the recipe's config check reads them (`capability_errors`), so a run that needs one fails before it starts.
+Adding a capability is one entry in `CAPABILITIES` (its `generate` argument and the config key that asks for
+it), plus the engine that implements it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from torchrlhf.agents.rounds import run_rounds
 from torchrlhf.data.batch import Batch
-from torchrlhf.generation.sampling import SamplingParams
+from torchrlhf.generation.sampling import SamplingParams, prompt_seed_for, sample_seed
 
 GENERATION_COLUMNS = (
     "prompts",
@@ -38,19 +47,49 @@ GENERATION_COLUMNS = (
 RESUME_TAGS = ("weights", "kv_cache")  # in the order `resume` must restore them
 
 
+@dataclass(frozen=True)
+class Capability:
+    """An optional feature of `RolloutEngine.generate`: the keyword argument it adds and the recipe key that
+    asks for it (a run with that key set needs an engine that declares the capability)."""
+
+    argument: str
+    config_key: str
+    what: str  # for the config error: "<engine> does not ..."
+
+
+CAPABILITIES: dict[str, Capability] = {
+    "partial_rollout": Capability(
+        "between_steps", "async_training.partial_rollout",
+        "load newer weights between two decode steps (between_steps) and record each token's weight version "
+        "(token_weight_versions)"),
+    "agent_sessions": Capability(
+        "sessions", "rollout.agent",
+        "run multi-turn agent sessions (sessions=): natively, or in rounds of single-turn calls with "
+        "torchrlhf.generation.base.generate_in_rounds"),
+}
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the rollout role needs from an engine (see the module docstring for the call order).
 
     ``tp_size``/``tp_mesh``: the engine's tensor-parallel group (1 / None without TP). Every rank of a TP
-    group calls `generate` with the same prompts and gets the same answer.
+    group calls `generate` with the same prompts and gets the same answer. ``capabilities``: the names of
+    the `CAPABILITIES` its `generate` implements (none when an engine does not say).
     """
 
     tp_size: int
     tp_mesh: object | None
+    capabilities: ClassVar[frozenset[str]]
 
-    def generate(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
-        """``sampling.n`` responses per prompt, samples of one prompt adjacent (see `assemble_generation`)."""
+    def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> Batch:
+        """``sampling.n`` responses per prompt, samples of one prompt adjacent (see `assemble_generation`).
+
+        A prompt's ``seed`` and ``max_tokens`` columns, when present, replace its seed and cap its response
+        (`prompt_seeds`, `prompt_max_tokens`). ``between_steps`` (capability ``partial_rollout``) and
+        ``sessions`` (``agent_sessions``): see `CAPABILITIES`; an engine without one leaves its argument out.
+        """
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``(hf_name, tensor)`` pairs, copying each before taking the next (the producer may free it)."""
@@ -63,6 +102,50 @@ class RolloutEngine(Protocol):
 
     def resume(self, tags: Sequence[str] = RESUME_TAGS) -> None:
         """Re-allocate what `release` freed: ``"weights"`` (then refilled by `update_weights`), ``"kv_cache"``."""
+
+
+ENGINE_METHODS = tuple(name for name, value in vars(RolloutEngine).items()
+                       if inspect.isfunction(value) and not name.startswith("_"))
+
+
+def engine_capabilities(engine: Any) -> frozenset[str]:
+    """The capabilities an engine (class or instance) declares; ValueError on a name `CAPABILITIES` lacks."""
+    declared = frozenset(getattr(engine, "capabilities", ()))
+    unknown = sorted(declared - CAPABILITIES.keys())
+    if unknown:
+        raise ValueError(f"{_name(engine)}.capabilities: unknown {unknown}; valid: {sorted(CAPABILITIES)}")
+    return declared
+
+
+def engine_problem(cls: Any) -> str | None:
+    """Why ``cls`` is not a `RolloutEngine` class (a missing method, a declared capability whose argument its
+    `generate` does not take), or None."""
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        return f"is not a rollout engine class (missing {missing}; see torchrlhf.generation.RolloutEngine)"
+    try:
+        declared = engine_capabilities(cls)
+    except ValueError as e:
+        return str(e)
+    params = inspect.signature(cls.generate).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    lacking = [name for name in sorted(declared) if CAPABILITIES[name].argument not in params and not takes_any]
+    if lacking:
+        return (f"declares {lacking} but its generate takes no {[CAPABILITIES[n].argument for n in lacking]} "
+                "argument (a subclass that overrides generate must pass them on)")
+    return None
+
+
+def capability_errors(engine_cls: Any, asked: Callable[[str], Any]) -> list[str]:
+    """One message per capability the config asks for (``asked(config_key)`` is set) that the engine lacks."""
+    have = engine_capabilities(engine_cls)
+    return [f"{cap.config_key} needs a rollout engine that can {cap.what}; {_name(engine_cls)} does not declare "
+            f"{name!r} in its capabilities (the native engine does)"
+            for name, cap in CAPABILITIES.items() if asked(cap.config_key) and name not in have]
+
+
+def _name(engine: Any) -> str:
+    return engine.__name__ if isinstance(engine, type) else type(engine).__name__
 
 
 PROMPT_COLUMNS = ("prompts", "input_ids", "attention_mask", "position_ids")  # left-padded prompt width
@@ -138,21 +221,21 @@ def check_resume_tags(tags: Sequence[str]) -> tuple[str, ...]:
 
 
 def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -> list[int]:
-    """Prompt lengths; ValueError naming the prompt when one is empty or leaves no room for ``max_tokens``."""
+    """Prompt lengths; ValueError naming the prompt when one is empty or leaves no room for its ``max_tokens``
+    (`prompt_max_tokens`)."""
     input_ids, mask = prompts["input_ids"], prompts["attention_mask"]
     if input_ids.dim() != 2 or input_ids.shape != mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, P]; got {tuple(input_ids.shape)} and {tuple(mask.shape)}"
         )
     lengths = mask.sum(-1).tolist()
-    limit = max_seq_len - params.max_tokens
-    for i, length in enumerate(lengths):
+    for i, (length, max_tokens) in enumerate(zip(lengths, prompt_max_tokens(prompts, params))):
         if length == 0:
             raise ValueError(f"prompt {i} is empty (attention_mask has no 1s)")
-        if length > limit:
+        if length > max_seq_len - max_tokens:
             raise ValueError(
-                f"prompt {i} has {length} tokens; with max_tokens={params.max_tokens} the limit is "
-                f"max_seq_len - max_tokens = {max_seq_len} - {params.max_tokens} = {limit}"
+                f"prompt {i} has {length} tokens; with max_tokens={max_tokens} the limit is "
+                f"max_seq_len - max_tokens = {max_seq_len} - {max_tokens} = {max_seq_len - max_tokens}"
             )
     return lengths
 
@@ -266,6 +349,40 @@ def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: 
     extra = {"token_weight_versions": token_versions} if versions is not None else {}
     return _generation_batch(prompts, params, prompt_ids, prompt_mask, responses, valid, loss_mask, rollout_lp,
                              [t.finish_reason for t in trajectories], extra)
+
+
+def generate_in_rounds(generate: Callable[[Batch, SamplingParams], Batch], prompts: Batch, params: SamplingParams,
+                       sessions: Sequence[Any], pad_id: int, tp_mesh: Any = None) -> Batch:
+    """``generate(prompts, params, sessions=sessions)`` for an engine whose ``generate`` samples single turns.
+
+    The agent rounds of `torchrlhf.agents.rounds.run_rounds`: each round is one ``generate`` call with every
+    live trajectory's whole token sequence as a prompt (``n=1``; an engine with a prefix cache computes only
+    the new tokens), its turn budget as the ``max_tokens`` column and its own seed: turn t of sample j of
+    prompt i samples from ``sample_seed(seed_i, j) + t``. Returns `assemble_trajectories`' columns.
+    """
+    seeds = prompt_seeds(prompts, params, tp_mesh)
+
+    def sample_turns(live: list[int], turn: int) -> list[tuple[list[int], list[float], str]]:
+        budgets = [sessions[k].turn_budget() for k in live]
+        contexts = [torch.tensor(sessions[k].tokens, dtype=torch.long) for k in live]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(live), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(live), width, dtype=torch.long)
+        for r, c in enumerate(contexts):
+            ids[r, width - len(c):], mask[r, width - len(c):] = c, 1
+        turn_seeds = [prompt_seed_for(sample_seed(seeds[k // params.n], k % params.n) + turn) for k in live]
+        batch = Batch({"input_ids": ids, "attention_mask": mask, "max_tokens": torch.tensor(budgets),
+                       "seed": torch.tensor(turn_seeds, dtype=torch.long)})
+        out = generate(batch, dataclasses.replace(params, n=1, max_tokens=max(budgets)))
+        lengths = out["response_mask"].sum(-1).tolist()
+        return [(out["responses"][r, :m].tolist(), out["rollout_log_probs"][r, :m].tolist() if params.logprobs else [],
+                 out["finish_reason"][r]) for r, m in enumerate(lengths)]
+
+    logps = run_rounds(sessions, sample_turns)
+    table = torch.zeros(len(sessions), max(1, params.max_tokens), dtype=torch.float32)
+    for k, values in enumerate(logps):
+        table[k, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return assemble_trajectories(prompts, params, [s.result() for s in sessions], table, pad_id)
 
 
 def _generation_batch(prompts: Batch, params: SamplingParams, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

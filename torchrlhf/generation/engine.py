@@ -112,6 +112,8 @@ class NativeEngine:
         * values are copied into the engine's buffers (any dtype/device; cast on copy).
     """
 
+    capabilities = frozenset({"partial_rollout", "agent_sessions"})  # agents: parked slots, not rounds
+
     def __init__(
         self,
         model_or_path: nn.Module | str | Path,

@@ -88,7 +88,17 @@ def sample_seed(seed: int, sample: int) -> int:
     Mixed rather than ``seed + sample``: prompt seeds are ``base + i``, so sample 1 of prompt i would
     otherwise reuse the draws of sample 0 of prompt i + 1.
     """
-    return (seed * 1_000_003 + sample * 7919 + 0x9E3779B9) % (2**63)
+    return (seed * _SEED_MUL + sample * 7919 + _SEED_ADD) % _SEED_MOD
+
+
+_SEED_MUL, _SEED_ADD, _SEED_MOD = 1_000_003, 0x9E3779B9, 2**63
+
+
+def prompt_seed_for(seed: int) -> int:
+    """The prompt seed whose sample 0 draws from ``seed``: `sample_seed` inverted (the multiplier is odd, so
+    it has an inverse modulo 2**63). Lets a caller that generates one sample per prompt (the agent rounds of
+    `torchrlhf.generation.base.generate_in_rounds`) choose each sample's seed through the ``seed`` column."""
+    return (seed - _SEED_ADD) * pow(_SEED_MUL, -1, _SEED_MOD) % _SEED_MOD
 
 
 def request_uniforms(seed: int, sample: int, steps: int) -> torch.Tensor:

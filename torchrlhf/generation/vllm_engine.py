@@ -22,7 +22,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,8 @@ from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
     RESUME_TAGS,
     assemble_generation,
-    assemble_trajectories,
     check_resume_tags,
-    check_sessions,
+    generate_in_rounds,
     prompt_max_tokens,
     prompt_seeds,
     prompt_token_lists,
@@ -215,6 +213,8 @@ class VLLMEngine:
             None: in-process unless ``torch.distributed`` has more than one rank (see above).
         bucket_mb: with the engine core in a child process, the most MiB of weights per transfer.
     """
+
+    capabilities = frozenset({"agent_sessions"})  # in rounds; no partial rollouts (no hook between decode steps)
 
     def __init__(
         self,
@@ -467,15 +467,15 @@ class VLLMEngine:
         string the response ends with the token that completed it. Both report ``"stop"``.
 
         ``sessions`` (agents, one per sample): multi-turn trajectories (`assemble_trajectories`' columns).
-        Turns go in rounds: every trajectory that can generate gets a request with its whole token
-        sequence (vLLM's prefix cache holds what earlier turns computed, so only the new tokens are
-        prefilled), then the sessions run their tools and environments, together, before the next round.
+        Turns go in rounds (`generate_in_rounds`): every trajectory that can generate gets a request with its
+        whole token sequence (vLLM's prefix cache holds what earlier turns computed, so only the new tokens
+        are prefilled), then the sessions run their tools and environments, together, before the next round.
         """
         from vllm import SamplingParams as VLLMSamplingParams
 
         params = sampling or SamplingParams()
         if sessions is not None:
-            return self._generate_trajectories(prompts, params, sessions)
+            return generate_in_rounds(self.generate, prompts, params, sessions, self._pad_id)
         if self._asleep or self._missing:
             raise RuntimeError("VLLMEngine.generate after release(): call resume() and update_weights() first")
         if params.stop and not self._has_vllm_tokenizer:
@@ -510,39 +510,3 @@ class VLLMEngine:
             resp_len[k] = len(ids)
             reasons.append("stop" if sample.finish_reason == "stop" else "length")
         return assemble_generation(prompts, params, tokens, logps, resp_len, reasons, self._pad_id)
-
-    def _generate_trajectories(self, prompts: Batch, params: SamplingParams, sessions: Sequence[Any]) -> Batch:
-        """Agents: the round loop of `generate` (see there)."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        if self._asleep or self._missing:
-            raise RuntimeError("VLLMEngine.generate after release(): call resume() and update_weights() first")
-        check_sessions(sessions, self.max_seq_len)
-        seeds = prompt_seeds(prompts, params)
-        fields = self._request_params(params)
-        logps: list[list[float]] = [[] for _ in sessions]
-        turn = 0
-        while True:
-            active = [k for k, s in enumerate(sessions) if s.turn_budget() > 0]
-            if not active:
-                break
-            requests = [{"prompt_token_ids": list(sessions[k].tokens)} for k in active]
-            request_params = [VLLMSamplingParams(
-                **{**fields, "max_tokens": sessions[k].turn_budget()},
-                seed=None if params.greedy else sample_seed(seeds[k // params.n], k % params.n) + turn)
-                for k in active]
-            outputs = self.llm.generate(requests, request_params, use_tqdm=False)
-            futures = []
-            for k, out in zip(active, outputs):
-                sample = out.outputs[0]
-                if params.logprobs:
-                    logps[k].extend(sample.logprobs.logprobs)
-                reason = "stop" if sample.finish_reason == "stop" else "length"
-                futures.append(sessions[k].end_turn(list(sample.token_ids), reason))
-            wait(futures)
-            turn += 1
-        width = max(1, params.max_tokens)
-        table = torch.zeros(len(sessions), width, dtype=torch.float32)
-        for k, values in enumerate(logps):
-            table[k, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        return assemble_trajectories(prompts, params, [s.result() for s in sessions], table, self._pad_id)

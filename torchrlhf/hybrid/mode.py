@@ -197,7 +197,9 @@ def generate_with_current_weights(
 
     With generation TP > 1 the ranks of a TP group pool their shards (TP ranks must decode the same
     batch), generate once, and each returns the rows of its own prompts, so the training-layout
-    dispatch (one shard per rank) works unchanged. The transition's figures go to the output's
+    dispatch (one shard per rank) works unchanged; ``generate_kwargs`` go to that one call as they are (an
+    argument per sample, like agent ``sessions``, would have to cover the pooled batch: agents run at TP 1).
+    The transition's figures go to the output's
     ``meta["reshard"]`` (see `ReshardStats`), e.g. for ``timing_s/reshard`` metrics.
     """
     with generation_mode(model, engine, optimizer=optimizer, offload=offload, dtype=dtype) as stats:
@@ -206,7 +208,7 @@ def generate_with_current_weights(
             out = engine.generate(prompts, sampling, **generate_kwargs)
         else:
             pooled, offset, count = _gather_tp_prompts(prompts, mesh)
-            out = engine.generate(pooled, sampling)
+            out = engine.generate(pooled, sampling, **generate_kwargs)
             n = len(out) // max(len(pooled), 1)
             out = out[offset * n : (offset + count) * n]
     out.meta["reshard"] = stats.as_dict()

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from torchrlhf.agents import AGENT_COLUMNS
 from torchrlhf.data import Batch
 
 
@@ -47,16 +48,15 @@ def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, fl
 
 
 def agent_metrics(batch: Batch) -> dict[str, float]:
-    """Multi-turn rollouts (the agent columns of `workers.rollout.agent_columns`), verl's ``num_turns/*`` and
-    per-trajectory means of tool calls, tool errors and timeouts, environment errors, observation tokens;
-    the environment's reward per trajectory and per model turn."""
+    """Multi-turn rollouts (the `torchrlhf.agents.AGENT_COLUMNS`), verl's ``num_turns/*`` and per-trajectory
+    means of the others (tool calls, tool errors and timeouts, environment errors, observation tokens, the
+    environment's reward, ...); the environment's reward per model turn."""
     if "num_turns" not in batch:
         return {}
     turns = batch["num_turns"]
     metrics = _stats("num_turns", turns)
-    for key in ("tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens",
-                "truncated_observations", "token_mismatches", "env_reward", "agent_error"):
-        if key in batch:
+    for key in AGENT_COLUMNS:
+        if key != "num_turns" and key in batch:
             metrics[f"agent/{key}/mean"] = batch[key].float().mean().item()
     metrics["agent/turn_reward/mean"] = (batch["env_reward"].sum() / turns.sum().clamp(min=1)).item()
     return metrics

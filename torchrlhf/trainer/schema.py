@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import os
 import types
 import typing
@@ -37,7 +36,7 @@ from torchrlhf.trainer.config import (
     RolloutConfig,
     TrainerConfig,
 )
-from torchrlhf.generation import NativeEngine
+from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
 from torchrlhf.models import smollm2_model_dir
 from torchrlhf.utils.optim import LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
@@ -79,7 +78,6 @@ DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
 }
 
 ENGINE_KEY = "rollout.engine"  # a nested component section: the rollout engine class and its arguments
-ENGINE_METHODS = ("generate", "update_weights", "param_shard_dims", "release", "resume")
 
 # Keys that do not exist for a reason the config's author should read instead of "unknown key".
 UNSUPPORTED_KEYS = {
@@ -217,12 +215,6 @@ def reference_kwargs(cfg: Any) -> dict[str, Any]:
     }
 
 
-def _engine_problem(cls: Any) -> str | None:
-    missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
-    return f"is not a rollout engine class (missing {missing}; see torchrlhf.generation.RolloutEngine)" \
-        if not isinstance(cls, type) or missing else None
-
-
 def _subclass_problem(base: type) -> Callable[[Any], str | None]:
     def problem(cls: Any) -> str | None:
         return None if isinstance(cls, type) and issubclass(cls, base) else f"must be a subclass of {component_path(base)}"
@@ -235,7 +227,7 @@ def chosen_components(cfg: Mapping[str, Any]) -> dict[str, type]:
     keyed by the section's dotted path."""
     checks = {role: _subclass_problem(base) for role, base in COMPONENT_SECTIONS.items()}
     checks.update({f"{role}.optim": _subclass_problem(torch.optim.Optimizer) for role in OPTIM_SECTIONS})
-    checks[ENGINE_KEY] = _engine_problem
+    checks[ENGINE_KEY] = engine_problem
     chosen, errors = {}, []
     for path, problem in checks.items():
         section: Any = cfg
@@ -310,6 +302,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _model_path_errors(cfg)
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
+    errors += _engine_capability_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -397,14 +390,9 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
     if not 1 <= a.prompts_per_call <= cfg.data.train_batch_size:
         errors.append(f"async_training.prompts_per_call must be in [1, data.train_batch_size="
                       f"{cfg.data.train_batch_size}], got {a.prompts_per_call}")
-    if a.partial_rollout:
-        engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or "torchrlhf.generation.NativeEngine")
-        if a.schedule != "stream" or cfg.rollout.tp_size != 1:
-            errors.append("async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1 "
-                          "(the ranks of a TP group could not agree on when to swap weights mid-trajectory)")
-        if "between_steps" not in inspect.signature(engine.generate).parameters:
-            errors.append(f"async_training.partial_rollout: {engine.__name__}.generate cannot load weights between "
-                          "decode steps (no between_steps argument); the native engine can")
+    if a.partial_rollout and (a.schedule != "stream" or cfg.rollout.tp_size != 1):
+        errors.append("async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1 "
+                      "(the ranks of a TP group could not agree on when to swap weights mid-trajectory)")
     name = cfg.algorithm.adv_estimator
     full_score = {"algorithm.filter_groups (DAPO dynamic sampling)": cfg.algorithm.filter_groups,
                   f"algorithm.adv_estimator={name} (a greedy baseline)": algorithms.ADV_ESTIMATORS[name].greedy_baseline}
@@ -460,6 +448,12 @@ def _agent_errors(cfg: RecipeConfig) -> list[str]:
         errors.append(f"rollout.agent runs with rollout.tp_size=1 (got {cfg.rollout.tp_size}): every rank of a "
                       "tensor-parallel engine would run each tool call and environment step itself")
     return errors
+
+
+def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
+    """What the config asks of the rollout engine that it does not declare (`torchrlhf.generation.CAPABILITIES`)."""
+    engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
+    return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
 
 
 def _model_path_errors(cfg: RecipeConfig) -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from torchrlhf import hybrid
-from torchrlhf.agents import build_agent
+from torchrlhf.agents import AgentSession, agent_columns, build_agent
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
@@ -145,7 +145,7 @@ class RolloutWorker(Worker):
             return None
         rows = [{**{k: v[i] for k, v in prompts.non_tensors.items()}, "prompt": prompts.non_tensors["messages"][i]}
                 for i in range(len(prompts))]
-        return [self.agent.session(row) for row in rows for _ in range(n)]
+        return [AgentSession(self.agent, row) for row in rows for _ in range(n)]
 
     # ------------------------------------------------------------------ generation
     @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
@@ -263,16 +263,3 @@ class RolloutWorker(Worker):
         return {"engine": f"{self.engine_cls.__module__}.{self.engine_cls.__qualname__}", "tp_size": self.tp_size,
                 "dtype": str(self.dtype), "colocated": self.actor_group is not None}
 
-
-AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens",
-                "truncated_observations", "token_mismatches")
-
-
-def agent_columns(trajectories: list[Any]) -> dict[str, torch.Tensor]:
-    """Per-sample agent figures as float columns: the session's counts (`AGENT_COUNTS`, those it keeps),
-    ``env_reward`` (the sum of the environment's rewards) and ``agent_error`` (1: ended by an error)."""
-    keys = [k for k in AGENT_COUNTS if k in trajectories[0].metrics]
-    columns = {k: torch.tensor([t.metrics[k] for t in trajectories], dtype=torch.float32) for k in keys}
-    columns["env_reward"] = torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32)
-    columns["agent_error"] = torch.tensor([float(t.error) for t in trajectories], dtype=torch.float32)
-    return columns

@@ -1,8 +1,9 @@
-"""A reference driver: agent sessions generated greedily with a plain HF forward, no cache across turns.
+"""The test oracle of agent rollouts: sessions generated greedily with a plain HF forward, no cache across turns.
 
 Each turn prefills the *whole* conversation so far and decodes greedily (a KV cache lives only
 within the turn), so its outputs are what any cache-reusing engine must reproduce: turn k+1 after
-reusing the cache equals a fresh prefill of the whole conversation. Slow; for tests.
+reusing the cache equals a fresh prefill of the whole conversation. Slow; tests import it as
+`agent_reference` (tests/agents is on their path).
 """
 
 from __future__ import annotations
