@@ -33,6 +33,7 @@ from torchrlhf.trainer.schema import (
     RecipeConfig,
     models_in_unit,
     needs_reference,
+    on_policy_update,
     reference_is_actor,
     reference_kwargs,
     resolve_model_path,
@@ -138,11 +139,6 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, Prom
         return train_loader, None
     val = PromptDataset(data.val_files, tokenizer, max_samples=data.val_max_samples, **common)
     return train_loader, PromptLoader(val, data.val_batch_size, shuffle=False, drop_last=False)
-
-
-def on_policy_update(cfg: RecipeConfig) -> bool:
-    """One optimizer step per rollout (one PPO epoch, one mini-batch): old log-probs = current, detached."""
-    return cfg.actor.batching.ppo_epochs == 1 and cfg.actor.batching.ppo_mini_batch_size == cfg.data.train_batch_size
 
 
 def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any] | None = None) -> RLTrainer:

@@ -26,11 +26,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import transformers
 
 from torchrlhf.algorithms.logprob import tile_sizes
+from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     needs_reference,
+    on_policy_update,
     reference_is_actor,
     reference_kwargs,
     resolve_model_path,
@@ -60,10 +63,6 @@ class ModelShape:
 def model_shape(path: str, lora: Any = None) -> ModelShape:
     """Parameter count and dimensions from the model directory's config, built on the meta device (with the
     adapters of ``lora``, a `LoRAConfig`, when given)."""
-    import transformers
-
-    from torchrlhf.models.lora import inject_lora, is_adapter
-
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -186,8 +185,6 @@ def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: lis
 def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[str, ModelShape]) -> list[str]:
     """Model FLOPs per step of every pass (`torchrlhf.utils.flops`, what ``perf/mfu/*`` divides by the
     time and the peak), at the longest prompts and responses: an upper bound."""
-    from torchrlhf.trainer.build import on_policy_update
-
     actor, batching, lm = cfg.actor, cfg.actor.batching, shapes["actor"].flops
     minis = cfg.data.train_batch_size // batching.ppo_mini_batch_size
     passes = {"actor update": batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis, train=True)}

@@ -38,6 +38,8 @@ from torchrlhf.trainer.config import (
 )
 from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
 from torchrlhf.models import smollm2_model_dir
+from torchrlhf.models.lora import target_module_names
+from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
@@ -261,6 +263,11 @@ def models_in_unit(cfg: RecipeConfig, world_size: int) -> bool:
     return not any(training & set(ranks[role]) for role in ("reward_model", "cost_model") if role in ranks)
 
 
+def on_policy_update(cfg: RecipeConfig) -> bool:
+    """One optimizer step per rollout (one PPO epoch, one mini-batch): old log-probs = current, detached."""
+    return cfg.actor.batching.ppo_epochs == 1 and cfg.actor.batching.ppo_mini_batch_size == cfg.data.train_batch_size
+
+
 def needs_reference(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
@@ -424,9 +431,6 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
                           "(adapters off) in the actor's own process and memory; remove these keys")
     path = cfg.actor.model_path
     if path == SMOLLM2 or os.path.isdir(os.path.expanduser(path)):
-        from torchrlhf.models.lora import target_module_names
-        from torchrlhf.models.sharded import build_meta_causal_lm
-
         try:
             target_module_names(build_meta_causal_lm(resolve_model_path(path)), lora.target_modules)
         except ValueError as e:
