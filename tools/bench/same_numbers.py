@@ -38,7 +38,9 @@ SPLIT = {"actor": [0], "rollout": [1, 2]}
 SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
     "sync_grpo": (2, {}),
     "split": (3, {"placement": SPLIT}),
-    "ppo_critic": (2, {"algorithm": {"adv_estimator": "gae"}, "critic": {"model_path": "${model_path}"}}),
+    "ppo_critic": (2, {"algorithm": {"adv_estimator": "gae"},
+                       "critic": {"model_path": "${model_path}",  # batching given: refs before c5b9575 need it
+                                  "batching": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 2}}}),
     "kl_in_reward_2x2": (2, {"algorithm": {"use_kl_in_reward": True},
                              "actor": {"batching": {"ppo_mini_batch_size": 2, "ppo_epochs": 2,
                                                     "ppo_micro_batch_size_per_device": 1}}}),
