@@ -54,7 +54,7 @@ class Capability:
 
     argument: str
     config_key: str
-    what: str  # for the config error: "<engine> does not ..."
+    what: str  # for the config error: "<config_key> needs a rollout engine that can <what>"
 
 
 CAPABILITIES: dict[str, Capability] = {
