@@ -30,7 +30,8 @@ class Child(Base):
 
 def test_registered_methods_include_inherited_and_options() -> None:
     methods = registered_methods(Child)
-    assert set(methods) == {"step", "ping", "busy_seconds"}  # every Worker reports its busy time
+    # every Worker reports its busy time and records its calls of a profiled step (trainer.profile)
+    assert set(methods) == {"step", "ping", "busy_seconds", "start_profile", "stop_profile"}
     assert methods["step"] == {"dispatch": Dispatch.DP_COMPUTE, "collect": "mean", "blocking": False}
     assert methods["ping"]["dispatch"] is Dispatch.ONE_TO_ALL and methods["ping"]["blocking"] is True
     assert Child().ping() == "pong"  # still a plain method locally
