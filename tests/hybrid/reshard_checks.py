@@ -285,7 +285,7 @@ def engine_checks(world, n: int) -> None:
               f"token_weight_versions {None if versions is None else versions.tolist()}")
         err = (out["rollout_log_probs"] - reference_log_probs(out)).abs().max().item()
         check(f"hook_tp{t}/log_probs_match_current_weights", err < 1e-4, f"max err {err}")
-        check(f"hook_tp{t}/stats_in_meta", out.meta["reshard"]["num_tensors"] > 0)
+        check(f"hook_tp{t}/stats_in_meta", out.meta["perf/reshard_s"] > 0 and out.meta["perf/reshard_received_gb"] >= 0)
 
 
 CHECKS = (llama_checks, uneven_checks, update_checks, mode_checks, training_tp_checks, engine_checks)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from torchrlhf.agents.rounds import run_rounds
 from torchrlhf.data.batch import Batch
@@ -272,8 +273,6 @@ def prompt_seeds(prompts: Batch, params: SamplingParams, tp_mesh=None) -> list[i
     if base is None:
         drawn = torch.randint(0, 2**62, (1,))
         if tp_mesh is not None and tp_mesh.size() > 1:
-            import torch.distributed as dist
-
             group = tp_mesh.get_group()
             dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
         base = int(drawn.item())
@@ -301,7 +300,8 @@ def assemble_generation(
     ``prompts`` (left-padded prompt ids), ``responses`` (right-padded with ``pad_id``), ``input_ids``,
     ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_log_probs`` (float32, 0 on
     padding; only with ``params.logprobs``), ``finish_reason``; every other column of ``prompts`` is
-    repeated n times; ``meta["temperature"]`` is the temperature the log-probs used (1 when greedy).
+    repeated n times. The log-probs' temperature is ``params.logprob_temperature``: the trainer reads it
+    from the config, not from the batch.
     """
     n = params.n
     r = params.max_tokens
@@ -411,5 +411,5 @@ def _generation_batch(prompts: Batch, params: SamplingParams, prompt_ids: torch.
     return Batch(
         {**(rest.tensors if rest else {}), **columns},
         {**(rest.non_tensors if rest else {}), "finish_reason": reasons},
-        {**prompts.meta, "temperature": params.logprob_temperature},
+        dict(prompts.meta),
     )

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
@@ -37,11 +39,10 @@ from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
 from torchrlhf.models.loading import quiet_weight_loading
+from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
     with quiet_weight_loading():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
     # Loaded tensors may be memory-mapped from the file; give them resizable storage
@@ -54,8 +55,6 @@ def _load_model(path: str | Path, device, dtype) -> nn.Module:
 
 def _tp_plan(model: nn.Module) -> dict:
     """The training block plan (`models.parallelize.BLOCK_TP_PLAN`) on every layer; embeddings stay replicated."""
-    from torchrlhf.models.parallelize import BLOCK_TP_PLAN
-
     return {f"model.layers.{i}.{name}": style() for i in range(len(model.model.layers))
             for name, style in BLOCK_TP_PLAN.items()}
 
@@ -133,8 +132,6 @@ class NativeEngine:
         if isinstance(model_or_path, (str, Path)):
             model = _load_model(model_or_path, self.device, dtype)
             if tokenizer is None and (Path(model_or_path) / "tokenizer_config.json").is_file():
-                from transformers import AutoTokenizer
-
                 tokenizer = AutoTokenizer.from_pretrained(str(model_or_path))
             self.owns_weights = True
         else:
@@ -157,8 +154,6 @@ class NativeEngine:
         self.decoder = CachedDecoder(model, max_seq_len, self.device, self.dtype)
         self.dims = self.decoder.dims(self.tp_size)
         if self.tp_size > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
             parallelize_module(model, tp_mesh, _tp_plan(model))
             self.owns_weights = True  # the sharded projections are new tensors
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
@@ -295,7 +290,6 @@ class NativeEngine:
         with the pad id), ``input_ids``, ``attention_mask``, ``position_ids``,
         ``response_mask``, ``rollout_log_probs`` (float32, 0 on padding) and
         ``finish_reason`` (``rollout_log_probs`` only when ``sampling.logprobs``); every other column of ``prompts`` is repeated n times.
-        ``meta["temperature"]`` is set to the temperature the log-probs used.
 
         ``between_steps`` (partial rollouts): called before every prefill and decode step; it may load new
         weights (`update_weights`) and returns their version, recorded for each token the step produces in

@@ -29,6 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors, save as save_safetensors
+from transformers import AutoConfig, GenerationConfig
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
@@ -58,8 +61,6 @@ def vllm_available() -> tuple[bool, str]:
 
 def _checkpoint_shapes(path: Path) -> dict[str, torch.Size]:
     """HF name -> shape of every tensor of the safetensors checkpoint in ``path`` (headers only)."""
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -154,9 +155,7 @@ def _repack_tied_lm_head(worker) -> None:
 
 def _reload_bucket(worker, packed: bytes) -> None:
     """Run on vLLM's worker process: reload one bucket of whole modules (safetensors bytes) in place."""
-    from safetensors.torch import load
-
-    worker.reload_weights(weights_iterator=iter(load(packed).items()))
+    worker.reload_weights(weights_iterator=iter(load_safetensors(packed).items()))
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:
@@ -248,7 +247,6 @@ class VLLMEngine:
             in_process = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         self.in_process, self.bucket_bytes = in_process, bucket_mb << 20
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the run's own log
-        from transformers import AutoConfig, GenerationConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -368,10 +366,8 @@ class VLLMEngine:
         if self.in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         else:
-            from safetensors.torch import save
-
             for names, tensors in self._module_buckets(stream()):
-                self.llm.collective_rpc(_reload_bucket, args=(save(dict(zip(names, tensors))),))
+                self.llm.collective_rpc(_reload_bucket, args=(save_safetensors(dict(zip(names, tensors))),))
         if self._tied and self.device.type == "cpu" and "model.embed_tokens.weight" in loaded:
             self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()

@@ -199,8 +199,8 @@ def generate_with_current_weights(
     batch), generate once, and each returns the rows of its own prompts, so the training-layout
     dispatch (one shard per rank) works unchanged; ``generate_kwargs`` go to that one call as they are (an
     argument per sample, like agent ``sessions``, would have to cover the pooled batch: agents run at TP 1).
-    The transition's figures go to the output's
-    ``meta["reshard"]`` (see `ReshardStats`), e.g. for ``timing_s/reshard`` metrics.
+    The transition's time and traffic go to the output's ``meta`` as ``perf/reshard_s`` and
+    ``perf/reshard_received_gb`` (see `ReshardStats`), which the trainer logs with the other ``perf/*`` figures.
     """
     with generation_mode(model, engine, optimizer=optimizer, offload=offload, dtype=dtype) as stats:
         mesh = resolve_generation_mesh(model, engine)
@@ -211,5 +211,6 @@ def generate_with_current_weights(
             out = engine.generate(pooled, sampling, **generate_kwargs)
             n = len(out) // max(len(pooled), 1)
             out = out[offset * n : (offset + count) * n]
-    out.meta["reshard"] = stats.as_dict()
+    out.meta["perf/reshard_s"] = stats.seconds
+    out.meta["perf/reshard_received_gb"] = stats.bytes_received / 2**30
     return out
