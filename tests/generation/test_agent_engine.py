@@ -69,15 +69,17 @@ class Counting:
         engine.decoder.prefill, engine.decoder.extend = counted_prefill, counted_extend
 
 
-@pytest.mark.parametrize("max_batch_size", [16, 2])  # 2 slots: trajectories wait for slots, slots are reused
+# 2 slots: trajectories wait for slots, slots are reused; check_every 3: turns end on the device and reach
+# their sessions at the host's next look
+@pytest.mark.parametrize("max_batch_size, check_every", [(16, 1), (2, 1), (2, 3)])
 def test_native_engine_turns_equal_a_full_reprefill_and_prefill_only_new_tokens(tiny_dir, env_module,
-                                                                                  max_batch_size):
+                                                                                  max_batch_size, check_every):
     tok = load_tokenizer(tiny_dir)
     stops = [IM_END] + list(range(0, tok.vocab_size, 7))  # frequent stops: a random model's turns end early
     spec = {"env": {"_component_": f"{env_module}.Counter"}, "reward": "env", "max_turns": 4}
     rows = _rows(3)
     n = 2
-    engine = NativeEngine(tiny_dir, max_batch_size=max_batch_size, max_seq_len=256)
+    engine = NativeEngine(tiny_dir, max_batch_size=max_batch_size, max_seq_len=256, check_every=check_every)
     counting = Counting(engine)
     agent = build_agent(spec, tok, max_tokens=40, max_trajectory_tokens=256)
     sessions = [AgentSession(agent, row) for row in rows for _ in range(n)]

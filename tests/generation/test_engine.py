@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
@@ -91,6 +92,63 @@ def test_continuous_batching_matches_running_alone():
         assert torch.equal(together["responses"][i, :n], alone["responses"][i, :n])
         torch.testing.assert_close(together["rollout_log_probs"][i], alone["rollout_log_probs"][i], atol=1e-5, rtol=1e-5)
     assert together["finish_reason"] == alone["finish_reason"]
+
+
+@pytest.mark.parametrize("check_every", [3, 8])
+def test_looking_every_k_steps_changes_no_sample(check_every):
+    """Slots end on the device and the host frees them every k steps (continuous batching refills them
+    then): every token, log-prob and finish reason is what looking every step gives."""
+    model = tiny_model()
+    lengths = [4, 8, 3, 10, 5, 7, 6]
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=12, stop_token_ids=[61, 33, 43, 91], seed=5)
+    batch = prompt_batch(lengths)
+    batch["max_tokens"] = torch.tensor([12, 3, 12, 1, 12, 7, 12])  # per-prompt limits end slots too
+    every = NativeEngine(model, max_batch_size=3, max_seq_len=64, check_every=1).generate(batch, params)
+    lazy = NativeEngine(model, max_batch_size=3, max_seq_len=64, check_every=check_every).generate(batch, params)
+    assert {"stop", "length"} <= set(every["finish_reason"])
+    assert lazy["finish_reason"] == every["finish_reason"]
+    assert torch.equal(lazy["response_mask"], every["response_mask"])
+    assert torch.equal(lazy["responses"], every["responses"])
+    torch.testing.assert_close(lazy["rollout_log_probs"], every["rollout_log_probs"], atol=1e-5, rtol=1e-5)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the calls that make the host wait for a tensor's values (a device synchronisation on a GPU)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("check_every, per_step", [(1, 1.0), (8, 1 / 8)])
+def test_steady_decode_reads_from_the_device_once_per_look(check_every, per_step):
+    """Sampling, stop ids and length limits stay on the device: the steady decode loop reads values back
+    once per ``check_every`` steps (the host's look), counted as the extra reads of 64 more steps."""
+    engine = NativeEngine(tiny_model(), max_batch_size=4, max_seq_len=160, check_every=check_every)
+
+    def reads(max_tokens: int) -> int:
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+        with _HostReads() as mode:
+            engine.generate(prompt_batch([4, 8, 3, 6]), params)
+        return mode.count
+
+    assert reads(128) - reads(64) == pytest.approx(64 * per_step, abs=1)
+
+
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_non_finite_logits_raise_naming_the_samples(check_every):
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight[5, 0] = float("nan")  # tied: the embedding of token 5 too
+    engine = NativeEngine(model, max_batch_size=4, max_seq_len=64, check_every=check_every)
+    with pytest.raises(FloatingPointError, match=r"samples \[0, 1, 2, 3\] is not finite"):
+        engine.generate(prompt_batch([4, 8, 3, 6]), SamplingParams(temperature=1.0, max_tokens=16, seed=0))
 
 
 def test_n_samples_share_the_prefill_and_greedy_agrees():

@@ -99,6 +99,13 @@ class NativeEngine:
             (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
             memory. `update_weights` invalidates the packed copy of every weight it writes.
             A model passed in is never packed, so writes to it by any means are seen.
+        check_every: decode steps between two looks of the host at the slots (default: 8 on CUDA, 1 on
+            CPU). Stop tokens, length limits and non-finite log-probs are detected on the device; a slot
+            that ends stops advancing there, and the host frees it (continuous batching refills it, an
+            agent's session gets its turn) at the next look: one host synchronisation per ``check_every``
+            steps instead of one or more per step, at the cost of up to ``check_every - 1`` idle steps per
+            ended slot. The sampled tokens do not depend on it. Stop strings need the text of every token:
+            with ``SamplingParams.stop`` the host looks every step.
 
     Weight contract for the hybrid engine (`update_weights`):
         * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
@@ -125,10 +132,14 @@ class NativeEngine:
         tp_mesh=None,
         cuda_graphs: bool = True,
         cpu_prepack: bool = True,
+        check_every: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        if check_every is not None and check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.device = torch.device(device)
+        self.check_every = check_every or (8 if self.device.type == "cuda" else 1)
         if isinstance(model_or_path, (str, Path)):
             model = _load_model(model_or_path, self.device, dtype)
             if tokenizer is None and (Path(model_or_path) / "tokenizer_config.json").is_file():
@@ -376,6 +387,10 @@ class _Run:
         self.out_ver = torch.zeros(slots, steps, dtype=torch.long, device=dev)
         self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
         self.stop_ids = torch.tensor(engine._stop_ids(params), dtype=torch.long, device=dev)
+        self.ended_by_stop = torch.zeros(slots, dtype=torch.bool, device=dev)  # the turn's last token is a stop id
+        self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=dev)  # a sampled log-prob was NaN or inf
+        self.check_every = 1 if params.stop else engine.check_every  # stop strings: the host reads every token
+        self.since_look = 0
         # Results, by sample id (prompt i, sample j -> i * n + j): the model's tokens (all turns).
         self.res_tok = torch.zeros(total, steps, dtype=torch.long)
         self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
@@ -396,7 +411,7 @@ class _Run:
         self.to_admit = {p: 0 for p in set(self.prompt_of)}
         for sid in self.waiting:
             self.to_admit[self.prompt_of[sid]] += 1
-        self.gen_text: dict[int, list[int]] = {}
+        self.gen_text: dict[int, list[int]] = {}  # stop strings: the slot's turn's tokens the host has read
         self.stop_window = max((len(s) for s in params.stop), default=0) + 4
 
     # ---------------------------------------------------------------- admission
@@ -444,7 +459,7 @@ class _Run:
         self.uni[slot_t] = torch.stack(
             [request_uniforms(self.seeds[sid // n], sid % n, self.p.max_tokens) for sid, _ in taken]
         ).to(e.device)
-        tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p)
+        tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p, check_finite=False)
         self.out_tok[slot_t, 0] = tok
         self.out_lp[slot_t, 0] = lp
         if self.between_steps is not None:
@@ -455,6 +470,7 @@ class _Run:
         self.pos[slot_t] = torch.tensor(lens, device=e.device)
         self.step[slot_t] = 1
         self.live[slot_t] = 1
+        self.ended_by_stop[slot_t] = False
         self.limit[slot_t] = torch.tensor([self.limits[sid] for sid, _ in taken], device=e.device)
         for (sid, slot), length in zip(taken, lens):
             p = self.prompt_of[sid]
@@ -465,35 +481,69 @@ class _Run:
             self.to_admit[p] -= 1
             if self.to_admit[p] == 0:
                 del self.prompt_logits[p]
-        self._finish_check(slot_t, tok)
+        self._end_on_device(slot_t, tok, lp)
 
     # ---------------------------------------------------------------- finishing
-    def _finish_check(self, slot_t: torch.Tensor, tok: torch.Tensor) -> None:
-        """End the turn (a single-turn sample: the sample) of the slots in ``slot_t`` whose newest token
-        ``tok`` ends it. Free and parked slots are skipped."""
-        hit_stop = torch.isin(tok, self.stop_ids)
-        done = hit_stop | (self.step[slot_t] >= self.limit[slot_t])
-        slots = slot_t.tolist()
-        done_l, stop_l = done.tolist(), hit_stop.tolist()
+    def _end_on_device(self, slot_t: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        """End, on the device and without a host synchronisation, the turn of each live slot of ``slot_t``
+        whose newest token ``tok`` is a stop id or reaches its limit: the slot stops advancing until the
+        host's next `_look` frees it. Free and parked slots (not live) are left alone."""
+        live = self.live[slot_t].bool()
+        hit = torch.isin(tok, self.stop_ids) & live
+        ended = hit | (live & (self.step[slot_t] >= self.limit[slot_t]))
+        self.ended_by_stop[slot_t] |= hit
+        self.nonfinite[slot_t] |= live & ~torch.isfinite(lp)
+        self.live[slot_t] = (live & ~ended).long()
+
+    def _look(self) -> None:
+        """The host's look at the decoding slots, one synchronisation: free those whose turn ended on the
+        device (an agent's turn goes to its session), catch up ``slot_pos``, check stop strings."""
+        self.since_look = 0
+        slots = [s for s, sid in enumerate(self.slot_sample) if sid >= 0 and s not in self.parked]
+        if not slots:
+            return
+        slot_t = torch.tensor(slots, device=self.e.device)
+        state = torch.stack([self.live[slot_t], self.ended_by_stop[slot_t].long(), self.pos[slot_t],
+                             self.step[slot_t], self.nonfinite[slot_t].long()])
+        live, stopped, pos, step, bad = state.tolist()
+        if any(bad):
+            sids = [self.slot_sample[s] for s, b in zip(slots, bad) if b]
+            raise FloatingPointError(
+                f"generate: the next-token distribution of samples {sids[:8]} is not finite (NaN or inf logits): "
+                "the model's weights or activations are not finite (a corrupt checkpoint, or an overflow in "
+                "float16/bfloat16)"
+            )
+        for s, p in zip(slots, pos):
+            self.slot_pos[s] = p
         if self.p.stop:
-            tok_l = tok.tolist()
-            tokenizer = self.e.tokenizer
-            for i, s in enumerate(slots):
-                if self.slot_sample[s] < 0 or s in self.parked:
-                    continue
-                text_ids = self.gen_text.setdefault(s, [])
-                text_ids.append(tok_l[i])
-                tail = tokenizer.decode(text_ids[-self.stop_window :], skip_special_tokens=False)
-                if any(stop in tail for stop in self.p.stop):
-                    done_l[i] = stop_l[i] = True
-        ended = [(s, st) for s, d, st in zip(slots, done_l, stop_l)
-                 if d and self.slot_sample[s] >= 0 and s not in self.parked]
+            self._check_stop_strings(slots, live, stopped, step)
+        ended = [(s, bool(st), n) for s, lv, st, n in zip(slots, live, stopped, step) if not lv]
         if not ended:
             return
         if self.sessions is None:
-            self._finish([s for s, _ in ended], ["stop" if st else "length" for _, st in ended])
+            self._finish([s for s, _, _ in ended], ["stop" if st else "length" for _, st, _ in ended])
         else:
             self._end_turns(ended)
+
+    def _check_stop_strings(self, slots: list[int], live: list[int], stopped: list[int], step: list[int]) -> None:
+        """End each live slot whose text now holds a stop string, at the token that completed it (``live``,
+        ``stopped`` and ``step`` are updated in place, and on the device)."""
+        rows = self.out_tok[torch.tensor(slots, device=self.e.device)].tolist()
+        tokenizer = self.e.tokenizer
+        for i, s in enumerate(slots):
+            if not live[i]:
+                continue
+            text_ids = self.gen_text.setdefault(s, [])
+            start = self.slot_turn.get(s, 0) + len(text_ids)
+            for j in range(start, step[i]):
+                text_ids.append(rows[i][j])
+                tail = tokenizer.decode(text_ids[-self.stop_window :], skip_special_tokens=False)
+                if any(stop in tail for stop in self.p.stop):  # tokens after j were sampled past the end
+                    back = step[i] - (j + 1)
+                    live[i], stopped[i], step[i] = 0, 1, j + 1
+                    self.slot_pos[s] -= back
+                    self.live[s], self.step[s], self.cur[s], self.pos[s] = 0, j + 1, rows[i][j], self.slot_pos[s]
+                    break
 
     def _finish(self, slots: list[int], reasons: list[str]) -> None:
         sids = [self.slot_sample[s] for s in slots]
@@ -506,6 +556,7 @@ class _Run:
         self.live[slot_t] = 0
         self.pos[slot_t] = 0
         self.step[slot_t] = 0
+        self.ended_by_stop[slot_t] = False
         for s, sid, reason in zip(slots, sids, reasons):
             self.reasons[sid] = reason
             self.prompt_slots[self.prompt_of[sid]].discard(s)
@@ -516,14 +567,13 @@ class _Run:
             heapq.heappush(self.free, s)
 
     # ---------------------------------------------------------------- agent turns
-    def _end_turns(self, ended: list[tuple[int, bool]]) -> None:
-        """Agents: hand each ended turn to its session and park the slot until the session answers."""
-        steps = self.step[torch.tensor([s for s, _ in ended], device=self.e.device)].tolist()
-        for (s, stopped), step in zip(ended, steps):
-            start = self.slot_turn[s]
-            turn = self.out_tok[s, start:step].tolist()
+    def _end_turns(self, ended: list[tuple[int, bool, int]]) -> None:
+        """Agents: hand each ended turn (slot, ended by a stop, model tokens so far) to its session and
+        park the slot until the session answers."""
+        rows = self.out_tok[torch.tensor([s for s, _, _ in ended], device=self.e.device)].tolist()
+        for (s, stopped, step), row in zip(ended, rows):
+            turn = row[self.slot_turn[s] : step]
             self.parked[s] = self.sessions[self.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
-            self.live[s] = 0
             self.gen_text.pop(s, None)
 
     def _resume_ready(self, block: bool) -> bool:
@@ -561,7 +611,7 @@ class _Run:
         logits = e.decoder.extend(toks.to(e.device), torch.tensor(starts, device=e.device),
                                   torch.tensor(lens, device=e.device), slot_t, e.k_cache, e.v_cache)
         step = self.step[slot_t]
-        tok, lp = sample_tokens(logits, self.uni[slot_t, step], self.p)
+        tok, lp = sample_tokens(logits, self.uni[slot_t, step], self.p, check_finite=False)
         self.out_tok[slot_t, step] = tok
         self.out_lp[slot_t, step] = lp
         if self.between_steps is not None:
@@ -572,10 +622,11 @@ class _Run:
         self.pos[slot_t] = torch.tensor([a + b for a, b in zip(starts, lens)], device=e.device)
         self.step[slot_t] = step + 1
         self.live[slot_t] = 1
+        self.ended_by_stop[slot_t] = False
         for s, first, length in zip(slots, step.tolist(), lens):
             self.slot_turn[s] = first
             self.slot_pos[s] += length
-        self._finish_check(slot_t, tok)
+        self._end_on_device(slot_t, tok, lp)
 
     # ---------------------------------------------------------------- decode
     def _compact(self, live: list[int]) -> None:
@@ -590,7 +641,7 @@ class _Run:
         e.k_cache[:, dst, :kv_len] = e.k_cache[:, src, :kv_len]
         e.v_cache[:, dst, :kv_len] = e.v_cache[:, src, :kv_len]
         for t in (self.cur, self.pos, self.step, self.live, self.limit, self.out_tok, self.out_lp, self.out_ver,
-                  self.uni):
+                  self.uni, self.ended_by_stop, self.nonfinite):
             t[dst] = t[src]
         self.live[src] = 0
         self.pos[src] = 0
@@ -621,24 +672,25 @@ class _Run:
         rows = torch.arange(span, device=e.device)
         step = self.step[:span].clamp(max=self.p.max_tokens - 1)
         live_t = self.live[:span]
-        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p)
-        if self.parked:  # a parked slot keeps its next token's place: the decode row is junk
-            keep = live_t.bool()
-            tok = torch.where(keep, tok, self.cur[:span])
-            self.out_tok[rows[keep], step[keep]] = tok[keep]
-            self.out_lp[rows[keep], step[keep]] = lp[keep]
-        else:
-            self.out_tok[rows, step] = tok
-            self.out_lp[rows, step] = lp
+        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p, check_finite=False)
+        # Rows that are not live (free, parked, or ended since the host's last look) are junk: they keep
+        # their token and write nothing.
+        keep = live_t.bool()
+        tok = torch.where(keep, tok, self.cur[:span])
+        self.out_tok[rows, step] = torch.where(keep, tok, self.out_tok[rows, step])
+        self.out_lp[rows, step] = torch.where(keep, lp, self.out_lp[rows, step])
         if self.between_steps is not None:
-            self.out_ver[rows, step] = torch.where(live_t.bool(), self.version, self.out_ver[rows, step])
+            self.out_ver[rows, step] = torch.where(keep, self.version, self.out_ver[rows, step])
         self.cur[:span] = tok
         self.pos[:span] += live_t
         self.step[:span] += live_t
         for s in live:
             if s not in self.parked:
-                self.slot_pos[s] += 1
-        self._finish_check(rows, tok)
+                self.slot_pos[s] += 1  # an upper bound until the next look: a slot may have ended since
+        self._end_on_device(rows, tok, lp)
+        self.since_look += 1
+        if self.since_look >= self.check_every:
+            self._look()
 
     def _refresh(self) -> None:
         """Partial rollouts: let the caller swap weights in between two steps."""

@@ -118,19 +118,23 @@ TOP_P_CANDIDATES = 1024
 
 
 def sample_tokens(
-    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams
+    logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V] with the given uniforms [B].
 
     Returns (tokens [B] long, log-probs [B] float32) where the log-prob is of the
     temperature-scaled distribution before top-k/top-p/min-p filtering (the
     distribution the trainer recomputes). A token of zero probability is never returned.
+    A row with NaN or inf logits raises FloatingPointError; with ``check_finite=False`` (the engine's
+    decode loop, which must not wait for the device every step) its log-prob is NaN instead and the
+    caller checks. Only top-p sampling reads from the device (whether the candidates hold the nucleus).
     """
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         log_probs = _token_logprob(torch.softmax(logits, dim=-1), tokens)
-        _check_finite(log_probs)  # a row with a NaN or +inf logit has a NaN softmax
+        if check_finite:
+            _check_finite(log_probs)  # a row with a NaN or +inf logit has a NaN softmax
         return tokens, log_probs
 
     full = torch.softmax(logits / params.temperature if params.temperature != 1 else logits, dim=-1)
@@ -146,9 +150,9 @@ def sample_tokens(
     if params.min_p > 0:
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
-    pos = _inverse_cdf(probs, uniforms.to(probs.device, torch.float64)[:, None])
+    pos = _inverse_cdf(probs, uniforms.to(probs.device, torch.float64)[:, None], check_finite)
     tokens = (index.gather(-1, pos) if index is not None else pos).squeeze(-1)
-    return tokens, _token_logprob(full, tokens)
+    return tokens, _token_logprob(full, tokens)  # NaN where the row is not finite
 
 
 def _check_finite(row_values: torch.Tensor) -> None:
@@ -192,22 +196,24 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """
     pos = torch.searchsorted(cdf, target, right=True)
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
-    return torch.minimum(pos, last)
+    return torch.minimum(pos, last).clamp(max=cdf.shape[-1] - 1)  # a NaN row (unchecked) stays in range
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, check_finite: bool = True) -> torch.Tensor:
     """Per row of (unnormalised) ``probs``, the position where the CDF crosses ``u * total``: [B, 1]."""
     rows, width = probs.shape
     if width <= 4 * CDF_BLOCK:
         cdf = probs.double().cumsum(dim=-1)
-        _check_finite(cdf[:, -1])
+        if check_finite:
+            _check_finite(cdf[:, -1])
         return _search(cdf, uniforms * cdf[:, -1:])
     blocks = -(-width // CDF_BLOCK)
     padded = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - width)).view(rows, blocks, CDF_BLOCK)
     block_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)
-    _check_finite(block_cdf[:, -1])
+    if check_finite:
+        _check_finite(block_cdf[:, -1])
     target = uniforms * block_cdf[:, -1:]
     block = _search(block_cdf, target)
     mass_before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)
     inner = padded[torch.arange(rows, device=probs.device), block[:, 0]].double().cumsum(dim=-1)
-    return block * CDF_BLOCK + _search(inner, (target - mass_before).clamp(min=0))
+    return (block * CDF_BLOCK + _search(inner, (target - mass_before).clamp(min=0))).clamp(max=width - 1)
