@@ -42,7 +42,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from torchrlhf.agents.env import load_env_factory
+from torchrlhf.agents.env import env_tools, is_tool_env, load_env_factory
 from torchrlhf.agents.parsing import ToolCallParser
 from torchrlhf.agents.render import ChatRenderer
 from torchrlhf.agents.tools import ToolExecutor, load_tools
@@ -106,19 +106,29 @@ class AgentSpec:
         spec.load()
         return spec
 
-    def load(self) -> tuple[dict, Any]:
-        """(tools by name, env factory or None); ConfigError naming what is missing."""
+    def load(self) -> tuple[dict, Any, dict]:
+        """(tools by name, env factory or None, a tool environment's methods as tools by name); ConfigError
+        naming what is missing."""
         try:
             tools = load_tools(list(self.tools))
-            if tools:
-                ToolCallParser(tools, self.format, self.tags or None)
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.tools: {e}") from e
         try:
             env = load_env_factory(self.env) if self.env else None
+            methods = env_tools(env.env_class) if env is not None and is_tool_env(env.env_class) else {}
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
-        return tools, env
+        if set(methods) & set(tools):
+            raise ConfigError(f"rollout.agent: tools and the env's methods share the names {sorted(set(methods) & set(tools))}")
+        if methods and self.reward != "reward_fn" and not callable(getattr(env.env_class, "get_reward", None)):
+            raise ConfigError(f"rollout.agent: reward={self.reward!r} needs env rewards; the tool environment "
+                              f"{self.env['_component_']!r} has no get_reward()")
+        try:
+            if tools or methods:
+                ToolCallParser({**tools, **methods}, self.format, self.tags or None)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent.tools: {e}") from e
+        return tools, env, methods
 
 
 class Agent:
@@ -139,7 +149,9 @@ class Agent:
         self.spec = spec
         self.max_tokens = int(max_tokens)
         self.max_trajectory_tokens = max_trajectory_tokens
-        self.tools, self.env_factory = spec.load()
+        tools, self.env_factory, self.env_tools = spec.load()
+        self.tool_env = bool(self.env_tools)  # TRL's shape: reset(**row), methods as tools, optional get_reward
+        self.tools = {**tools, **self.env_tools}
         self.parser = ToolCallParser(self.tools, spec.format, spec.tags or None) if self.tools else None
         self.renderer = ChatRenderer(
             tokenizer, tools=[t.schema for t in self.tools.values()] or None,
