@@ -57,14 +57,16 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     raise ValueError(f"unsupported dataset file {path}: use .jsonl, .json or .parquet")
 
 
-def _ground_truth(row: Mapping[str, Any]) -> str | None:
+def reference(row: Mapping[str, Any]) -> Any:
+    """A row's reference answer as written: ``reward_model.ground_truth``, else ``ground_truth``, else ``answer``."""
     reward_model = row.get("reward_model")
     if isinstance(reward_model, Mapping) and reward_model.get("ground_truth") is not None:
-        value = reward_model["ground_truth"]
-    elif row.get("ground_truth") is not None:
-        value = row["ground_truth"]
-    else:
-        value = row.get("answer")
+        return reward_model["ground_truth"]
+    return row["ground_truth"] if row.get("ground_truth") is not None else row.get("answer")
+
+
+def _ground_truth(row: Mapping[str, Any]) -> str | None:
+    value = reference(row)
     if value is None or isinstance(value, str):
         return value
     # Structured references (countdown's {"target", "numbers"}) travel as JSON text: the column is str.
