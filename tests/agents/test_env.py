@@ -212,6 +212,14 @@ def test_trl_shaped_env_methods_are_tools_and_get_reward_scores(smollm2_tok, env
     assert b.final_reward() == 0.0
 
 
+def test_a_turns_method_calls_run_in_order_on_one_env(smollm2_tok, envs):
+    tok = smollm2_tok
+    s = AgentSession(agent_for(tok, envs, "CounterEnv"), {"prompt": QUESTION}, QUESTION)
+    calls = "".join(call("increment", a=a) for a in (2, 3, 4))
+    r = s.end_turn(turn(tok, calls), "stop").result()
+    assert tok.decode(r.observation_tokens) == "\n<|im_start|>user\n2\n5\n9<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_trl_env_bad_methods(smollm2_tok, envs):
     tok = smollm2_tok
     agent = agent_for(tok, envs, "BadToolEnv", timeout_s=0.5, max_turns=4)

@@ -17,8 +17,8 @@ Between turns the engine keeps the trajectory's KV cache: the observation tokens
 input (no re-prefill). Every `TurnResult` with observation tokens leaves ``turn_budget() >= 1``.
 Threading: a session is driven by one engine thread. ``end_turn`` returns at once; tool calls run
 in `IsolatedPool` worker processes and the future is completed from the pool's dispatcher thread
-(the session's state is guarded by a lock). Environment steps run in-process in ``end_turn``
-(see `torchrlhf.agents.env`), so an environment turn's future is already done.
+(the session's state is guarded by a lock). Environment calls (``step``, a tool environment's methods) run
+in ``end_turn``, one at a time under ``timeout_s`` (see `torchrlhf.agents.env`).
 """
 
 from __future__ import annotations
@@ -251,15 +251,15 @@ class AgentSession:
         spec, tools = self._agent.spec, self._agent.tools
         limit = spec.max_parallel_calls
         outcomes: list[Future | CallError] = []
+        env_calls: list[Future | CallError] = []  # this turn's calls of the environment's methods, finished
         for i, call in enumerate(calls):
             if isinstance(call, ToolCall) and i >= limit:
                 call = CallError(call.name, f"not run: at most {limit} tool calls per turn")
             if isinstance(call, CallError):
                 outcomes.append(call)
-            elif call.name in self._agent.env_tools:  # a tool environment's method: on this trajectory's env
-                method = getattr(self.env, call.name)
-                outcomes.append(call_in_thread(lambda m=method, a=call.arguments: tool_env_observation(m(**a)),
-                                               spec.timeout_s))
+            elif call.name in self._agent.env_tools:
+                outcomes.append(self._call_env_method(call, env_calls))
+                env_calls.append(outcomes[-1])
             else:
                 outcomes.append(self._agent.executor.submit(tools[call.name], call.arguments))
         names = [c.name for c in calls]
@@ -281,6 +281,16 @@ class AgentSession:
 
         for f in remaining:
             f.add_done_callback(one_done)
+
+    def _call_env_method(self, call: ToolCall, earlier: list[Future | CallError]) -> Future | CallError:
+        """A tool environment's method on this trajectory's env, run now (the turn's calls one at a time, in
+        order, as the env's state requires); its finished future. Not run after an earlier call timed out."""
+        if any(isinstance(f, Future) and isinstance(f.exception(), CallTimeout) for f in earlier):
+            return CallError(call.name, "not run: the environment is still busy with a call that timed out")
+        method = getattr(self.env, call.name)
+        future = call_in_thread(lambda: tool_env_observation(method(**call.arguments)), self._agent.spec.timeout_s)
+        future.exception()  # wait: done, or timed out
+        return future
 
     def _complete_tools(self, names: list[str | None], outcomes: list[Future | CallError], future: Future) -> None:
         """Turn the calls' outcomes into an observation and resolve ``future`` (caller holds the lock)."""
