@@ -56,6 +56,10 @@ def cli(argv: list[str] | None = None) -> None:
         argv, dry_run, world = _take_flags(args)
         world_size = world or int(os.environ.get("WORLD_SIZE", "1"))
         path, overrides = parse_args(argv)
+        # User modules in the project folder import by name (my_env.Env), as under `python -m`: Python put
+        # this script's folder first on the path, not the folder the run started in.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         cfg, raw = load(path, overrides, world_size)  # the schema checks every key
     except (ConfigError, FileNotFoundError) as e:
         if rank == 0:

@@ -71,6 +71,18 @@ def test_chat_template_tokenization_and_columns(tmp_path, tokenizer):
     assert len(set(batch["uid"])) == 2 and set(ds.collate([0, 1])["uid"]).isdisjoint(batch["uid"])
 
 
+def test_rows_travel_as_written(tmp_path, tokenizer):
+    """An agent environment's reset gets the row as written: the user's own columns and a non-string
+    ground truth; a row's max_tokens is kept for the session to read."""
+    rows = [{**ROWS[3], "extra_info": {"split": "train", "id": 7}, "max_tokens": 9}, ROWS[1]]
+    ds = PromptDataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer)
+    batch = ds.collate([0, 1])
+    assert batch["row"] == rows and batch["row"][0]["ground_truth"] == {"target": 3, "numbers": [1, 2]}
+    assert ds[0]["max_tokens"] == 9 and "max_tokens" not in ds[1]
+    with pytest.raises(ValueError, match="row 0: 'max_tokens' must be a positive integer, got 'many'"):
+        PromptDataset(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "max_tokens": "many"}]), tokenizer)
+
+
 def test_plain_prompts_without_template(tmp_path, tokenizer):
     rows = [{"question": "2+2=", "answer": "4"}]
     ds = PromptDataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, prompt_key="question",

@@ -75,6 +75,18 @@ def test_call_places_score_on_last_response_token():
     assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
 
 
+def test_agent_trajectories_are_graded_on_their_final_turn():
+    """Model turns "7" then "12" (the tool's answer in between is masked out): the final turn "12" is graded,
+    not the joined turns "712"."""
+    responses = torch.tensor([[ord("7"), 0, ord("5"), ord("1"), ord("2"), 0]])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
+    columns = {"responses": responses, "response_mask": mask, "ground_truth": ["12"], "data_source": ["arithmetic"]}
+    manager = RewardManager(tokenizer=CharTokenizer())
+    assert manager(Batch.from_dict(columns))[0].sum() == 0.0  # without agent columns: "712"
+    scores, _ = manager(Batch.from_dict({**columns, "final_text": ["12"]}))
+    assert torch.equal(scores, torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]))
+
+
 def test_in_process_user_functions_and_per_source_mapping(user_module):
     manager = RewardManager({"mine": "my_rewards:scaled"}, reward_kwargs={"scale": 2.0}, isolate=False)
     scores, metrics = manager.score(["a", "b"], ["a", "a"], ["mine", "mine"])

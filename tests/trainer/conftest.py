@@ -65,9 +65,9 @@ def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
-               max_restarts: int = 0) -> subprocess.CompletedProcess:
+               max_restarts: int = 0, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run the recipe as a user would: ``python recipes/ppo.py`` (one process) or under torchrun
-    (``max_restarts``: torchrun's ``--max-restarts``)."""
+    (``max_restarts``: torchrun's ``--max-restarts``), from ``cwd`` (the project folder)."""
     if nproc == 1 and not max_restarts:
         cmd = [sys.executable, str(RECIPE)]
     else:
@@ -77,7 +77,7 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     return subprocess.run([*cmd, "--config", str(config), *overrides], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def _free_port_pair() -> int:

@@ -8,15 +8,17 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)
         tools: [calculator, my_pkg.tools:search, /path/tools.py:lookup]
         format: hermes             # hermes: <tool_call>{"name":..,"arguments":{..}}</tool_call>; tags: <calc>..</calc>
         tags: {calc: calculator}   # format tags: tag -> tool (its one string argument is the tag's text)
-        env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}
+        env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}  # see torchrlhf.agents.env
         max_turns: 4               # model turns (verl: multi_turn.max_assistant_turns)
         max_tool_response_tokens: 256   # longer observations are cut and marked (verl: max_tool_response_length)
         max_parallel_calls: 4      # tool calls run per turn; more become error observations
-        timeout_s: 10              # per tool call, in a worker process
+        timeout_s: 10              # per tool call (in a worker process) and per environment call (in a thread)
         num_workers: 1             # tool worker processes
+        isolate: true              # false: tools run in the calling thread, no worker processes, no time limit
         on_error: observe          # observe: the error is the model's observation; end: end the trajectory
         on_error_score: 0.0        # the score of a trajectory ended by an error
-        reward: reward_fn          # env (sum of env step rewards) | reward_fn (the run's reward on the final turn) | sum
+        reward: reward_fn          # env (the env's rewards: step rewards or get_reward) | reward_fn (the run's reward
+                                   # function on the final model turn, `Trajectory.final_text`) | sum
         check_tokens: off          # off | metric (token_mismatches) | error: re-render from text and compare
         observation_role: auto     # tool | user | auto (tool if the chat template knows a tool role)
         observation_prefix: ""     # before a user-role observation's content
@@ -25,8 +27,9 @@ The whole trajectory (prompt + model turns + observations) is capped by ``max_tr
 which the trainer derives from ``max_seq_len``. A model turn with tool calls gets their results; a
 turn without one ends the trajectory (its text is the final answer the reward function grades,
 `Trajectory.final_text`), unless an env is configured: then it is the env's action (as verl's
-``interaction``), and the env says when the episode is done. As with TRL's ``environment_factory``,
-the env is built per trajectory and ``reset`` sees the data row. How this differs from verl's
+``interaction``), and the env says when the episode is done; a TRL-style env (``reset(**row)``) acts
+through its methods, which are tools. As with TRL's ``environment_factory``, the env is built per
+trajectory and ``reset`` gets the data row as written in the data file. How this differs from verl's
 ``ToolAgentLoop``: trajectories are token-exact (observations are the chat template's delta; the
 model's tokens are never re-tokenized), engines keep a trajectory's KV cache between turns, and the
 same `AgentSession` serves every engine and schedule.
@@ -42,7 +45,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from torchrlhf.agents.env import load_env_factory
+from torchrlhf.agents.env import env_tools, is_tool_env, load_env_factory
 from torchrlhf.agents.parsing import ToolCallParser
 from torchrlhf.agents.render import ChatRenderer
 from torchrlhf.agents.tools import ToolExecutor, load_tools
@@ -106,19 +109,29 @@ class AgentSpec:
         spec.load()
         return spec
 
-    def load(self) -> tuple[dict, Any]:
-        """(tools by name, env factory or None); ConfigError naming what is missing."""
+    def load(self) -> tuple[dict, Any, dict]:
+        """(tools by name, env factory or None, a tool environment's methods as tools by name); ConfigError
+        naming what is missing."""
         try:
             tools = load_tools(list(self.tools))
-            if tools:
-                ToolCallParser(tools, self.format, self.tags or None)
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.tools: {e}") from e
         try:
             env = load_env_factory(self.env) if self.env else None
+            methods = env_tools(env.env_class) if env is not None and is_tool_env(env.env_class) else {}
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
-        return tools, env
+        if set(methods) & set(tools):
+            raise ConfigError(f"rollout.agent: tools and the env's methods share the names {sorted(set(methods) & set(tools))}")
+        if methods and self.reward != "reward_fn" and not callable(getattr(env.env_class, "get_reward", None)):
+            raise ConfigError(f"rollout.agent: reward={self.reward!r} needs env rewards; the tool environment "
+                              f"{self.env['_component_']!r} has no get_reward()")
+        try:
+            if tools or methods:
+                ToolCallParser({**tools, **methods}, self.format, self.tags or None)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent.tools: {e}") from e
+        return tools, env, methods
 
 
 class Agent:
@@ -139,7 +152,9 @@ class Agent:
         self.spec = spec
         self.max_tokens = int(max_tokens)
         self.max_trajectory_tokens = max_trajectory_tokens
-        self.tools, self.env_factory = spec.load()
+        tools, self.env_factory, self.env_tools = spec.load()
+        self.tool_env = bool(self.env_tools)  # TRL's shape: reset(**row), methods as tools, optional get_reward
+        self.tools = {**tools, **self.env_tools}
         self.parser = ToolCallParser(self.tools, spec.format, spec.tags or None) if self.tools else None
         self.renderer = ChatRenderer(
             tokenizer, tools=[t.schema for t in self.tools.values()] or None,

@@ -15,6 +15,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from torchrlhf.data.dataset import reference
+
 _MAX_EXPRESSION_CHARS = 200
 _MAX_EXPONENT = 64
 _MAX_DIGITS = 100
@@ -85,7 +87,7 @@ def calculator(expression: str) -> str:
 class GuessNumber:
     """Guess a secret integer in ``[low, high]``; each wrong guess gets a "higher"/"lower" hint.
 
-    The secret comes from the data row's ``ground_truth`` when it has one (reproducible evaluation),
+    The secret comes from the data row's reference answer (`torchrlhf.data.dataset.reference`) when it has one (reproducible evaluation),
     else from ``seed``. Reward 1.0 on the turn that guesses it, 0.0 otherwise; a turn without a
     number gets a reminder and no reward.
     """
@@ -99,7 +101,7 @@ class GuessNumber:
         self.guesses = 0
 
     def reset(self, row: dict[str, Any]) -> str:
-        truth = row.get("ground_truth")
+        truth = reference(row)
         self.secret = int(truth) if truth is not None else self._rng.randint(self.low, self.high)
         if not self.low <= self.secret <= self.high:
             raise ValueError(f"GuessNumber: secret {self.secret} outside [{self.low}, {self.high}]")

@@ -17,8 +17,8 @@ Between turns the engine keeps the trajectory's KV cache: the observation tokens
 input (no re-prefill). Every `TurnResult` with observation tokens leaves ``turn_budget() >= 1``.
 Threading: a session is driven by one engine thread. ``end_turn`` returns at once; tool calls run
 in `IsolatedPool` worker processes and the future is completed from the pool's dispatcher thread
-(the session's state is guarded by a lock). Environment steps run in-process in ``end_turn``
-(see `torchrlhf.agents.env`), so an environment turn's future is already done.
+(the session's state is guarded by a lock). Environment calls (``step``, a tool environment's methods) run
+in ``end_turn``, one at a time under ``timeout_s`` (see `torchrlhf.agents.env`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from torchrlhf.agents.agent import Agent
-from torchrlhf.agents.env import Environment, check_step
+from torchrlhf.agents.env import (
+    Environment,
+    call_in_thread,
+    call_with_timeout,
+    check_reset,
+    check_reward,
+    check_step,
+    tool_env_observation,
+)
 from torchrlhf.agents.parsing import CallError, ToolCall
 from torchrlhf.agents.render import ChatRenderer, TokenCheck
 from torchrlhf.utils.isolated import CallTimeout
@@ -108,15 +116,17 @@ class AgentSession:
         messages = [dict(m) for m in (prompt_messages if prompt_messages is not None else _row_messages(row))]
         reset_error = None
         if agent.env_factory is not None:
+            timeout = agent.spec.timeout_s
             try:
-                self.env = agent.env_factory()
-                first = self.env.reset(row)
+                self.env = call_with_timeout(agent.env_factory, timeout)
+                if agent.tool_env:
+                    first = check_reset(call_with_timeout(self.env.reset, timeout, **row), tool_env=True)
+                else:
+                    first = check_reset(call_with_timeout(self.env.reset, timeout, row), tool_env=False)
                 if isinstance(first, str):
                     messages.append({"role": "user", "content": first})
-                elif isinstance(first, list) and all(isinstance(m, Mapping) and "role" in m for m in first):
-                    messages = [dict(m) for m in first]
                 elif first is not None:
-                    raise TypeError(f"reset must return a string, a list of messages or None, got {type(first).__name__}")
+                    messages = [dict(m) for m in first]
             except Exception as e:  # noqa: BLE001 - a bad environment is counted, never stops the run
                 reset_error = e
         if not messages:
@@ -183,14 +193,15 @@ class AgentSession:
                 self._pending = future
                 self._run_tools(calls, future)
                 return future
-            if self.env is None:
+            if self.env is None or self._agent.tool_env:  # a tool environment acts through its methods only
                 return self._resolved(future, self._finish("stop"))
             try:
-                observation, reward, env_done = check_step(self.env.step(text))
+                observation, reward, env_done = check_step(call_with_timeout(self.env.step, self._agent.spec.timeout_s,
+                                                                             text))
             except Exception as e:  # noqa: BLE001
                 self._counts["env_errors"] += 1
                 _log_failure("environment step", e)
-                if self._agent.spec.on_error == "end":
+                if self._agent.spec.on_error == "end" or isinstance(e, CallTimeout):  # a hung env is still busy
                     return self._resolved(future, self._finish("error", error=True))
                 observation, reward, env_done = f"Error: the environment failed: {_describe(e)}", 0.0, False
             traj.turn_rewards[-1] = reward
@@ -240,11 +251,15 @@ class AgentSession:
         spec, tools = self._agent.spec, self._agent.tools
         limit = spec.max_parallel_calls
         outcomes: list[Future | CallError] = []
+        env_calls: list[Future | CallError] = []  # this turn's calls of the environment's methods, finished
         for i, call in enumerate(calls):
             if isinstance(call, ToolCall) and i >= limit:
                 call = CallError(call.name, f"not run: at most {limit} tool calls per turn")
             if isinstance(call, CallError):
                 outcomes.append(call)
+            elif call.name in self._agent.env_tools:
+                outcomes.append(self._call_env_method(call, env_calls))
+                env_calls.append(outcomes[-1])
             else:
                 outcomes.append(self._agent.executor.submit(tools[call.name], call.arguments))
         names = [c.name for c in calls]
@@ -267,18 +282,29 @@ class AgentSession:
         for f in remaining:
             f.add_done_callback(one_done)
 
+    def _call_env_method(self, call: ToolCall, earlier: list[Future | CallError]) -> Future | CallError:
+        """A tool environment's method on this trajectory's env, run now (the turn's calls one at a time, in
+        order, as the env's state requires); its finished future. Not run after an earlier call timed out."""
+        if any(isinstance(f, Future) and isinstance(f.exception(), CallTimeout) for f in earlier):
+            return CallError(call.name, "not run: the environment is still busy with a call that timed out")
+        method = getattr(self.env, call.name)
+        future = call_in_thread(lambda: tool_env_observation(method(**call.arguments)), self._agent.spec.timeout_s)
+        future.exception()  # wait: done, or timed out
+        return future
+
     def _complete_tools(self, names: list[str | None], outcomes: list[Future | CallError], future: Future) -> None:
         """Turn the calls' outcomes into an observation and resolve ``future`` (caller holds the lock)."""
         try:
-            results, failed = [], False
+            results, failed, env_hung = [], False, False
             for name, outcome in zip(names, outcomes):
-                content, error = _tool_outcome(name, outcome, self._agent.executor.timeout_s)
+                content, error = _tool_outcome(name, outcome, self._agent.spec.timeout_s)
                 if error:
                     failed = True
                     self._counts["tool_timeouts" if error == "timeout" else "tool_errors"] += 1
+                    env_hung |= error == "timeout" and name in self._agent.env_tools  # the env is still busy
                 results.append((name, content))
             self._pending = None
-            if failed and self._agent.spec.on_error == "end":
+            if failed and (self._agent.spec.on_error == "end" or env_hung):
                 result = self._finish("error", error=True)
             else:
                 result = self._observe(results, 0.0)
@@ -309,8 +335,19 @@ class AgentSession:
     def _finish(self, reason: str, reward: float = 0.0, *, error: bool = False) -> TurnResult:
         self.done = True
         self._pending = None
-        self.trajectory.finish_reason = reason
-        self.trajectory.error = error
+        traj = self.trajectory
+        get_reward = getattr(self.env, "get_reward", None) if self._agent.tool_env else None
+        if get_reward is not None and not error:  # a tool environment scores the episode it ran, once
+            try:
+                reward = check_reward(call_with_timeout(get_reward, self._agent.spec.timeout_s))
+                if traj.turn_rewards:  # with no model turn there is nothing to credit
+                    traj.turn_rewards[-1] += reward
+            except Exception as e:  # noqa: BLE001 - counted; the trajectory scores on_error_score
+                self._counts["env_errors"] += 1
+                _log_failure("environment get_reward", e)
+                reason, error = "error", True
+        traj.finish_reason = reason
+        traj.error = error
         return TurnResult(observation_tokens=None, reward=reward)
 
     @staticmethod

@@ -57,14 +57,16 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     raise ValueError(f"unsupported dataset file {path}: use .jsonl, .json or .parquet")
 
 
-def _ground_truth(row: Mapping[str, Any]) -> str | None:
+def reference(row: Mapping[str, Any]) -> Any:
+    """A row's reference answer as written: ``reward_model.ground_truth``, else ``ground_truth``, else ``answer``."""
     reward_model = row.get("reward_model")
     if isinstance(reward_model, Mapping) and reward_model.get("ground_truth") is not None:
-        value = reward_model["ground_truth"]
-    elif row.get("ground_truth") is not None:
-        value = row["ground_truth"]
-    else:
-        value = row.get("answer")
+        return reward_model["ground_truth"]
+    return row["ground_truth"] if row.get("ground_truth") is not None else row.get("answer")
+
+
+def _ground_truth(row: Mapping[str, Any]) -> str | None:
+    value = reference(row)
     if value is None or isinstance(value, str):
         return value
     # Structured references (countdown's {"target", "numbers"}) travel as JSON text: the column is str.
@@ -86,8 +88,9 @@ class PromptDataset:
         max_samples: keep only the first ``max_samples`` rows (before filtering).
 
     Item ``i`` is a dict: ``input_ids`` (list of ints), ``raw_prompt`` (the prompt text that
-    ``input_ids`` encode), ``messages`` (the chat it was rendered from), ``ground_truth``, ``data_source``,
-    ``index`` (row position in the files).
+    ``input_ids`` encode), ``messages`` (the chat it was rendered from), ``ground_truth`` (as text),
+    ``data_source``, ``index`` (row position in the files), ``row`` (the row as read: every column, values
+    unchanged) and, when the row has one, ``max_tokens``.
     """
 
     def __init__(
@@ -133,9 +136,13 @@ class PromptDataset:
                 "ground_truth": _ground_truth(row),
                 "data_source": row.get("data_source") or default_data_source,
                 "index": i,
+                "row": row,  # the row as read, every column: what an agent environment's reset gets
             }
             if row.get("max_tokens") is not None:  # a per-prompt response budget (below rollout.max_tokens)
-                item["max_tokens"] = int(row["max_tokens"])
+                budget = row["max_tokens"]
+                if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                    raise ValueError(f"row {i}: 'max_tokens' must be a positive integer, got {budget!r}")
+                item["max_tokens"] = budget
             self.items.append(item)
         self.num_filtered = len(rows) - len(self.items)
         if not self.items:
@@ -209,9 +216,11 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int, pad_t
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask}
     if all("max_tokens" in it for it in items):
         tensors["max_tokens"] = torch.tensor([it["max_tokens"] for it in items], dtype=torch.long)
+    rows = {"row": [it["row"] for it in items]} if all("row" in it for it in items) else {}
     return Batch(
         tensors,
         {
+            **rows,  # the data rows as read (agent environments get them)
             "raw_prompt": [it["raw_prompt"] for it in items],
             "messages": [it.get("messages") for it in items],  # the chat an agent session starts from
             "ground_truth": [it.get("ground_truth") for it in items],

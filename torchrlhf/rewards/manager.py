@@ -87,8 +87,11 @@ class RewardManager:
             raise ValueError("RewardManager needs a tokenizer to decode responses")
         responses, mask = batch["responses"], batch["response_mask"].bool()
         n = len(batch)
-        ids = [responses[i][mask[i]].tolist() for i in range(n)]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        if "final_text" in batch:  # agent trajectories: the final model turn is the answer graded
+            texts = list(batch["final_text"])
+        else:
+            texts = self.tokenizer.batch_decode([responses[i][mask[i]].tolist() for i in range(n)],
+                                                skip_special_tokens=True)
         scores, metrics = self.score(
             texts, batch.get("ground_truth", [None] * n), batch.get("data_source", ["unknown"] * n)
         )

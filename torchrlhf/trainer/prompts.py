@@ -41,11 +41,12 @@ class PromptLoader:
         for indices in StatefulSampler(len(self.dataset), self.batch_size, shuffle=False, drop_last=False):
             yield self.dataset.collate(indices)
 
-    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        """Response texts (special tokens dropped) for logging."""
+    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor, *, skip_special_tokens: bool = True
+               ) -> list[str]:
+        """Response texts (the tokens where ``response_mask`` is 1) for logging."""
         mask = response_mask.bool()
         ids = [responses[i][mask[i]].tolist() for i in range(len(responses))]
-        return self.dataset.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return self.dataset.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

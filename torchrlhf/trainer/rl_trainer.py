@@ -258,8 +258,14 @@ class RLTrainer:
                 per_source.setdefault(data_source, []).append(score)
             if len(samples) < self.trainer_cfg.log_val_generations:
                 texts = self.train_prompts.decode(gen["responses"], gen["response_mask"])
-                for prompt, text, score in zip(gen["raw_prompt"], texts, seq_scores):
-                    samples.append({"prompt": str(prompt), "response": text, "score": score})
+                rows = [{"prompt": str(p), "response": t, "score": s} for p, t, s in zip(gen["raw_prompt"], texts, seq_scores)]
+                if "num_turns" in gen:  # agents: the whole trajectory, with what the tools and environment returned
+                    width = gen["responses"].shape[1]
+                    whole = self.train_prompts.decode(gen["responses"], gen["attention_mask"][:, -width:],
+                                                      skip_special_tokens=False)
+                    for row, text in zip(rows, whole):
+                        row["trajectory"] = text
+                samples.extend(rows)
         self.logger.log_samples(samples[: self.trainer_cfg.log_val_generations], step=self.global_step)
         return {f"val/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
 

@@ -140,12 +140,13 @@ class RolloutWorker(Worker):
         return engine
 
     def _sessions(self, prompts: Batch, n: int) -> list[Any] | None:
-        """Agents: one session per sample (prompt i's n samples adjacent), each from its data row."""
+        """Agents: one session per sample (prompt i's n samples adjacent), each from its data row (as read
+        from the data file) and the chat the dataset rendered from it."""
         if self.agent is None:
             return None
-        rows = [{**{k: v[i] for k, v in prompts.non_tensors.items()}, "prompt": prompts.non_tensors["messages"][i]}
-                for i in range(len(prompts))]
-        return [AgentSession(self.agent, row) for row in rows for _ in range(n)]
+        columns = prompts.non_tensors
+        rows = columns.get("row") or [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
+        return [AgentSession(self.agent, rows[i], columns["messages"][i]) for i in range(len(prompts)) for _ in range(n)]
 
     # ------------------------------------------------------------------ generation
     @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
@@ -182,8 +183,10 @@ class RolloutWorker(Worker):
             out = self.engine.generate(prompts, sampling, **extra)
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         if sessions is not None:
-            for key, values in agent_columns([s.result() for s in sessions]).items():
+            trajectories = [s.result() for s in sessions]
+            for key, values in agent_columns(trajectories).items():
                 out[key] = values
+            out["final_text"] = [t.final_text for t in trajectories]  # what the reward function grades
         out.meta["perf/mfu/rollout"] = self._mfu(prompts, out, time.perf_counter() - start)
         return out
 
