@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_CONFIG = "recipes/configs/grpo_arithmetic_cpu.yaml"
-SECTIONS = ("data", "rollout", "algorithm", "actor", "critic", "ref", "reward", "reward_model", "cost_model",
+SECTIONS = ("data", "rollout", "algorithm", "actor", "critic", "ref", "teacher", "reward", "reward_model", "cost_model",
             "placement", "trainer", "async_training")
 PARSE_TOOL_ARGS = Path(__file__).with_name("parse_tool_args.py")
 
@@ -148,7 +148,9 @@ def _check_recipe(where: str, args: list[str], world: int | None) -> None:
     ppo = _recipe_cli()
     rest, _, flag_world = ppo._take_flags(args)
     path, overrides = ppo.parse_args(rest)
-    # a placeholder for the user's own model (/path/to/Qwen2.5-7B-Instruct): a directory that exists
+    # a placeholder for the user's own model (/path/to/Qwen2.5-7B-Instruct): a directory that exists; for a
+    # distillation teacher (exported from a SmolLM2 run), a model with the student's tokenizer
+    overrides = [re.sub(r"^teacher\.model_path=/path/to/\S+", "teacher.model_path=smollm2", o) for o in overrides]
     overrides = [re.sub(r"=/path/to/\S+", f"={os.getcwd()}", o) for o in overrides]
     load(path, overrides, flag_world or world or 1)  # raises ConfigError naming what is wrong
 
@@ -318,6 +320,7 @@ def schema_keys(sandbox) -> set[str]:
             ("recipes/configs/ppo_gsm8k_smollm2.yaml", [], 2),
             ("recipes/configs/safe_rlhf_example.yaml", [], 2),
             ("recipes/configs/grpo_calculator_agent_cpu.yaml", [], 1),
+            ("recipes/configs/distill_calculator_agent_cpu.yaml", ["teacher.model_path=smollm2"], 1),
         ]:
             keys |= _schema_keys(load(path, overrides, world)[0])
         return keys

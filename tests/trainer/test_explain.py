@@ -85,3 +85,24 @@ def test_dry_run_explains_an_agents_budgets(tiny_model_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ("agent: tools ['calculator']; ≤ 3 model turns, ≤ 40 model tokens over all turns, observations ≤ 256 "
             "tokens each, whole trajectory ≤ 160 tokens (rollout.engine.max_seq_len); reward: reward_fn") in ok.stdout
+
+
+def test_dry_run_lists_the_distillation_teachers_memory_and_flops(tiny_model_dir, tmp_path):
+    """A wider teacher than the student: its own parameter count and forward FLOPs (dense layout, the same
+    samples as the old log-prob pass, which distillation needs even with one optimizer step per rollout)."""
+    from torchrlhf.models import save_tiny_model
+
+    teacher = str(save_tiny_model(tmp_path / "teacher", hidden_size=128, intermediate_size=192, head_dim=32))
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir, actor={"shared_prefix": False},
+                            teacher={"model_path": teacher}, algorithm={"distill": {"coef": 0.5}})
+    text = explain(load_recipe_config(load_config(cfg_path), 1), 1)
+    params = _hf_params(teacher)
+    assert f"  teacher   ranks 0: FSDP2 over 1 × TP 1 (mesh dp_shard=1, tp=1), {params / 1e6:.1f} M parameters" in text
+    assert "distillation: A = 1 × A_task + 0.5 × (log p_teacher − log p_student) per sampled token" in text
+    assert f"teacher weights {params * 4 / 2**30:.2f} GiB" in text
+    b, p, r = 16, 64, 8
+    counts = (b * (p + r), b * (p + r) * (p + r + 1) // 2, b * r)
+    student = TransformerFlops.from_model(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    wide = TransformerFlops.from_model(transformers.AutoModelForCausalLM.from_pretrained(teacher))
+    assert (f"old log-probs {student.forward(*counts) / 1e12:.3g} TFLOP, teacher {wide.forward(*counts) / 1e12:.3g} "
+            "TFLOP") in text

@@ -59,12 +59,16 @@ def test_compute_log_prob_matches_hf_forward(model_dir, dynamic):
     torch.testing.assert_close(out["entropys"][mask], ent[mask], atol=1e-5, rtol=1e-5)
     ref = actor.compute_ref_log_prob(batch, temperature=0.7)["ref_log_prob"]
     torch.testing.assert_close(ref[mask], lp[mask], atol=1e-5, rtol=1e-5)
+    teacher = actor.compute_teacher_log_prob(batch, temperature=0.7)
+    torch.testing.assert_close(teacher["teacher_log_prob"][mask], lp[mask], atol=1e-5, rtol=1e-5)
+    assert "perf/mfu/teacher" in teacher.meta
 
 
-def test_ref_log_prob_needs_frozen_worker(model_dir):
+@pytest.mark.parametrize("method", ["compute_ref_log_prob", "compute_teacher_log_prob"])
+def test_frozen_log_probs_need_frozen_worker(model_dir, method):
     actor = ActorWorker(model_dir)
     with pytest.raises(RuntimeError, match="freeze=True"):
-        actor.compute_ref_log_prob(rollout_batch(2), temperature=1.0)
+        getattr(actor, method)(rollout_batch(2), temperature=1.0)
 
 
 @pytest.mark.parametrize("micro_kw", [dict(ppo_micro_batch_size_per_device=1), dict(ppo_micro_batch_size_per_device=3),

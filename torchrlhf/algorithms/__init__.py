@@ -1,8 +1,10 @@
-"""Pure tensor maths of the RL algorithms: advantages, policy/value losses, KL, aggregation, Safe-RLHF, DAPO."""
+"""Pure tensor maths of the RL algorithms: advantages, policy/value losses, KL, aggregation, Safe-RLHF, DAPO,
+on-policy distillation."""
 
 from torchrlhf.algorithms.advantages import ADV_ESTIMATORS, compute_advantage, group_ids
 from torchrlhf.algorithms.aggregation import AGG_MODES, agg_loss
 from torchrlhf.algorithms.dapo import filter_groups, overlong_penalty
+from torchrlhf.algorithms.distill import distill_advantages, reverse_kl_advantage
 from torchrlhf.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -35,6 +37,7 @@ __all__ = [
     "compute_advantage",
     "compute_policy_loss",
     "compute_value_loss",
+    "distill_advantages",
     "filter_groups",
     "group_ids",
     "kl_penalty",
@@ -44,5 +47,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "overlong_penalty",
+    "reverse_kl_advantage",
     "rollout_is_weights",
 ]

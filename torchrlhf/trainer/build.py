@@ -32,6 +32,7 @@ from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     models_in_unit,
+    distills,
     needs_reference,
     on_policy_update,
     reference_is_actor,
@@ -39,6 +40,7 @@ from torchrlhf.trainer.schema import (
     resolve_model_path,
     role_ranks,
     section_kwargs,
+    teacher_kwargs,
 )
 from torchrlhf.utils.logging import build_logger
 from torchrlhf.workers import ActorWorker, RolloutWorker
@@ -47,8 +49,8 @@ from torchrlhf.workers import ActorWorker, RolloutWorker
 def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     """role -> (worker class, args, kwargs), with model paths resolved and derived keys filled in.
 
-    The reference is always the library's `ActorWorker` (frozen): it only computes log-probs; a LoRA actor
-    serves it itself (no reference role). The rollout comes right after the actor: colocated, it reads the
+    The reference and the distillation teacher are always the library's `ActorWorker` (frozen): they only
+    compute log-probs; a LoRA actor serves the reference itself (no reference role), never the teacher. The rollout comes right after the actor: colocated, it reads the
     actor worker built before it in the same process.
     """
     actor = {**section_kwargs(cfg, "actor"), "model_path": resolve_model_path(cfg.actor.model_path)}
@@ -64,6 +66,9 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     if needs_reference(cfg) and not reference_is_actor(cfg):
         ref = reference_kwargs(cfg)
         specs["ref"] = (ActorWorker, (), {**ref, "model_path": resolve_model_path(ref["model_path"])})
+    if distills(cfg):
+        teacher = teacher_kwargs(cfg)
+        specs["teacher"] = (ActorWorker, (), {**teacher, "model_path": resolve_model_path(teacher["model_path"])})
     for role in ("critic", "reward_model", "cost_model"):
         section = getattr(cfg, role)
         if section is not None:
@@ -154,7 +159,8 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
     scorer = build_scorer(cfg, groups, reward_fn)
     rollouts = build_rollouts(cfg, world_size, groups, scorer, train_prompts)
     ref = groups["actor"] if reference_is_actor(cfg) else groups.get("ref")
-    roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"), rollout=groups["rollout"])
+    roles = Roles(actor=groups["actor"], ref=ref, critic=groups.get("critic"), rollout=groups["rollout"],
+                  teacher=groups.get("teacher"))
     profile = cfg.trainer.profile
     profiler = StepProfiler(profile.steps, {role: groups[role] for role in profile.roles or groups},
                             profile.dir or os.path.join(cfg.trainer.output_dir, "profile"))

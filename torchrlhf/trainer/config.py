@@ -15,6 +15,20 @@ from torchrlhf.generation.sampling import SamplingParams
 
 
 @dataclass
+class DistillConfig:
+    """``algorithm.distill``: on-policy distillation from the ``teacher`` section's model
+    (`torchrlhf.algorithms.distill`): ``A_t = task_coef * A_task_t + coef * (log pi_teacher(y_t) - log pi_student(y_t))``
+    on the student's sampled tokens. ``task_coef: 0`` is pure distillation."""
+
+    coef: float = 1.0
+    task_coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.coef < 0 or self.task_coef < 0:
+            raise ValueError(f"coef and task_coef must be >= 0, got coef={self.coef}, task_coef={self.task_coef}")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation, KL and algorithm-specific knobs."""
 
@@ -39,6 +53,8 @@ class AlgorithmConfig:
     lagrangian_init: float = 1.0
     lagrangian_lr: float = 0.05
     lagrangian_max: float | None = None
+    # On-policy distillation from the ``teacher`` section's model (off when None).
+    distill: DistillConfig | None = None
 
 
 @dataclass
@@ -190,6 +206,15 @@ class RefConfig:
     dtype: str | None = None
     log_prob_micro_batch_size_per_device: int | None = None
     cpu_offload: bool = False
+
+
+@dataclass
+class TeacherConfig(RefConfig):
+    """The frozen teacher of on-policy distillation (``algorithm.distill``): a second model scoring the
+    student's samples, placed with the actor like the reference; unset keys follow the actor. It must
+    share the actor's tokenizer (the teacher scores the student's token ids)."""
+
+    model_path: str
 
 
 @dataclass

@@ -32,12 +32,14 @@ from torchrlhf.algorithms.logprob import tile_sizes
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.trainer.schema import (
     RecipeConfig,
+    distills,
     needs_reference,
     on_policy_update,
     reference_is_actor,
     reference_kwargs,
     resolve_model_path,
     role_ranks,
+    teacher_kwargs,
 )
 from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
@@ -95,7 +97,8 @@ def _ranks(ranks: list[int]) -> str:
 
 def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], shape: ModelShape,
                    frozen: bool = False) -> tuple[list[str], dict[int, float]]:
-    """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or the frozen reference."""
+    """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or a frozen one (the
+    reference, the teacher)."""
     tp = getattr(sec, "tp_size", 1)
     dp = len(ranks) // tp
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
@@ -188,11 +191,11 @@ def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[st
     actor, batching, lm = cfg.actor, cfg.actor.batching, shapes["actor"].flops
     minis = cfg.data.train_batch_size // batching.ppo_mini_batch_size
     passes = {"actor update": batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis, train=True)}
-    if not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward:
+    if not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward or distills(cfg):
         passes["old log-probs"] = _pass_flops(lm, cfg, actor, ranks["actor"], 1)
-    if "ref" in shapes:
-        ref = SimpleNamespace(**reference_kwargs(cfg))
-        passes["ref"] = _pass_flops(shapes["ref"].flops, cfg, ref, ranks["ref"], 1)
+    for role, kwargs in (("ref", reference_kwargs), ("teacher", teacher_kwargs)):
+        if role in shapes:
+            passes[role] = _pass_flops(shapes[role].flops, cfg, SimpleNamespace(**kwargs(cfg)), ranks[role], 1)
     if "critic" in shapes:
         value = dataclasses.replace(shapes["critic"].flops, head_out=1)
         c_minis = cfg.data.train_batch_size // cfg.critic.batching.ppo_mini_batch_size
@@ -239,6 +242,14 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, frozen=True)
         out += lines
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
+    if distills(cfg):
+        teacher = SimpleNamespace(**teacher_kwargs(cfg))
+        shapes["teacher"] = model_shape(resolve_model_path(teacher.model_path))
+        lines, mem = _trainer_lines("teacher", teacher, cfg, ranks["teacher"], shapes["teacher"], frozen=True)
+        d = cfg.algorithm.distill
+        out += lines + [f"      distillation: A = {d.task_coef:g} × A_task + {d.coef:g} × (log p_teacher − log p_student) "
+                        "per sampled token"]
+        add("teacher", ranks["teacher"], {} if teacher.cpu_offload else mem)
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
         shapes["critic"] = critic_shape

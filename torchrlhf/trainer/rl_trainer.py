@@ -1,4 +1,5 @@
-"""The controller-side RL dataflow: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF and DAPO.
+"""The controller-side RL dataflow: one loop for PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF, DAPO and
+on-policy distillation.
 
 Runs on rank 0. Every heavy step is one call on a worker group (SPMD on its ranks); the light math in
 between (KL in reward, advantages, Lagrangian) runs here on CPU tensors through the pure functions of
@@ -35,12 +36,14 @@ from torchrlhf.utils.timer import timer
 @dataclass
 class Roles:
     """Controller handles of the training worker groups; absent roles are None. ``rollout`` is only asked
-    for its peak FLOP/s at start-up: generation goes through the rollout source."""
+    for its peak FLOP/s at start-up: generation goes through the rollout source. ``teacher``: the frozen
+    model of on-policy distillation (``algorithm.distill``)."""
 
     actor: Any
     ref: Any = None
     critic: Any = None
     rollout: Any = None
+    teacher: Any = None
 
 
 class RLTrainer:
@@ -92,7 +95,9 @@ class RLTrainer:
         self.val_prompts = val_prompts
         self.logger = logger
         self.num_devices = num_devices
-        self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward
+        # KL in reward and distillation compare the student's log-probs with another model's before the update.
+        self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward \
+            or algorithm.distill is not None
         self.max_staleness = max_staleness
         self.temperature = rollout_cfg.sampling().logprob_temperature  # of the rollout log-probs and the recomputed ones
         self.global_step = 0
@@ -149,8 +154,8 @@ class RLTrainer:
     def _peak_flops(self) -> dict[str, float]:
         """Each role's peak FLOP/s per device, the ``perf/mfu/*`` denominators: ``trainer.peak_flops``, or
         measured now on the role's ranks in its dtype (the mean over its ranks is logged)."""
-        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "critic": self.roles.critic,
-                  "rollout": self.roles.rollout}
+        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "teacher": self.roles.teacher,
+                  "critic": self.roles.critic, "rollout": self.roles.rollout}
         peaks = {}
         for role, group in groups.items():
             if group is not None:
@@ -176,10 +181,13 @@ class RLTrainer:
         if roles.ref is not None:
             with timer("ref", metrics):
                 batch = batch.union(roles.ref.compute_ref_log_prob(batch, temperature=temperature))
+        if roles.teacher is not None:
+            with timer("teacher", metrics):
+                batch = batch.union(roles.teacher.compute_teacher_log_prob(batch, temperature=temperature))
         if roles.critic is not None:
             with timer("values", metrics):
                 batch = batch.union(roles.critic.compute_values(batch))
-        metrics.update(_pop_perf(batch))  # the MFU of each pass so far (rollout, old log-probs, ref, values)
+        metrics.update(_pop_perf(batch))  # the MFU of each pass so far (rollout, old log-probs, ref, teacher, values)
 
         with timer("adv", metrics):
             if algo.use_kl_in_reward:
@@ -195,6 +203,10 @@ class RLTrainer:
             advantages, returns = self._advantages(batch, rewards)
             if self.lagrange is not None:
                 advantages = self._apply_safe_rlhf(batch, advantages, metrics)
+            if algo.distill is not None:
+                advantages, metrics["distill/reverse_kl"] = algorithms.distill_advantages(
+                    advantages, batch["old_log_probs"], batch["teacher_log_prob"], batch["response_mask"],
+                    coef=algo.distill.coef, task_coef=algo.distill.task_coef)
             batch["advantages"], batch["returns"] = advantages, returns
 
         if roles.critic is not None:

@@ -34,10 +34,11 @@ from torchrlhf.trainer.config import (
     PlacementConfig,
     RefConfig,
     RolloutConfig,
+    TeacherConfig,
     TrainerConfig,
 )
 from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
-from torchrlhf.models import smollm2_model_dir
+from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import LRSchedule
@@ -167,6 +168,7 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
         ("reward", sections["reward"]),
         ("ref", RefConfig),
         ("placement", PlacementConfig),
+        ("teacher", TeacherConfig | None, dataclasses.field(default=None)),  # algorithm.distill's teacher
         ("critic", sections["critic"] | None, dataclasses.field(default=None)),
         ("reward_model", sections["reward_model"] | None, dataclasses.field(default=None)),
         ("cost_model", sections["cost_model"] | None, dataclasses.field(default=None)),
@@ -202,16 +204,25 @@ def reference_is_actor(cfg: Any) -> bool:
 
 
 def reference_kwargs(cfg: Any) -> dict[str, Any]:
-    """The frozen reference policy's `ActorWorker` arguments: the ``ref`` section, the actor's where it
-    leaves a key unset (the one place the reference is derived from the actor)."""
-    ref, actor = cfg.ref, cfg.actor
-    micro = ref.log_prob_micro_batch_size_per_device or actor.batching.log_prob_micro_batch_size
+    """The frozen reference policy's `ActorWorker` arguments (see `frozen_kwargs`)."""
+    return frozen_kwargs(cfg.ref, cfg.actor)
+
+
+def teacher_kwargs(cfg: Any) -> dict[str, Any]:
+    """The distillation teacher's `ActorWorker` arguments (see `frozen_kwargs`)."""
+    return frozen_kwargs(cfg.teacher, cfg.actor)
+
+
+def frozen_kwargs(section: RefConfig, actor: Any) -> dict[str, Any]:
+    """A frozen, forward-only `ActorWorker`'s arguments (the reference or the teacher): its section, the
+    actor's where it leaves a key unset (the one place a frozen model is derived from the actor)."""
+    micro = section.log_prob_micro_batch_size_per_device or actor.batching.log_prob_micro_batch_size
     return {
-        "model_path": ref.model_path or actor.model_path,
-        "dtype": ref.dtype or actor.dtype,
+        "model_path": section.model_path or actor.model_path,
+        "dtype": section.dtype or actor.dtype,
         "batching": dataclasses.replace(actor.batching, log_prob_micro_batch_size_per_device=micro),
         "tp_size": actor.tp_size,
-        "cpu_offload": ref.cpu_offload,
+        "cpu_offload": section.cpu_offload,
         "shared_prefix": actor.shared_prefix,
         "freeze": True,
     }
@@ -259,7 +270,7 @@ def models_in_unit(cfg: RecipeConfig, world_size: int) -> bool:
     if cfg.trainer.mode == "sync":
         return True
     ranks = role_ranks(cfg, world_size)
-    training = {r for role in ("actor", "ref", "critic") for r in ranks.get(role, ())}
+    training = {r for role in ("actor", "ref", "teacher", "critic") for r in ranks.get(role, ())}
     return not any(training & set(ranks[role]) for role in ("reward_model", "cost_model") if role in ranks)
 
 
@@ -272,13 +283,20 @@ def needs_reference(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+def distills(cfg: RecipeConfig) -> bool:
+    """On-policy distillation (``algorithm.distill``): a teacher role scores the student's samples."""
+    return cfg.algorithm.distill is not None
+
+
 def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
-    """Ranks of every configured role (the reference always sits with the actor)."""
+    """Ranks of every configured role (the reference and the teacher always sit with the actor)."""
     p = cfg.placement
     actor = list(p.actor) if p.actor is not None else list(range(world_size))
     ranks = {"actor": actor, "rollout": list(p.rollout) if p.rollout is not None else actor}
     if needs_reference(cfg) and not reference_is_actor(cfg):
         ranks["ref"] = actor
+    if distills(cfg):
+        ranks["teacher"] = actor
     for role in ("critic", "reward_model", "cost_model"):
         if getattr(cfg, role) is not None:
             chosen = getattr(p, role)
@@ -307,6 +325,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
+    errors += _distill_errors(cfg)
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
@@ -438,6 +457,33 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
     return errors
 
 
+def _distill_errors(cfg: RecipeConfig) -> list[str]:
+    """``algorithm.distill`` and the ``teacher`` section come together, and the teacher reads the student's
+    token ids: its tokenizer must be the run's (cross-tokenizer distillation is not supported)."""
+    if distills(cfg) != (cfg.teacher is not None):
+        return ["algorithm.distill needs a teacher section (teacher.model_path)" if distills(cfg) else
+                "a teacher section is configured but algorithm.distill is not: set algorithm.distill (e.g. "
+                "algorithm.distill.coef=1.0) or remove the teacher section (teacher=null)"]
+    if cfg.teacher is None:
+        return []
+    student_key, student = ("tokenizer_path", cfg.tokenizer_path) if cfg.tokenizer_path else \
+        ("actor.model_path", cfg.actor.model_path)
+    paths = (student, cfg.teacher.model_path)
+    if any(p != SMOLLM2 and not os.path.exists(os.path.expanduser(p)) for p in paths):
+        return []  # reported by _model_path_errors
+    try:
+        student_vocab, teacher_vocab = (load_tokenizer(resolve_model_path(p)).get_vocab() for p in paths)
+    except (OSError, ValueError) as e:
+        return [f"teacher.model_path: cannot compare the teacher's tokenizer with {student_key}'s: {e}"]
+    if student_vocab == teacher_vocab:
+        return []
+    differ = sum(student_vocab.get(t) != i for t, i in teacher_vocab.items())
+    return [f"teacher.model_path: the teacher's tokenizer ({cfg.teacher.model_path}, {len(teacher_vocab)} tokens) is "
+            f"not the student's ({student_key}={student}, {len(student_vocab)} tokens; {differ} of the teacher's "
+            "tokens map to other ids): on-policy distillation scores the student's token ids with the teacher, so "
+            "both must share one tokenizer (cross-tokenizer distillation is not supported)"]
+
+
 def _agent_errors(cfg: RecipeConfig) -> list[str]:
     """What an agent rollout needs: tools and an environment that load, one rank per engine."""
     agent = cfg.rollout.agent
@@ -462,7 +508,8 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
 
 def _model_path_errors(cfg: RecipeConfig) -> list[str]:
     """Every model path that names nothing (``smollm2`` is the packaged model, converted at first use)."""
-    paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path}
+    paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path,
+             "teacher.model_path": cfg.teacher.model_path if cfg.teacher is not None else None}
     paths.update({f"{role}.model_path": getattr(cfg, role).model_path
                   for role in ("actor", "critic", "reward_model", "cost_model") if getattr(cfg, role) is not None})
     return [f"{key}: model path does not exist: {path}" for key, path in paths.items()

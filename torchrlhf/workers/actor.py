@@ -42,7 +42,8 @@ class ActorWorker(FSDPWorker):
     ``shared_prefix`` (on by default) computes each distinct prompt once per mini-batch, packs the
     responses without padding and projects to the vocabulary only at response positions
     (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
-    ``freeze``: the reference policy (no optimizer; `compute_ref_log_prob` only).
+    ``freeze``: the reference policy or the distillation teacher (no optimizer; `compute_ref_log_prob` /
+    `compute_teacher_log_prob` only).
     ``lora`` (`LoRAConfig`: ``rank``, ``alpha``, ``dropout``, ``target_modules``; off when None): train
     low-rank adapters on the frozen model (`models.lora`). Only the adapters get gradients, optimizer
     state, checkpoints and weight syncs; `compute_ref_log_prob` is the base model (adapters off).
@@ -160,17 +161,18 @@ class ActorWorker(FSDPWorker):
         log_probs, entropy = out.logits.unbind(-1)
         return pad_response_columns(log_probs, width), pad_response_columns(entropy, width) if with_entropy else None
 
-    def _log_probs(self, batch: Batch, key: str, temperature: float, entropy: bool) -> Batch:
+    def _log_probs(self, batch: Batch, key: str, temperature: float, entropy: bool, name: str) -> Batch:
+        """``key``: the output column; ``name``: the pass's, for ``perf/mfu/<name>``."""
         def fn(mb: Batch, rows: list[int], plan, prefix) -> dict[str, torch.Tensor]:
             lp, ent = self._forward(mb, rows, plan, prefix, temperature, entropy)
             return {key: lp} if ent is None else {key: lp, "entropys": ent}
 
-        return self.infer(batch, fn, "ref" if self.freeze else "old_log_prob")
+        return self.infer(batch, fn, name)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch, *, temperature: float, entropy: bool = False) -> Batch:
         """``old_log_probs [B,R]`` at ``temperature`` (+ per-token ``entropys`` with ``entropy``)."""
-        return self._log_probs(batch, "old_log_probs", temperature, entropy)
+        return self._log_probs(batch, "old_log_probs", temperature, entropy, "old_log_prob")
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float) -> Batch:
@@ -178,11 +180,20 @@ class ActorWorker(FSDPWorker):
         base model (its adapters off for the pass)."""
         if self.lora is not None:
             with adapter_disabled(self.model):
-                return self._log_probs(batch, "ref_log_prob", temperature, False)
+                return self._log_probs(batch, "ref_log_prob", temperature, False, "ref")
         if not self.freeze:
             raise RuntimeError("compute_ref_log_prob is served by a frozen ActorWorker (freeze=True), the reference "
                                "role, or by a LoRA actor")
-        return self._log_probs(batch, "ref_log_prob", temperature, False)
+        return self._log_probs(batch, "ref_log_prob", temperature, False, "ref")
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_teacher_log_prob(self, batch: Batch, *, temperature: float) -> Batch:
+        """``teacher_log_prob [B,R]``: a frozen ActorWorker (the distillation teacher, its own model; never a
+        LoRA actor's base, which is the student's start, not a teacher) scoring the student's tokens."""
+        if not self.freeze:
+            raise RuntimeError("compute_teacher_log_prob is served by a frozen ActorWorker (freeze=True), the "
+                               "teacher role")
+        return self._log_probs(batch, "teacher_log_prob", temperature, False, "teacher")
 
     # ------------------------------------------------------------------ update
     @register(dispatch=Dispatch.DP_COMPUTE)
