@@ -59,7 +59,8 @@ class OpenEnv:
         self.observation_key = observation_key
         self.reset_args = dict(reset_args or {})
         self.timeout_s = float(timeout_s)
-        self._ws: Any = None  # websockets.sync.client.ClientConnection
+        self._connection: Any = None  # websockets.sync.client.ClientConnection
+        self._ws: Any = None  # the connection while a session is open
 
     @classmethod
     def check(cls, base_url: str, timeout_s: float = 30.0, **_: Any) -> None:
@@ -78,7 +79,8 @@ class OpenEnv:
         connect, WebSocketException = _websockets()
         ws_url = "ws" + self.base_url[len("http"):] + "/ws" if self.base_url.startswith("http") else self.base_url + "/ws"
         try:
-            self._ws = connect(ws_url, open_timeout=self.timeout_s, close_timeout=1.0, max_size=2**24)
+            self._connection = connect(ws_url, open_timeout=self.timeout_s, close_timeout=1.0, max_size=2**24)
+            self._ws = self._connection.__enter__()  # its context manager closes it (`close`)
         except (OSError, TimeoutError, WebSocketException) as e:
             raise ConnectionError(f"OpenEnv: cannot open a session at {ws_url}: {e}") from None
         observation, _, _ = self._call("reset", self.reset_args)
@@ -97,7 +99,7 @@ class OpenEnv:
             ws, self._ws = self._ws, None
             try:
                 ws.send(json.dumps({"type": "close", "data": {}}))
-                ws.close()
+                self._connection.__exit__(None, None, None)
             except Exception:  # noqa: BLE001 - a session that is already broken is closed either way
                 pass
 

@@ -131,7 +131,8 @@ class VerifiersEnv:
         self.state: dict[str, Any] = {}
 
     def reset(self, row: Mapping[str, Any]) -> None:
-        prompt = [dict(m) for m in row.get("messages") or []]
+        prompt = row.get("messages") or row.get("prompt") or []  # the rendered chat, or a data file's prompt
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         source = self._rows.get(_prompt_key(prompt), {})
         info = dict(source.get("info") or {})
         self.messages = list(prompt)
