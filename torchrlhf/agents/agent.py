@@ -81,7 +81,7 @@ class AgentSpec:
         if isinstance(self.check_tokens, bool):
             object.__setattr__(self, "check_tokens", "metric" if self.check_tokens else "off")
         checks = [
-            (self.tools or self.env or self.verifiers, "needs tools, an env or a verifiers environment"),
+            (self.tools or self.env or self.verifiers, "needs tools or an env (or verifiers)"),
             (not (self.env and self.verifiers), "set env or verifiers, not both"),
             (not self.verifiers or (isinstance(self.verifiers, Mapping) and "env" in self.verifiers
                                     and set(self.verifiers) <= {"env", "args"}),
