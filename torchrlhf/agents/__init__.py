@@ -10,6 +10,7 @@ engines or the trainer.
 
 from torchrlhf.agents.agent import Agent, AgentSpec, build_agent
 from torchrlhf.agents.env import Environment, load_env_factory
+from torchrlhf.agents.openenv import OpenEnv
 from torchrlhf.agents.parsing import CallError, ToolCall, ToolCallParser
 from torchrlhf.agents.render import ChatRenderer, TokenCheck
 from torchrlhf.agents.rounds import run_rounds
@@ -24,7 +25,7 @@ from torchrlhf.agents.session import (
 from torchrlhf.agents.tools import BUILTIN_TOOLS, Tool, ToolExecutor, load_tool, load_tools
 
 __all__ = [
-    "AGENT_COLUMNS", "Agent", "AgentSession", "AgentSpec", "BUILTIN_TOOLS", "CallError", "ChatRenderer", "Environment",
+    "AGENT_COLUMNS", "Agent", "AgentSession", "AgentSpec", "BUILTIN_TOOLS", "CallError", "ChatRenderer", "Environment", "OpenEnv",
     "TokenCheck", "TokenMismatchError", "Tool", "ToolCall", "ToolCallParser", "ToolExecutor", "Trajectory",
     "TurnResult", "agent_columns", "build_agent", "load_env_factory", "load_tool", "load_tools", "run_rounds",
 ]

@@ -9,6 +9,7 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)
         format: hermes             # hermes: <tool_call>{"name":..,"arguments":{..}}</tool_call>; tags: <calc>..</calc>
         tags: {calc: calculator}   # format tags: tag -> tool (its one string argument is the tag's text)
         env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}  # see torchrlhf.agents.env
+        verifiers: {env: my_vf_env, args: {}}   # a verifiers environment instead of env (docs/environments.md)
         max_turns: 4               # model turns (verl: multi_turn.max_assistant_turns)
         max_tool_response_tokens: 256   # longer observations are cut and marked (verl: max_tool_response_length)
         max_parallel_calls: 4      # tool calls run per turn; more become error observations
@@ -38,6 +39,7 @@ same `AgentSession` serves every engine and schedule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ class AgentSpec:
     format: str = "hermes"
     tags: dict[str, str] = field(default_factory=dict)
     env: dict[str, Any] | None = None
+    verifiers: dict[str, Any] | None = None  # {env: module, args: {...}}: `torchrlhf.agents.verifiers_env`
     max_turns: int = 4
     max_tool_response_tokens: int | None = 256
     max_parallel_calls: int = 4
@@ -81,14 +84,20 @@ class AgentSpec:
         if isinstance(self.check_tokens, bool):
             object.__setattr__(self, "check_tokens", "metric" if self.check_tokens else "off")
         checks = [
-            (self.tools or self.env, "needs tools or an env"),
+            (self.tools or self.env or self.verifiers, "needs tools or an env (or verifiers)"),
+            (not (self.env and self.verifiers), "set env or verifiers, not both"),
+            (not self.verifiers or (isinstance(self.verifiers, Mapping) and "env" in self.verifiers
+                                    and set(self.verifiers) <= {"env", "args"}),
+             f"verifiers must be {{env: NAME, args: {{...}}}}, got {self.verifiers!r}"),
+            (not self.verifiers or self.reward != "reward_fn",
+             "verifiers: the rubric scores the trajectory; set reward: env (or sum to add the reward function's)"),
             (self.format in ("hermes", "tags"), f"format must be 'hermes' or 'tags', got {self.format!r}"),
             (self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}"),
             (self.max_parallel_calls >= 1, f"max_parallel_calls must be >= 1, got {self.max_parallel_calls}"),
             (self.timeout_s > 0 and self.num_workers >= 1, "need timeout_s > 0 and num_workers >= 1"),
             (self.on_error in ("observe", "end"), f"on_error must be 'observe' or 'end', got {self.on_error!r}"),
             (self.reward in ("env", "reward_fn", "sum"), f"reward must be 'env', 'reward_fn' or 'sum', got {self.reward!r}"),
-            (self.reward == "reward_fn" or self.env, f"reward={self.reward!r} needs an env"),
+            (self.reward == "reward_fn" or self.env or self.verifiers, f"reward={self.reward!r} needs an env"),
             (self.check_tokens in ("off", "metric", "error"),
              f"check_tokens must be 'off', 'metric' or 'error', got {self.check_tokens!r}"),
         ]
@@ -119,8 +128,16 @@ class AgentSpec:
         try:
             env = load_env_factory(self.env) if self.env else None
             methods = env_tools(env.env_class) if env is not None and is_tool_env(env.env_class) else {}
-        except (ValueError, ImportError, FileNotFoundError) as e:
+            if env is not None and hasattr(env.env_class, "check"):  # e.g. an OpenEnv server that is not up: fail now
+                env.env_class.check(**env.keywords)
+        except (ValueError, ImportError, FileNotFoundError, ConnectionError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
+        if self.verifiers:
+            from torchrlhf.agents.verifiers_env import VerifiersEnv
+
+            env = functools.partial(VerifiersEnv, **self.verifiers)
+            env.env_class = VerifiersEnv  # type: ignore[attr-defined]
+            env()  # loads the environment now (once per process): a missing module fails before training
         if set(methods) & set(tools):
             raise ConfigError(f"rollout.agent: tools and the env's methods share the names {sorted(set(methods) & set(tools))}")
         if methods and self.reward != "reward_fn" and not callable(getattr(env.env_class, "get_reward", None)):

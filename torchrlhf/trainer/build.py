@@ -138,11 +138,16 @@ def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, Prom
     data = cfg.data
     common = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length,
                   apply_chat_template=data.apply_chat_template, system_prompt=data.system_prompt)
-    train = PromptDataset(data.train_files, tokenizer, max_samples=data.max_samples, **common)
+    train_files, val_files = data.train_files, data.val_files
+    if cfg.rollout.agent is not None and cfg.rollout.agent.verifiers:  # the environment's dataset is the prompts
+        from torchrlhf.agents.verifiers_env import verifiers_data_files
+
+        train_files, val_files = verifiers_data_files(cfg.rollout.agent.verifiers, cfg.trainer.output_dir, val_files)
+    train = PromptDataset(train_files, tokenizer, max_samples=data.max_samples, **common)
     train_loader = PromptLoader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-    if not data.val_files:
+    if not val_files:
         return train_loader, None
-    val = PromptDataset(data.val_files, tokenizer, max_samples=data.val_max_samples, **common)
+    val = PromptDataset(val_files, tokenizer, max_samples=data.val_max_samples, **common)
     return train_loader, PromptLoader(val, data.val_batch_size, shuffle=False, drop_last=False)
 
 

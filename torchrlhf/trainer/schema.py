@@ -317,7 +317,8 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     if max_seq_len is not None and data.max_prompt_length + rollout.max_tokens > max_seq_len:
         errors.append(f"data.max_prompt_length ({data.max_prompt_length}) + rollout.max_tokens ({rollout.max_tokens}) "
                       f"exceeds rollout.engine.max_seq_len ({max_seq_len})")
-    if not data.train_files:
+    from_env = rollout.agent is not None and bool(rollout.agent.verifiers)  # the verifiers env's dataset is the data
+    if not data.train_files and not from_env:
         errors.append("data.train_files is empty")
     for key in ("train_files", "val_files"):
         missing = [f for f in getattr(data, key) if not os.path.isfile(f)]
@@ -337,7 +338,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         check_rollout_is(actor.rollout_is, actor.rollout_is_mode, actor.rollout_is_threshold)
     except ValueError as e:
         errors.append(f"actor.{e}")
-    if cfg.trainer.test_freq > 0 and not data.val_files:
+    if cfg.trainer.test_freq > 0 and not data.val_files and not from_env:
         errors.append("trainer.test_freq > 0 needs data.val_files")
     for role, ranks in role_ranks(cfg, world_size).items():
         bad = [r for r in ranks if not 0 <= r < world_size]

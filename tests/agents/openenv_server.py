@@ -1,0 +1,42 @@
+"""Start `openenv_echo.py` (openenv-core's own server) on a free loopback port; shared by the OpenEnv tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ECHO = Path(__file__).with_name("openenv_echo.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def echo_server(timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(base_url, process) of a running echo server; stopped on exit. Waits for ``/health`` up to ``timeout_s``."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ECHO), str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the echo server did not start: {proc.stderr.read().decode()[-2000:]}") from None
+                time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

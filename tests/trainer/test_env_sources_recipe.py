@@ -1,0 +1,72 @@
+"""Ecosystem environment sources through the recipe (2 steps, token-exact): an OpenEnv server and a verifiers module.
+
+SmolLM2 samples greedily: ``check_tokens: error`` re-tokenizes the decoded turns, and a sampled token sequence that
+is not the tokenizer's own encoding of its text would count as drift although the trajectory is exact.
+
+Each needs its optional package (``pip install 'torchrlhf[openenv]'`` / ``'torchrlhf[verifiers]'``) and skips
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import assert_ok, metrics_of, run_recipe, write_config
+
+AGENTS_TESTS = Path(__file__).resolve().parents[1] / "agents"
+
+
+def _check(metrics: list[dict], max_turns: int) -> None:
+    assert len(metrics) == 2
+    for m in metrics:
+        assert 1 <= m["num_turns/mean"] and m["num_turns/max"] <= max_turns
+        assert m["agent/env_errors/mean"] == 0 and m["agent/agent_error/mean"] == 0
+        assert m["agent/token_mismatches/mean"] == 0  # check_tokens: error also stops the run on one
+
+
+SMALL = {"data": {"max_prompt_length": 96, "train_batch_size": 2, "val_max_samples": 2},
+         "actor": {"batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}}}
+
+
+def test_openenv_echo_server(tmp_path, monkeypatch):
+    pytest.importorskip("openenv.core.env_server")
+    monkeypatch.syspath_prepend(str(AGENTS_TESTS))
+    from openenv_server import echo_server
+
+    with echo_server() as (url, _):
+        env = {"_component_": "torchrlhf.agents.OpenEnv", "base_url": url, "observation_key": "echoed_message",
+               "timeout_s": 60}
+        rollout = {"agent": {"env": env, "reward": "env", "max_turns": 3, "check_tokens": "error"}, "n": 2,
+                   "max_tokens": 24, "temperature": 0, "engine": {"max_batch_size": 16, "max_seq_len": 200}}
+        out = tmp_path / "openenv"
+        cfg = write_config(tmp_path / "openenv.yaml", "smollm2", rollout=rollout, **SMALL,
+                           trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"]})
+        assert_ok(run_recipe(cfg, timeout=300))
+    metrics = metrics_of(out)
+    _check(metrics, max_turns=3)
+    # The echo env rewards 0.1 a character echoed: every step turn that produced text scored.
+    assert all(m["agent/env_reward/mean"] > 0 and m["agent/observation_tokens/mean"] > 0 for m in metrics)
+
+
+def test_verifiers_module_on_smollm2(tmp_path, monkeypatch):
+    pytest.importorskip("verifiers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS_TESTS), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "vf"
+    agent = {"verifiers": {"env": "vf_word_env", "args": {"num_examples": 4}}, "reward": "env", "max_turns": 3,
+             "check_tokens": "error"}
+    cfg = write_config(tmp_path / "vf.yaml", "smollm2",
+                       data={**SMALL["data"], "train_files": [], "val_files": []}, actor=SMALL["actor"],
+                       rollout={"agent": agent, "n": 2, "max_tokens": 24, "temperature": 0,
+                                "engine": {"max_batch_size": 16, "max_seq_len": 200}},
+                       trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"], "test_freq": 2})
+    assert_ok(run_recipe(cfg, timeout=400))
+    metrics = metrics_of(out)
+    _check(metrics, max_turns=3)
+    # The environment asks twice (its env_response is the second user turn): every trajectory has 2 model turns
+    # unless the token budget ended it first; the rubric's score is a fraction of turns (0, 0.5, 1).
+    assert all(m["num_turns/max"] == 2 and 0.0 <= m["agent/env_reward/mean"] <= 1.0 for m in metrics)
+    assert all(m["critic/score/mean"] == m["agent/env_reward/mean"] for m in metrics)  # reward: env is the rubric
+    assert (out / "verifiers" / "train.jsonl").read_text().count("\n") == 4
+    assert 0.0 <= metrics[-1]["val/vf_word_env/acc"] <= 1.0  # the eval dataset validates, data_source = env name

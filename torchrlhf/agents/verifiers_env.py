@@ -1,0 +1,189 @@
+"""verifiers environments (PrimeIntellect's ``verifiers`` 0.1.x API) as a rollout source.
+
+Config (``rollout.agent``)::
+
+    rollout:
+      agent:
+        verifiers: {env: my_env_module, args: {num_examples: 100}}   # verifiers.load_environment(env, **args)
+        reward: env          # the rubric's score is the trajectory's reward
+        max_turns: 4
+    data: {train_files: []}  # the environment's dataset is the prompts
+
+The environment module exports ``load_environment(**args)`` returning a ``vf.SingleTurnEnv`` /
+``vf.MultiTurnEnv`` / ``vf.ToolEnv``. Its ``dataset`` (and ``eval_dataset``, when ``data.val_files`` is
+empty) is written to ``<output_dir>/verifiers/{train,val}.jsonl`` and read as usual; its rubric scores
+each trajectory when it ends. The multi-turn protocol runs in our `AgentSession`, so the model's tokens
+are kept exactly and each ``env_response`` is rendered as a chat-template delta: unlike verifiers' own
+rollout, nothing is re-tokenized between turns. A `ToolEnv`'s tool calls are read from the model's turn
+in the hermes format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), as vLLM's hermes
+parser reads them for verifiers; their results are joined into one observation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import re
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torchrlhf.config import ConfigError
+
+Message = dict[str, Any]
+
+
+def load_verifiers_env(env: str, args: Mapping[str, Any] | None = None) -> Any:
+    """``verifiers.load_environment(env, **args)``; ConfigError naming what is missing."""
+    try:
+        import verifiers as vf
+    except ImportError:
+        raise ConfigError("rollout.agent.verifiers needs the verifiers package: pip install 'torchrlhf[verifiers]'") from None
+    if not hasattr(vf, "MultiTurnEnv"):
+        raise ConfigError(f"rollout.agent.verifiers: verifiers {getattr(vf, '__version__', '?')} has no MultiTurnEnv; "
+                          "this adapter speaks the 0.1.x API (load_environment, MultiTurnEnv, Rubric)")
+    try:
+        loaded = vf.load_environment(env, **dict(args or {}))
+    except (ValueError, RuntimeError, AttributeError) as e:
+        raise ConfigError(f"rollout.agent.verifiers.env={env!r}: {e}") from e
+    if not isinstance(loaded, vf.MultiTurnEnv):
+        raise ConfigError(f"rollout.agent.verifiers.env={env!r}: load_environment returned {type(loaded).__name__}, "
+                          "not a verifiers MultiTurnEnv (SingleTurnEnv, ToolEnv, ...)")
+    if loaded.message_type != "chat":
+        raise ConfigError(f"rollout.agent.verifiers.env={env!r}: only chat environments are supported "
+                          f"(message_type={loaded.message_type!r})")
+    return loaded
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_env(env: str, args_json: str) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The loaded environment (once per process) and its rows by prompt, to find a row's ``info`` and ``task``."""
+    loaded = load_verifiers_env(env, json.loads(args_json))
+    rows = {}
+    for dataset in (loaded.dataset, loaded.eval_dataset):
+        for row in dataset or ():
+            rows.setdefault(_prompt_key(row["prompt"]), row)
+    return loaded, rows
+
+
+def _prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:
+    return json.dumps([[m["role"], m["content"]] for m in messages])
+
+
+def verifiers_data_files(node: Mapping[str, Any], output_dir: str, val_files: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(train files, val files): the environment's dataset (and eval dataset, unless ``val_files`` are given)
+    written as prompt files (``prompt`` messages, ``ground_truth`` = the row's answer, ``data_source`` = its task)."""
+    loaded = load_verifiers_env(node["env"], node.get("args"))
+    folder = os.path.join(output_dir, "verifiers")
+    os.makedirs(folder, exist_ok=True)
+
+    def write(dataset: Any, name: str) -> str:
+        path = os.path.join(folder, name)
+        with open(path, "w") as f:
+            for row in dataset:
+                f.write(json.dumps({"prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
+                                    "ground_truth": str(row.get("answer", "")),
+                                    "data_source": row.get("task") or node["env"]}) + "\n")
+        return path
+
+    if loaded.dataset is None:
+        raise ConfigError(f"rollout.agent.verifiers.env={node['env']!r} has no training dataset")
+    train = [write(loaded.dataset, "train.jsonl")]
+    if val_files or loaded.eval_dataset is None:
+        return train, list(val_files)
+    return train, [write(loaded.eval_dataset, "val.jsonl")]
+
+
+class _Loop:
+    """One event loop thread per process: verifiers' hooks are coroutines, and the engine thread that steps
+    an environment may already run a loop of its own."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def run(cls, awaitable: Any) -> Any:
+        if not asyncio.iscoroutine(awaitable):
+            return awaitable
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, daemon=True, name="verifiers-loop").start()
+        return asyncio.run_coroutine_threadsafe(awaitable, cls._loop).result()
+
+
+class VerifiersEnv:
+    """A verifiers environment stepped by our agent session (one instance per trajectory).
+
+    Args:
+        env: the environment's module name (``verifiers.load_environment``'s ``env_id``).
+        args: keyword arguments of its ``load_environment``.
+    """
+
+    def __init__(self, env: str, args: Mapping[str, Any] | None = None) -> None:
+        self.name = env
+        self.vf_env, self._rows = _cached_env(env, json.dumps(dict(args or {}), sort_keys=True))
+        self.messages: list[Message] = []
+        self.completion: list[Message] = []
+        self.state: dict[str, Any] = {}
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        prompt = row.get("messages") or row.get("prompt") or []  # the rendered chat, or a data file's prompt
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        source = self._rows.get(_prompt_key(prompt), {})
+        info = dict(source.get("info") or {})
+        self.messages = list(prompt)
+        self.completion = []
+        self.state = {"prompt": prompt, "completion": self.completion, "answer": source.get("answer", row.get("ground_truth") or ""),
+                      "task": source.get("task") or "default", "info": info, "responses": [], "turn": 0}
+        self.state = _Loop.run(self.vf_env.setup_state(self.state)) or self.state
+        return None  # the row's prompt (the environment's own, with its system prompt) as is
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        message: Message = {"role": "assistant", "content": text}
+        if getattr(self.vf_env, "tool_map", None) is not None:
+            calls = _hermes_tool_calls(text)
+            if calls:
+                message["tool_calls"] = calls
+        self.messages.append(message)
+        self.completion.append(message)
+        self.state["responses"].append(text)
+        self.state["turn"] += 1
+        if _Loop.run(self.vf_env.is_completed(self.messages, self.state)) or self.state["turn"] >= self.vf_env.max_turns:
+            return None, self._score(), True
+        env_messages, self.state = _Loop.run(self.vf_env.env_response(self.messages, self.state))
+        if not isinstance(env_messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in env_messages):
+            raise TypeError(f"verifiers env {self.name!r}: env_response must return a list of messages, got {env_messages!r}")
+        self.messages.extend(env_messages)
+        self.completion.extend(env_messages)
+        return "\n".join(str(m["content"]) for m in env_messages), 0.0, False
+
+    def _score(self) -> float:
+        score = _Loop.run(self.vf_env.rubric.score_rollout(
+            self.state["prompt"], self.completion, self.state["answer"], self.state,
+            task=self.state["task"], info=self.state["info"]))
+        return float(score.reward)
+
+
+def _hermes_tool_calls(text: str) -> list[Any]:
+    """The turn's ``<tool_call>`` blocks as the OpenAI tool-call objects a `vf.ToolEnv` reads (unparseable ones skipped:
+    the env then sees a turn without that call)."""
+    from verifiers.types import ChatCompletionMessageToolCall
+
+    calls = []
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        try:
+            payload = json.loads(body.strip())
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            continue
+        arguments = payload.get("arguments", {})
+        calls.append(ChatCompletionMessageToolCall(
+            id=f"call_{uuid.uuid4().hex[:8]}", type="function",
+            function={"name": payload["name"],
+                      "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}))
+    return calls
