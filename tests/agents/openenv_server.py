@@ -6,6 +6,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ def free_port() -> int:
 def echo_server(timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """(base_url, process) of a running echo server; stopped on exit. Waits for ``/health`` up to ``timeout_s``."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ECHO), str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The server's log goes to a file: a pipe nobody reads while it runs would fill up and block the server.
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, str(ECHO), str(port)], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -34,9 +37,11 @@ def echo_server(timeout_s: float = 60.0) -> Iterator[tuple[str, subprocess.Popen
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the echo server did not start: {proc.stderr.read().decode()[-2000:]}") from None
+                    log.seek(0)
+                    raise RuntimeError(f"the echo server did not start: {log.read().decode()[-2000:]}") from None
                 time.sleep(0.2)
         yield url, proc
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        log.close()
