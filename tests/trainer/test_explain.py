@@ -38,8 +38,8 @@ def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
     assert "4 samples in 2 micro-batch(es) of ≤ 2 = 2 gradient-accumulation step(s)" in text
     params = _hf_params(tiny_model_dir)
     weights_gib = params * 4 / 4 / 2**30  # fp32, sharded over 4 ranks
-    assert f"actor weights {weights_gib:.2f} GiB" in text
-    assert f"actor optimizer (AdamW, 2 states) {2 * weights_gib:.2f} GiB" in text
+    assert f"actor parameters {weights_gib:.2f} GiB" in text
+    assert "one micro-batch of 2 × (64 + 8) tokens, forward + backward + optimizer step on fake tensors" in text
     assert text.count("rank ") >= 4 and "rank 3:" in text
 
 

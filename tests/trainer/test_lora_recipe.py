@@ -58,9 +58,10 @@ def test_dry_run_memory_knows_lora(tiny_model_dir, tmp_path):
     plain = model_shape(tiny_model_dir)
     assert shape.params == plain.params and 0 < shape.adapter_params < plain.params / 5
     adapters_gib = shape.adapter_params * 4 / 2**30
-    assert f"actor weights {shape.params * 4 / 2**30:.2f} GiB, actor adapters {adapters_gib:.2f} GiB" in text
-    assert f"actor optimizer (AdamW, 2 states) {2 * adapters_gib:.2f} GiB" in text
-    assert "ref       served by the actor" in text and "ref weights" not in text
+    # one fp32 rank, unsharded: the base and adapters as loaded; AdamW's states for the adapters only
+    assert f"actor parameters {(shape.params + shape.adapter_params) * 4 / 2**30:.2f} GiB" in text
+    assert f"actor optimizer states {2 * adapters_gib:.2f} GiB" in text
+    assert "ref       served by the actor" in text and "ref parameters" not in text
     assert f"each sync carries the adapters only ({shape.adapter_params * 4 / 2**20:.2f} MiB" in text
 
 

@@ -9,12 +9,13 @@ gradient-accumulation steps per rank, a bound on the tokens of one micro-batch, 
 each rank's memory are printed. Parameter counts come from the model's ``config.json`` (built on the
 meta device), so nothing heavy is read.
 
-The memory figures are estimates, with their formulas beside them: weights, gradients and AdamW's two
-states sharded over each role's ranks (a LoRA actor: the frozen base, and gradients and AdamW states of
-its float32 adapters only, with no reference model: the actor serves it); the rollout engine's weights (streamed in from training when
-colocated, a full TP shard of its own otherwise) and its KV cache; activations of one micro-batch
-(about 16 values per hidden unit per token and layer for a Llama block without activation checkpointing,
-plus the fp32 log-softmax of the response positions).
+The training roles' memory (actor, reference, critic) is traced, not counted by hand: one micro-batch
+of the longest prompts and responses runs forward (+ backward and an optimizer step for a trained role)
+through the role's model on fake tensors (`torchrlhf.trainer.memory`), and the peak is printed by kind
+(parameters, gradients, optimizer states, activations, temporaries), with parameters, gradients and
+optimizer states recounted as FSDP2's float32 shards over the role's ranks. The rollout engine's weights
+(streamed in from training when colocated, a full TP shard of its own otherwise) and its KV cache are
+still counted from their formulas (slots × tokens × layers × KV heads × head dim), not traced.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 import torch
 import transformers
 
-from torchrlhf.algorithms.logprob import tile_sizes
 from torchrlhf.models.lora import inject_lora, is_adapter
+from torchrlhf.trainer.memory import as_held, trace_micro_batch
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
@@ -45,7 +46,6 @@ from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
 GIB = 1 << 30
-ACTIVATION_VALUES_PER_HIDDEN = 16  # saved tensors per token, layer and hidden unit in a Llama block (approx.)
 
 
 @dataclass
@@ -95,7 +95,7 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], shape: ModelShape,
+def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], shape: ModelShape, model_path: str,
                    frozen: bool = False) -> tuple[list[str], dict[int, float]]:
     """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or a frozen one (the
     reference, the teacher)."""
@@ -138,25 +138,22 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     layout = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
     lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({layout})")
 
-    shards = dp * tp
-    weights = shape.params * dtype_bytes / shards
-    memory = {"weights": weights}
-    trained = weights
-    if lora is not None:  # the frozen base is held in the compute dtype; fp32 adapters carry grads and states
-        trained = shape.adapter_params * 4 / shards
-        memory["adapters"] = trained
-    if not frozen:
-        memory["grads"] = trained
-        memory["optimizer (AdamW, 2 states)"] = 2 * trained
-        per_token = shape.layers * shape.hidden * ACTIVATION_VALUES_PER_HIDDEN * dtype_bytes / tp
-        if getattr(sec, "activation_checkpointing", False):
-            per_token = 2 * shape.hidden * dtype_bytes * shape.layers / tp
-        positions = micro * r_len if not batching.use_dynamic_bsz else micro_tokens
-        # the fused head's float32 temporaries: about three [chunk, vocab chunk] tiles, never [positions, V]
-        # (the workers' device: a GPU where this machine has one, as `runtime.registry` picks it)
-        chunk, vocab_chunk = tile_sizes(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        logits = min(positions, chunk) * min(vocab_chunk, shape.vocab / tp) * 4 * 3
-        memory["activations (one micro-batch)"] = micro_tokens * per_token + (logits if role == "actor" else 0)
+    # one micro-batch traced on fake tensors (`trainer.memory`): the longest prompts and responses, dense
+    if batching.use_dynamic_bsz:
+        micro = max(1, micro_tokens // (p_len + r_len))
+    dtype = getattr(torch, sec.dtype)
+    cpu_offload = getattr(sec, "cpu_offload", False)
+    traced = trace_micro_batch(
+        model_path, dtype=dtype, micro=micro, prompt_len=p_len, response_len=r_len, train=not frozen,
+        value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
+        optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
+         use_kl_loss=getattr(sec, "use_kl_loss", False))
+    sharded = dp * tp > 1 or dtype != torch.float32 or cpu_offload  # FSDP2 (`FSDPWorker._is_plain`)
+    memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, sharded=sharded, lora=lora is not None)
+    lines.append(f"      memory traced: one micro-batch of {micro} × ({p_len} + {r_len}) tokens, "
+                 + ("forward" if frozen else "forward + backward + optimizer step")
+                 + f" on fake tensors, peak {_gib(sum(memory.values()))} per rank"
+                 + (" (parameters, gradients and optimizer states as FSDP2's float32 shards)" if sharded else ""))
     return lines, memory
 
 
@@ -230,7 +227,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                 per_rank[r][f"{role} {k}"] = v
 
     shapes = {"actor": shape}  # each role's, for the FLOPs per step
-    lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape)
+    lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape,
+                               resolve_model_path(cfg.actor.model_path))
     out += lines
     add("actor", ranks["actor"], mem)
     if reference_is_actor(cfg):
@@ -239,7 +237,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         ref = SimpleNamespace(**reference_kwargs(cfg))
         ref_shape = model_shape(resolve_model_path(ref.model_path)) if cfg.ref.model_path else shape
         shapes["ref"] = ref_shape
-        lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, frozen=True)
+        lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, resolve_model_path(ref.model_path),
+                                   frozen=True)
         out += lines
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
     if distills(cfg):
@@ -253,7 +252,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
         shapes["critic"] = critic_shape
-        lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape)
+        lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape,
+                                   resolve_model_path(cfg.critic.model_path))
         out += lines
         add("critic", ranks["critic"], mem)
     colocated = ranks["rollout"] == ranks["actor"]

@@ -1,0 +1,190 @@
+"""The dry run's training memory: one micro-batch traced on fake tensors, not a hand formula.
+
+A hand count of activations (values per hidden unit per token and layer) was 1.4-1.6x low on an H100:
+it misses the attention and MLP temporaries, the fused head's tiles, the loss's tensors, the gradients
+being built during backward. Here the role's model is built from its ``config.json`` under
+`torch._subclasses.FakeTensorMode` (shapes and dtypes, no storage), and one micro-batch of the longest
+prompts and responses runs through the same code the workers run: the model with its `LogProbHead`
+(the dense path of `ActorWorker._forward`), the policy loss and its aggregation, backward, and the
+optimizer `build_optimizer` makes, stepped once. `torch.distributed._tools.MemTracker` records every live
+tensor by kind (parameters, gradients, optimizer states, activations, temporaries); its peak is what one
+rank holds for that role at the worst moment of the step.
+
+What differs from a worker (said in the dry run's output too):
+- the trace runs unsharded in the compute dtype on one process: parameters, gradients and optimizer
+  states are then recounted as FSDP2 holds them (float32 master copies sharded over the role's ranks
+  when the role is sharded or computes below float32, as `FSDPWorker._shard` does) — exact arithmetic,
+  not an approximation; activations and temporaries are the traced ones (divided by TP, whose split of
+  the hidden units the trace does not run);
+- the micro-batch is the dense layout (prompt + response, padded); with ``shared_prefix`` a worker
+  forwards each prompt once per mini-batch instead, so the traced activations are an upper bound there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from torchrlhf.algorithms.aggregation import agg_loss
+from torchrlhf.algorithms.kl import kl_penalty
+from torchrlhf.algorithms.policy_loss import compute_policy_loss
+from torchrlhf.models.heads import build_meta_value_model
+from torchrlhf.models.lora import hold_frozen_in, inject_lora
+from torchrlhf.models.parallelize import enable_activation_checkpointing
+from torchrlhf.models.sharded import build_meta_causal_lm
+from torchrlhf.utils.optim import build_optimizer
+
+# MemTracker's kinds, as the dry run names them
+KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer states",
+         "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+STATE_KINDS = ("parameters", "gradients", "optimizer states")
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+class _FrozenAwareMemTracker(MemTracker):
+    """`MemTracker` for models with frozen parameters (a reference, a LoRA base), keeping the global peak
+    only. torch 2.13's tracker registers a gradient hook on every parameter, which a tensor without
+    ``requires_grad`` refuses; and after every op it walks every module's stats for per-module peaks
+    (O(ops x modules): minutes for SmolLM2), which the dry run does not print."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+def _materialize_fake(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` (built on meta) with fake CPU tensors in place of its parameters and buffers, floating
+    ones in ``dtype``; tied parameters stay tied. Call under the `FakeTensorMode`."""
+    fresh: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fresh:
+            like = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="cpu")
+            fresh[id(t)] = torch.nn.Parameter(like, t.requires_grad) if isinstance(t, torch.nn.Parameter) else like
+        return fresh[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = fake(p)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b)
+    return model
+
+
+def trace_micro_batch(
+    model_path: str,
+    *,
+    dtype: torch.dtype,
+    micro: int,
+    prompt_len: int,
+    response_len: int,
+    train: bool = True,
+    value_head: bool = False,
+    lora: Any = None,
+    activation_checkpointing: bool = False,
+    optim: dict | None = None,
+    use_kl_loss: bool = False,
+) -> dict[str, float]:
+    """Peak bytes by kind of one micro-batch of ``micro`` samples of ``prompt_len + response_len`` tokens:
+    forward (+ loss, backward and one optimizer step when ``train``), unsharded, in ``dtype``, on fake
+    tensors (nothing is allocated). ``value_head``: the critic's `ValueModel` and a squared-error loss."""
+    model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
+    if not train:
+        model.requires_grad_(False)
+    if lora is not None:
+        inject_lora(model, lora)
+    with FakeTensorMode():
+        model = _materialize_fake(model, dtype)
+        if lora is not None and dtype.itemsize < 4:
+            hold_frozen_in(model, dtype)
+        if train and activation_checkpointing:
+            enable_activation_checkpointing(model)
+        optimizer = None
+        if train:
+            optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
+        seq = prompt_len + response_len
+        input_ids = torch.zeros(micro, seq, dtype=torch.long)
+        attention_mask = torch.ones(micro, seq, dtype=torch.long)
+        position_ids = torch.arange(seq).expand(micro, seq)
+        tracker = _FrozenAwareMemTracker()
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        with tracker:
+            for step in range(2 if train else 1):  # the second step holds the optimizer states from the first
+                if step:
+                    tracker.reset_mod_stats()
+                with torch.set_grad_enabled(train):
+                    if value_head:
+                        values = model(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids)
+                        values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
+                        loss = (values.float() ** 2).mean()
+                    else:
+                        loss = _actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
+                if train:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    by_kind: dict[str, float] = {}
+    for device_stats in peak.values():
+        for kind, n in device_stats.items():
+            if kind in KINDS and n:
+                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + n
+    return by_kind
+
+
+def _actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
+    """`ActorWorker.micro_batch_loss` on the dense path: log-probs and entropy of the response positions
+    from the `LogProbHead` (no logits), the PPO loss with its entropy term (and the KL loss)."""
+    seq = input_ids.shape[1]
+    labels = input_ids[:, seq - response_len:]
+    keep = torch.arange(seq - response_len - 1, seq - 1)
+    with model.get_output_embeddings().scoring(labels, 1.0, entropy_grad=True):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False, logits_to_keep=keep)
+    log_prob, entropy = out.logits.unbind(-1)
+    mask = torch.ones_like(log_prob)
+    advantages = torch.zeros_like(log_prob)
+    pg_loss, _ = compute_policy_loss("ppo", log_prob.detach(), log_prob, advantages, mask,
+                                     loss_agg_mode="token-mean", normalizer=float(mask.numel()))
+    loss = pg_loss - 0.0 * agg_loss(entropy, mask, "token-mean", normalizer=float(mask.numel()))
+    if use_kl_loss:
+        loss = loss + 0.001 * agg_loss(kl_penalty(log_prob, torch.zeros_like(log_prob), "k3"), mask, "token-mean",
+                                       normalizer=float(mask.numel()))
+    return loss
+
+
+def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: int, sharded: bool,
+            lora: bool = False) -> dict[str, float]:
+    """The traced kinds as one rank of the role holds them. With FSDP2 (``sharded``) parameters, gradients
+    and optimizer states are split over ``shards`` ranks and, below float32, held as float32 master copies
+    (a LoRA model keeps its frozen base in ``dtype`` and its adapters in float32 already, as traced). The
+    micro-batch's activations and temporaries split over ``tp``."""
+    master = 1.0 if lora else 4 / dtype.itemsize
+    held = {}
+    for kind, n in traced.items():
+        if kind in STATE_KINDS:
+            held[kind] = n * master / shards if sharded else n
+        else:
+            held[kind] = n / tp
+    return held
+
+
+__all__ = ["trace_micro_batch", "as_held", "KINDS"]
