@@ -190,3 +190,27 @@ def test_hermes_tool_calls_become_openai_tool_calls():
     assert content == "Let me add." and len(calls) == 1
     assert calls[0]["function"] == {"name": "add", "arguments": json.dumps({"a": 1})}
     assert split_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_recipe_trains_two_steps_with_a_harness_on_smollm2(tmp_path):
+    """recipes/configs/grpo_calculator_harness_cpu.yaml (the calculator agent as an openai-client harness), cut
+    to 2 steps of 2 prompts x 2 trajectories."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "recipes/ppo.py", "--config", "recipes/configs/grpo_calculator_harness_cpu.yaml",
+         "trainer.total_steps=2", "data.train_batch_size=2", "rollout.n=2", "rollout.max_tokens=32",
+         "actor.batching.ppo_mini_batch_size=2", "actor.batching.ppo_micro_batch_size_per_device=4",
+         "trainer.val_before_train=false", "trainer.test_freq=0", f"trainer.output_dir={out}",
+         "trainer.loggers=[jsonl]"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m.get("step", 0) >= 1]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["agent/agent_error/mean"] == 0.0 and m["agent/harness_splits/mean"] == 0.0
+        assert m["num_turns/min"] >= 1 and m["rollout/weight_version"] == m["step"] - 1
+        assert m["critic/score/mean"] == m["agent/env_reward/mean"]  # the harness's return is the score
