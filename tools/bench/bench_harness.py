@@ -75,10 +75,12 @@ def main() -> None:
         return seconds, sum(sum(t.loss_mask) for t in trajs), statistics.mean(t.env_reward for t in trajs)
 
     run_native(), run_harness()  # warm-up
+    print("warm-up done", flush=True)
     results: dict[str, list[tuple[float, int, float]]] = {"native": [], "harness": []}
     for _ in range(args.repeats):
-        results["native"].append(run_native())
-        results["harness"].append(run_harness())
+        for side, run in (("native", run_native), ("harness", run_harness)):
+            results[side].append(run())
+            print(f"  {side}: {results[side][-1][0]:.2f}s", flush=True)
     runner.close()
     native.close()
     per_traj = {}
