@@ -85,3 +85,11 @@ def test_dry_run_explains_an_agents_budgets(tiny_model_dir, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ("agent: tools ['calculator']; ≤ 3 model turns, ≤ 40 model tokens over all turns, observations ≤ 256 "
             "tokens each, whole trajectory ≤ 160 tokens (rollout.engine.max_seq_len); reward: reward_fn") in ok.stdout
+
+
+def test_dry_run_names_an_agent_harness():
+    ok = subprocess.run([sys.executable, str(RECIPE), "--config", "recipes/configs/grpo_calculator_harness_cpu.yaml",
+                         "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ("agent: harness recipes/harness/calculator_agent.py:run_agent (an OpenAI-compatible endpoint on "
+            "127.0.0.1), ≤ 48 model tokens over all calls, ≤ 300s per trajectory; reward: env") in ok.stdout
