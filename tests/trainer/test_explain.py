@@ -106,3 +106,11 @@ def test_dry_run_lists_the_distillation_teachers_memory_and_flops(tiny_model_dir
     wide = TransformerFlops.from_model(transformers.AutoModelForCausalLM.from_pretrained(teacher))
     assert (f"old log-probs {student.forward(*counts) / 1e12:.3g} TFLOP, teacher {wide.forward(*counts) / 1e12:.3g} "
             "TFLOP") in text
+
+
+def test_dry_run_names_an_agent_harness():
+    ok = subprocess.run([sys.executable, str(RECIPE), "--config", "recipes/configs/grpo_calculator_harness_cpu.yaml",
+                         "--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ("agent: harness recipes/harness/calculator_agent.py:run_agent (an OpenAI-compatible endpoint on "
+            "127.0.0.1), ≤ 48 model tokens over all calls, ≤ 300s per trajectory; reward: env") in ok.stdout

@@ -155,7 +155,8 @@ def test_every_problem_is_reported_at_once(tmp_path):
     ({"tools": ["no_such_tool"]}, "rollout.agent.tools:"),
     ({"env": {"_component_": "torchrlhf.data.Batch"}}, "rollout.agent.env:"),
     ({"format": "xml", "tools": ["calculator"]}, "rollout.agent: format must be 'hermes' or 'tags'"),
-    ({}, "rollout.agent: needs tools or an env"),
+    ({}, "rollout.agent: needs tools, an env, verifiers or a harness"),
+    ({"harness": "no_such_module:run_agent", "reward": "env"}, "rollout.agent.harness:"),
 ])
 def test_a_bad_agent_is_refused_before_anything_loads(tmp_path, agent, message):
     with pytest.raises(ConfigError) as e:

@@ -1,6 +1,6 @@
 """`AgentSpec` (the ``rollout.agent`` config, validated) and `Agent` (what a rollout worker holds).
 
-Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)::
+Config (``rollout.agent``; every key optional except one of ``tools`` / ``env`` / ``harness``)::
 
     rollout:
       max_tokens: 256              # model tokens over all turns of a trajectory
@@ -23,6 +23,9 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env``)
         check_tokens: off          # off | metric (token_mismatches) | error: re-render from text and compare
         observation_role: auto     # tool | user | auto (tool if the chat template knows a tool role)
         observation_prefix: ""     # before a user-role observation's content
+        harness: pkg.mod:run_agent # instead of tools/env: run_agent(base_url, row) -> reward, an OpenAI client's
+        harness_timeout_s: 300     #   agent (`torchrlhf.agents.harness`; needs reward: env or sum); per trajectory
+        harness_host: 127.0.0.1    #   the endpoint's address (loopback: anyone reaching it can sample the policy)
 
 The whole trajectory (prompt + model turns + observations) is capped by ``max_trajectory_tokens``,
 which the trainer derives from ``max_seq_len``. A model turn with tool calls gets their results; a
@@ -51,7 +54,7 @@ from torchrlhf.agents.env import env_tools, is_tool_env, load_env_factory
 from torchrlhf.agents.parsing import ToolCallParser
 from torchrlhf.agents.render import ChatRenderer
 from torchrlhf.agents.tools import ToolExecutor, load_tools
-from torchrlhf.config import ConfigError
+from torchrlhf.config import ConfigError, load_callable
 from torchrlhf.config._errors import close_matches
 
 log = logging.getLogger(__name__)
@@ -78,26 +81,35 @@ class AgentSpec:
     observation_role: str = "auto"
     observation_prefix: str = ""
     isolate: bool = True  # False: tools run in the calling thread, no time limit (tests, notebooks)
+    harness: str | None = None
+    harness_timeout_s: float = 300.0
+    harness_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
         if isinstance(self.check_tokens, bool):
             object.__setattr__(self, "check_tokens", "metric" if self.check_tokens else "off")
         checks = [
-            (self.tools or self.env or self.verifiers, "needs tools or an env (or verifiers)"),
+            (self.tools or self.env or self.verifiers or self.harness, "needs tools, an env, verifiers or a harness"),
             (not (self.env and self.verifiers), "set env or verifiers, not both"),
             (not self.verifiers or (isinstance(self.verifiers, Mapping) and "env" in self.verifiers
                                     and set(self.verifiers) <= {"env", "args"}),
              f"verifiers must be {{env: NAME, args: {{...}}}}, got {self.verifiers!r}"),
             (not self.verifiers or self.reward != "reward_fn",
              "verifiers: the rubric scores the trajectory; set reward: env (or sum to add the reward function's)"),
+            (not (self.harness and (self.tools or self.env or self.verifiers)),
+             "harness runs the user's own agent (its tools included): leave tools, env and verifiers unset"),
+            (not self.harness or self.reward in ("env", "sum"),
+             f"harness returns the reward: set reward: env (or sum, to add the reward function's), got {self.reward!r}"),
+            (self.harness_timeout_s > 0, f"harness_timeout_s must be > 0, got {self.harness_timeout_s}"),
             (self.format in ("hermes", "tags"), f"format must be 'hermes' or 'tags', got {self.format!r}"),
             (self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}"),
             (self.max_parallel_calls >= 1, f"max_parallel_calls must be >= 1, got {self.max_parallel_calls}"),
             (self.timeout_s > 0 and self.num_workers >= 1, "need timeout_s > 0 and num_workers >= 1"),
             (self.on_error in ("observe", "end"), f"on_error must be 'observe' or 'end', got {self.on_error!r}"),
             (self.reward in ("env", "reward_fn", "sum"), f"reward must be 'env', 'reward_fn' or 'sum', got {self.reward!r}"),
-            (self.reward == "reward_fn" or self.env or self.verifiers, f"reward={self.reward!r} needs an env"),
+            (self.reward == "reward_fn" or self.env or self.verifiers or self.harness,
+             f"reward={self.reward!r} needs an env, verifiers or a harness"),
             (self.check_tokens in ("off", "metric", "error"),
              f"check_tokens must be 'off', 'metric' or 'error', got {self.check_tokens!r}"),
         ]
@@ -148,7 +160,17 @@ class AgentSpec:
                 ToolCallParser({**tools, **methods}, self.format, self.tags or None)
         except ValueError as e:
             raise ConfigError(f"rollout.agent.tools: {e}") from e
+        self.load_harness()
         return tools, env, methods
+
+    def load_harness(self) -> Any:
+        """The ``harness`` function, or None; ConfigError when it cannot be loaded or is not callable."""
+        if not self.harness:
+            return None
+        try:
+            return load_callable(self.harness, what="harness")
+        except (ValueError, ImportError, FileNotFoundError) as e:
+            raise ConfigError(f"rollout.agent.harness: {e}") from e
 
 
 class Agent:

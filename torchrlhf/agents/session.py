@@ -52,8 +52,9 @@ Message = dict[str, Any]
 
 COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "env_errors", "observation_tokens", "truncated_observations")
 # A rollout batch's per-trajectory agent columns (`agent_columns`): ``Trajectory.metrics`` (the turns, the
-# `COUNTS`, ``token_mismatches`` with ``check_tokens``), the environment's reward, 1 where an error ended it.
-AGENT_COLUMNS = ("num_turns", *COUNTS, "token_mismatches", "env_reward", "agent_error")
+# `COUNTS`, ``token_mismatches`` with ``check_tokens``, ``harness_splits`` with a harness), the environment's
+# (or harness's) reward, 1 where an error ended it.
+AGENT_COLUMNS = ("num_turns", *COUNTS, "token_mismatches", "harness_splits", "env_reward", "agent_error")
 
 
 class TokenMismatchError(ValueError):

@@ -283,7 +283,11 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
         out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
     agent = cfg.rollout.agent
-    if agent is not None:
+    if agent is not None and agent.harness:
+        out.append(f"      agent: harness {agent.harness} (an OpenAI-compatible endpoint on {agent.harness_host}), "
+                   f"≤ {cfg.rollout.max_tokens} model tokens over all calls, ≤ {agent.harness_timeout_s:g}s per "
+                   f"trajectory; reward: {agent.reward}")
+    elif agent is not None:
         what = ", ".join(filter(None, [f"tools {list(agent.tools)}" if agent.tools else "",
                                        f"env {agent.env.get('_component_')}" if agent.env else ""]))
         out.append(f"      agent: {what}; ≤ {agent.max_turns} model turns, ≤ {cfg.rollout.max_tokens} model tokens over "

@@ -36,10 +36,12 @@ import torch
 
 from torchrlhf import hybrid
 from torchrlhf.agents import AgentSession, agent_columns, build_agent
+from torchrlhf.agents.harness import HarnessRunner, engine_turns
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.generation.base import concat_generations
+from torchrlhf.generation.base import assemble_trajectories, concat_generations, prompt_seeds
+from torchrlhf.generation.sampling import sample_seed
 from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
@@ -96,6 +98,7 @@ class RolloutWorker(Worker):
         self.tokenizer = None
         self.agent_spec, self.max_tokens = agent, max_tokens
         self.agent = None  # built with the engine (it needs the tokenizer and the engine's sequence length)
+        self.harness: HarnessRunner | None = None  # rollout.agent.harness: its OpenAI-compatible endpoint
         self.weight_version = 0
         self.relay: WeightRelay | None = None  # asynchronous training only
         self._flops_of: flops.TransformerFlops | None = None
@@ -137,16 +140,42 @@ class RolloutWorker(Worker):
                 raise ValueError(f"rollout.agent renders chats with the model's tokenizer; {self.model_path} has none")
             self.agent = build_agent(self.agent_spec, self.tokenizer, max_tokens=self.max_tokens,
                                      max_trajectory_tokens=getattr(engine, "max_seq_len", None))
+            harness = self.agent.spec.load_harness()
+            if harness is not None:
+                self.harness = HarnessRunner(self.agent, harness)
         return engine
+
+    @staticmethod
+    def _rows(prompts: Batch) -> list[dict[str, Any]]:
+        """Agents: each prompt's data row as read from the data file (the dataset keeps it in ``row``)."""
+        columns = prompts.non_tensors
+        return columns.get("row") or [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
 
     def _sessions(self, prompts: Batch, n: int) -> list[Any] | None:
         """Agents: one session per sample (prompt i's n samples adjacent), each from its data row (as read
         from the data file) and the chat the dataset rendered from it."""
-        if self.agent is None:
+        if self.agent is None or self.harness is not None:
             return None
-        columns = prompts.non_tensors
-        rows = columns.get("row") or [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
-        return [AgentSession(self.agent, rows[i], columns["messages"][i]) for i in range(len(prompts)) for _ in range(n)]
+        messages = prompts.non_tensors["messages"]
+        return [AgentSession(self.agent, row, messages[i]) for i, row in enumerate(self._rows(prompts)) for _ in range(n)]
+
+    def _run_harness(self, prompts: Batch, sampling: SamplingParams, generate: Any) -> Batch:
+        """A harness per sample, its endpoint calls sampled in batches by ``generate`` (the engine's single-turn
+        generate); the trajectories in `assemble_trajectories`' columns."""
+        tok = self.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        seeds = prompt_seeds(prompts, sampling, self.tp_mesh)
+        messages = prompts.non_tensors["messages"]  # the harness gets the prompt as the chat the dataset rendered
+        rows = [{**row, "prompt": messages[i]} for i, row in enumerate(self._rows(prompts)) for _ in range(sampling.n)]
+        sample_seeds = [sample_seed(seeds[k // sampling.n], k % sampling.n) for k in range(len(rows))]
+        trajectories, logps = self.harness.run(rows, sample_seeds, engine_turns(generate, sampling, pad_id))
+        table = torch.zeros(len(rows), max([1, *map(len, logps)]), dtype=torch.float32)
+        for k, values in enumerate(logps):
+            table[k, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        out = assemble_trajectories(prompts, sampling, trajectories, table, pad_id)
+        for key, values in agent_columns(trajectories).items():
+            out[key] = values
+        return out
 
     # ------------------------------------------------------------------ generation
     @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
@@ -168,7 +197,12 @@ class RolloutWorker(Worker):
         sessions = self._sessions(prompts, sampling.n)
         extra = {} if sessions is None else {"sessions": sessions}
         start = time.perf_counter()
-        if self.actor_group is not None:
+        if self.actor_group is not None and self.harness is not None:
+            actor = self.actor
+            with hybrid.generation_mode(actor.model, self.engine, optimizer=actor.optimizer):
+                out = self._run_harness(prompts, sampling, self.engine.generate)
+            version = version or 0
+        elif self.actor_group is not None:
             actor = self.actor
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
                                                        optimizer=actor.optimizer, **extra)
@@ -180,7 +214,10 @@ class RolloutWorker(Worker):
                 version = self.weight_version
             if partial:
                 extra["between_steps"] = self._load_newest
-            out = self.engine.generate(prompts, sampling, **extra)
+            if self.harness is not None:
+                out = self._run_harness(prompts, sampling, lambda b, p: self.engine.generate(b, p, **extra))
+            else:
+                out = self.engine.generate(prompts, sampling, **extra)
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         if sessions is not None:
             trajectories = [s.result() for s in sessions]
@@ -253,6 +290,8 @@ class RolloutWorker(Worker):
     def close(self) -> None:
         """Stop an engine that runs processes of its own (vLLM), and the agent's tool processes, while the
         process group still exists."""
+        if self.harness is not None:
+            self.harness.close()
         if self.agent is not None:
             self.agent.close()
         shutdown = getattr(self.engine, "shutdown", None)

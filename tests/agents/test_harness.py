@@ -1,0 +1,216 @@
+"""The OpenAI-compatible endpoint for black-box agent harnesses, driven by the real ``openai`` client: calls
+recorded token-exact with the engine's log-probs (checked against HF transformers), splits counted, bad
+harnesses made error samples, and the recipe run for 2 steps on SmolLM2 with a harness."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+from torchrlhf.agents import build_agent
+from torchrlhf.agents.harness import HarnessRunner, engine_turns, split_tool_calls
+from torchrlhf.config import ConfigError
+from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.models import load_tokenizer, save_tiny_model
+
+pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+HARNESSES = textwrap.dedent(
+    '''
+    import time
+
+    import openai
+
+
+    def client(base_url):
+        return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+    def two_calls(base_url, row):
+        """A chat, a tool result as the next message, a second chat: one token-exact trajectory."""
+        c = client(base_url)
+        messages = list(row["prompt"])
+        first = c.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Result: 42"})
+        second = c.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        return float(len(second.choices[0].message.content or ""))
+
+
+    def restarts(base_url, row):
+        """A second call that does not extend the first: two segments, the last one kept."""
+        c = client(base_url)
+        c.chat.completions.create(model="policy", messages=list(row["prompt"]), max_tokens=5)
+        c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Start over."}],
+                                  max_tokens=5)
+        return 1.0
+
+
+    def completions(base_url, row):
+        out = client(base_url).completions.create(model="policy", prompt="Once upon a time", max_tokens=5)
+        return 0.5 if isinstance(out.choices[0].text, str) else 0.0
+
+
+    def raises(base_url, row):
+        client(base_url).chat.completions.create(model="policy", messages=list(row["prompt"]), max_tokens=4)
+        raise RuntimeError("the harness broke")
+
+
+    def hangs(base_url, row):
+        time.sleep(30)
+        return 1.0
+
+
+    def not_a_number(base_url, row):
+        return "high"
+
+
+    def bad_request(base_url, row):
+        try:
+            client(base_url).chat.completions.create(model="policy", messages=list(row["prompt"]), n=2)
+        except openai.BadRequestError as e:
+            return 2.0 if "n must be 1" in str(e) else 0.0
+        return 0.0
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_harness"), tokenizer_from="smollm2",
+                               initializer_range=1.0))
+
+
+@pytest.fixture(scope="module")
+def harness_module(tmp_path_factory):
+    d = tmp_path_factory.mktemp("harnesses")
+    (d / "user_harnesses.py").write_text(HARNESSES)
+    sys.path.insert(0, str(d))
+    yield "user_harnesses"
+    sys.path.remove(str(d))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir) -> NativeEngine:
+    return NativeEngine(tiny_dir, max_batch_size=8, max_seq_len=256)
+
+
+ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "index": i} for i in range(3)]
+PARAMS = SamplingParams(temperature=1.0, max_tokens=16, logprobs=True)
+
+
+def _run(engine, tiny_dir, harness_module, name, rows=ROWS, **spec):
+    tok = load_tokenizer(tiny_dir)
+    agent = build_agent({"harness": f"{harness_module}:{name}", "reward": "env", **spec}, tok, max_tokens=16,
+                        max_trajectory_tokens=256)
+    runner = HarnessRunner(agent, agent.spec.load_harness())
+    try:
+        return tok, runner.run(rows, [7 + i for i in range(len(rows))], engine_turns(engine.generate, PARAMS,
+                                                                                   tok.eos_token_id))
+    finally:
+        runner.close()
+
+
+def _template(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_calls_are_one_token_exact_trajectory_with_the_engines_log_probs(engine, tiny_dir, harness_module):
+    tok, (trajectories, logps) = _run(engine, tiny_dir, harness_module, "two_calls")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    for row, traj, lp in zip(ROWS, trajectories, logps):
+        assert not traj.error and traj.metrics == {"num_turns": 2.0, "harness_splits": 0.0}
+        # the prompt is the chat template's render of the row (computed by HF, independently)
+        assert traj.prompt_tokens == _template(tok, row["prompt"])
+        (s0, e0), (s1, e1) = traj.turn_spans
+        assert s0 == 0 and traj.loss_mask == [1] * e0 + [0] * (s1 - e0) + [1] * (e1 - s1)
+        observation = tok.decode(traj.response_tokens[e0:s1])
+        assert "Result: 42" in observation and observation.rstrip().endswith("assistant")
+        assert traj.env_reward == float(len(tok.decode(traj.response_tokens[s1:e1], skip_special_tokens=True)))
+        # the engine's log-probs are the model's: an HF forward over the whole trajectory
+        ids = torch.tensor([traj.prompt_tokens + traj.response_tokens])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, :-1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][len(traj.prompt_tokens) - 1:]
+        model = torch.tensor(traj.loss_mask, dtype=torch.bool)
+        assert len(lp) == int(model.sum())
+        torch.testing.assert_close(torch.tensor(lp), ref[model], atol=2e-3, rtol=0)
+
+
+def test_a_call_that_does_not_extend_the_trajectory_is_split_and_counted(engine, tiny_dir, harness_module):
+    tok, (trajectories, _) = _run(engine, tiny_dir, harness_module, "restarts")
+    restart = _template(tok, [{"role": "user", "content": "Start over."}])
+    for traj in trajectories:
+        assert traj.metrics == {"num_turns": 1.0, "harness_splits": 1.0}
+        assert traj.prompt_tokens == restart and traj.env_reward == 1.0
+
+
+def test_completions_endpoint(engine, tiny_dir, harness_module):
+    tok, (trajectories, logps) = _run(engine, tiny_dir, harness_module, "completions", rows=ROWS[:1])
+    assert trajectories[0].prompt_tokens == tok("Once upon a time")["input_ids"]
+    assert trajectories[0].env_reward == 0.5 and len(logps[0]) == len(trajectories[0].response_tokens) > 0
+
+
+@pytest.mark.parametrize("name", ["raises", "hangs", "not_a_number"])
+def test_a_failing_or_hanging_harness_is_an_error_sample(engine, tiny_dir, harness_module, name):
+    _, (trajectories, logps) = _run(engine, tiny_dir, harness_module, name, harness_timeout_s=1.0)
+    assert [t.error for t in trajectories] == [True] * len(ROWS)
+    assert all(t.finish_reason == "error" for t in trajectories)
+
+
+def test_a_bad_request_is_an_openai_error_the_harness_sees(engine, tiny_dir, harness_module):
+    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "bad_request", rows=ROWS[:1])
+    assert trajectories[0].env_reward == 2.0 and not trajectories[0].error
+
+
+def test_config_errors(tiny_dir, harness_module):
+    tok = load_tokenizer(tiny_dir)
+    with pytest.raises(ConfigError, match="set reward: env"):
+        build_agent({"harness": f"{harness_module}:two_calls"}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="leave tools and env unset"):
+        build_agent({"harness": f"{harness_module}:two_calls", "tools": ["calculator"], "reward": "env"}, tok,
+                    max_tokens=8)
+    with pytest.raises(ConfigError, match="rollout.agent.harness"):
+        build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
+
+
+def test_hermes_tool_calls_become_openai_tool_calls():
+    content, calls = split_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert content == "Let me add." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "add", "arguments": json.dumps({"a": 1})}
+    assert split_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_recipe_trains_two_steps_with_a_harness_on_smollm2(tmp_path):
+    """recipes/configs/grpo_calculator_harness_cpu.yaml (the calculator agent as an openai-client harness), cut
+    to 2 steps of 2 prompts x 2 trajectories."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, "recipes/ppo.py", "--config", "recipes/configs/grpo_calculator_harness_cpu.yaml",
+         "trainer.total_steps=2", "data.train_batch_size=2", "rollout.n=2", "rollout.max_tokens=32",
+         "actor.batching.ppo_mini_batch_size=2", "actor.batching.ppo_micro_batch_size_per_device=4",
+         "trainer.val_before_train=false", "trainer.test_freq=0", f"trainer.output_dir={out}",
+         "trainer.loggers=[jsonl]"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m.get("step", 0) >= 1]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["agent/agent_error/mean"] == 0.0 and m["agent/harness_splits/mean"] == 0.0
+        assert m["num_turns/min"] >= 1 and m["rollout/weight_version"] == m["step"] - 1
+        assert m["critic/score/mean"] == m["agent/env_reward/mean"]  # the harness's return is the score

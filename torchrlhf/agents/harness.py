@@ -1,0 +1,432 @@
+"""Black-box agent harnesses: a user's agent function talks to the policy through an OpenAI-compatible endpoint.
+
+``rollout.agent.harness: pkg.mod:run_agent`` is called once per trajectory, in a thread of its own, as
+``run_agent(base_url, row) -> float``: ``base_url`` is a per-trajectory ``http://127.0.0.1:PORT/<session>/v1``
+for ``openai.OpenAI(base_url=..., api_key="unused")``, ``row`` the data row, the return value the reward
+(``reward: env``). The endpoint serves ``/chat/completions`` (tool calls parsed from the model's Hermes
+``<tool_call>`` blocks into OpenAI's ``tool_calls``) and ``/completions``.
+
+Why a server per rollout worker and not per call: the requests of every live trajectory are collected and
+sampled together, one batched ``engine.generate`` (single turns, the same call `generate_in_rounds` makes),
+so any engine serves them, at the policy's current weights. The sampling parameters are the run's
+(``rollout.temperature`` ...): a request's own ``temperature`` / ``top_p`` are ignored, so the recorded
+log-probs are the policy's; its ``max_tokens`` caps the call.
+
+Every call is recorded by session as token ids and the engine's log-probs. A request whose messages
+start with the session's previous messages plus the answer it got is rendered as the chat template's
+*delta* after the sampled tokens (`ChatRenderer.delta_tokens`, as our own agent sessions do), so the
+trajectory stays token-exact even when the template would re-render the model's turn differently. A call
+whose prompt does not extend the previous call's tokens starts a new segment (counted: ``harness_splits``);
+the trajectory's sample is its last segment, the one that holds the final answer.
+
+A harness that raises, or runs past ``harness_timeout_s``, gives an error sample (``agent_error``, scored
+``on_error_score``); a timed-out thread cannot be killed and is left behind (a daemon), its later requests
+refused. The server binds to loopback (``harness_host``): anyone who reaches it can sample the policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from torchrlhf.agents.agent import Agent
+from torchrlhf.agents.render import ChatRenderer
+from torchrlhf.agents.session import Trajectory
+
+log = logging.getLogger(__name__)
+
+Harness = Callable[[str, dict[str, Any]], Any]
+# ``generate(prompts, params)``: the engine's single-turn generate (a `RolloutEngine.generate` bound to the run's
+# sampling); prompts carry ``input_ids``, ``attention_mask``, ``max_tokens`` and ``seed`` columns.
+TurnGenerate = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float], str]]]
+
+
+@dataclass
+class Call:
+    """One recorded endpoint call: its prompt and sampled tokens, their log-probs, why it stopped."""
+
+    prompt: list[int]
+    completion: list[int]
+    logps: list[float]
+    finish_reason: str
+
+
+@dataclass
+class _Session:
+    row: dict[str, Any]
+    seed: int
+    calls: list[Call] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None  # the last chat call's messages + the answer it got
+    reward: float = 0.0
+    error: str | None = None  # "raised" | "timeout" | "bad_reward"
+    done: bool = False
+    deadline: float = 0.0
+
+
+@dataclass
+class _Request:
+    session: str
+    kind: str  # "chat" | "completions"
+    body: dict[str, Any]
+    reply: dict[str, Any] | None = None
+    status: int = 200
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class HarnessServer:
+    """The OpenAI-compatible HTTP endpoint; requests wait in ``requests`` until the dispatcher answers them."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, wait_s: float = 600.0) -> None:
+        self.requests: queue.Queue[_Request] = queue.Queue()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                m = re.fullmatch(r"/([^/]+)/v1/(chat/completions|completions)", self.path)
+                if m is None:
+                    return self._send(404, _error(f"no route {self.path}; use /<session>/v1/chat/completions"))
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                except json.JSONDecodeError as e:
+                    return self._send(400, _error(f"the request body is not JSON: {e}"))
+                request = _Request(m.group(1), "chat" if m.group(2) == "chat/completions" else "completions", body)
+                server.requests.put(request)
+                if not request.ready.wait(wait_s):
+                    return self._send(504, _error("no answer in time (the rollout ended or timed out)"))
+                self._send(request.status, request.reply or {})
+
+            def do_GET(self) -> None:  # noqa: N802
+                if re.fullmatch(r"/[^/]+/v1/models", self.path):
+                    return self._send(200, {"object": "list", "data": [{"id": "policy", "object": "model"}]})
+                self._send(404, _error(f"no route {self.path}"))
+
+            def _send(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:  # quiet: one line per call would flood the logs
+                pass
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.host, self.port = host, self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="harness-server", daemon=True)
+        self._thread.start()
+
+    def base_url(self, session: str) -> str:
+        return f"http://{self.host}:{self.port}/{session}/v1"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+class HarnessRunner:
+    """Runs a harness per row, serves its calls in batches, and turns the recorded calls into trajectories.
+
+    Args:
+        agent: the run's `Agent` (its renderer, budgets, ``spec.harness_timeout_s`` / ``on_error``).
+        harness: ``run_agent(base_url, row) -> float``.
+        batch_wait_s: how long the first waiting request waits for the other live trajectories' requests
+            before a batch is sampled without them (a harness busy with its own work).
+    """
+
+    def __init__(self, agent: Agent, harness: Harness, *, batch_wait_s: float = 0.05) -> None:
+        self.agent, self.harness, self.batch_wait_s = agent, harness, batch_wait_s
+        spec = agent.spec
+        self.server = HarnessServer(spec.harness_host, wait_s=spec.harness_timeout_s + 5.0)
+        self._renderers: dict[str, ChatRenderer] = {}
+
+    def close(self) -> None:
+        self.server.close()
+
+    # ------------------------------------------------------------------ the rollout
+    def run(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int],
+            generate: TurnGenerate) -> tuple[list[Trajectory], list[list[float]]]:
+        """One trajectory per row (``seeds[i]`` seeds row i's calls); each with its model-token log-probs."""
+        timeout = self.agent.spec.harness_timeout_s
+        sessions = {uuid.uuid4().hex: _Session(dict(row), int(seed)) for row, seed in zip(rows, seeds, strict=True)}
+        for sid, session in sessions.items():
+            session.deadline = time.monotonic() + timeout
+            threading.Thread(target=self._call_harness, args=(sid, session), name=f"harness-{sid[:8]}",
+                             daemon=True).start()
+        pending: list[_Request] = []
+        first_at = 0.0
+        while True:
+            now = time.monotonic()
+            for session in sessions.values():
+                if not session.done and now > session.deadline:
+                    session.done, session.error = True, "timeout"
+            live = [s for s in sessions.values() if not s.done]
+            pending = [r for r in pending if not self._refused(r, sessions)]
+            if not live and not pending:
+                break
+            try:
+                request = self.server.requests.get(timeout=0.01)
+                if not self._refused(request, sessions):
+                    pending.append(request)
+                    first_at = first_at if len(pending) > 1 else time.monotonic()
+                continue_collecting = len(pending) < len(live)
+            except queue.Empty:
+                continue_collecting = False
+            if pending and (not continue_collecting or time.monotonic() - first_at > self.batch_wait_s):
+                self._serve(pending, sessions, generate)
+                pending = []
+        for request in pending:
+            self._answer(request, 410, _error("the trajectory ended"))
+        # requests from timed-out harnesses that arrive later are refused by the next run's dispatcher
+        results = [self._trajectory(s) for s in sessions.values()]
+        return [t for t, _ in results], [lp for _, lp in results]
+
+    def _call_harness(self, sid: str, session: _Session) -> None:
+        try:
+            reward = self.harness(self.server.base_url(sid), session.row)
+            try:
+                session.reward = float(reward)
+            except (TypeError, ValueError):
+                log.warning("harness returned %r, not a number: an error sample", reward)
+                session.error = "bad_reward"
+        except Exception as e:  # noqa: BLE001 - a failing harness is an error sample, never a failed run
+            log.warning("harness raised %s: %s", type(e).__name__, e)
+            session.error = session.error or "raised"
+        session.done = True
+
+    def _refused(self, request: _Request, sessions: Mapping[str, _Session]) -> bool:
+        session = sessions.get(request.session)
+        if session is None or (session.done and session.error == "timeout"):
+            self._answer(request, 410, _error(f"session {request.session!r} is not live (unknown, or timed out)"))
+            return True
+        return False
+
+    @staticmethod
+    def _answer(request: _Request, status: int, reply: dict[str, Any]) -> None:
+        request.status, request.reply = status, reply
+        request.ready.set()
+
+    # ------------------------------------------------------------------ serving a batch
+    def _serve(self, requests: list[_Request], sessions: Mapping[str, _Session], generate: TurnGenerate) -> None:
+        todo: list[tuple[_Request, list[int], int, dict[str, Any]]] = []
+        for request in requests:
+            try:
+                todo.append((request, *self._prepare(request, sessions[request.session])))
+            except _BadRequest as e:
+                self._answer(request, 400, _error(str(e)))
+        to_sample = [t for t in todo if t[2] > 0]
+        for request, prompt, _, _ in [t for t in todo if t[2] <= 0]:  # the trajectory's token budget is spent
+            self._reply(request, sessions[request.session], prompt, Call(prompt, [], [], "length"))
+        if not to_sample:
+            return
+        seeds = [sessions[r.session].seed + len(sessions[r.session].calls) for r, *_ in to_sample]
+        turns = generate([p for _, p, _, _ in to_sample], [b for _, _, b, _ in to_sample], seeds)
+        for (request, prompt, _, _), (tokens, logps, reason) in zip(to_sample, turns, strict=True):
+            session = sessions[request.session]
+            call = Call(prompt, list(tokens), list(logps), reason)
+            session.calls.append(call)
+            self._reply(request, session, prompt, call)
+
+    def _prepare(self, request: _Request, session: _Session) -> tuple[list[int], int, dict[str, Any]]:
+        """(prompt tokens, this call's token budget, the body) of a request."""
+        body = request.body
+        if int(body.get("n") or 1) != 1:
+            raise _BadRequest("n must be 1 (one trajectory per session)")
+        if request.kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("'messages' must be a non-empty list")
+            prompt = self._chat_prompt(session, [_plain(m) for m in messages], body.get("tools"))
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and all(isinstance(t, int) for t in text):
+                prompt = list(text)
+            elif isinstance(text, str):
+                prompt = self.agent.renderer.encode(text)
+            else:
+                raise _BadRequest("'prompt' must be a string or a list of token ids")
+        if not prompt:
+            raise _BadRequest("the prompt is empty")
+        agent = self.agent
+        used = sum(len(c.completion) for c in self._segment(session, prompt))
+        budget = agent.max_tokens - used
+        if agent.max_trajectory_tokens is not None:
+            budget = min(budget, agent.max_trajectory_tokens - len(prompt))
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None:
+            budget = min(budget, int(asked))
+        return prompt, budget, body
+
+    def _chat_prompt(self, session: _Session, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        renderer = self._renderer(tools)
+        prev, last = session.messages, session.calls[-1] if session.calls else None
+        if prev is not None and last is not None and len(messages) > len(prev) and messages[:len(prev)] == prev \
+                and messages[-1]["role"] != "assistant":
+            # the conversation goes on: the template's delta after the sampled tokens (token-exact)
+            return last.prompt + last.completion + renderer.delta_tokens(last.completion, messages[len(prev):])
+        return renderer.prompt_tokens(messages)
+
+    def _renderer(self, tools: Any) -> ChatRenderer:
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        if key not in self._renderers:
+            base = self.agent.renderer
+            schemas = [t.get("function", t) if isinstance(t, Mapping) else t for t in tools] if tools else None
+            self._renderers[key] = base if not tools else ChatRenderer(
+                base.tokenizer, tools=schemas, observation_role=base.observation_role)
+        return self._renderers[key]
+
+    def _reply(self, request: _Request, session: _Session, prompt: list[int], call: Call) -> None:
+        decode = self.agent.renderer.tokenizer.decode
+        text = decode(call.completion, skip_special_tokens=True)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(call.completion),
+                 "total_tokens": len(prompt) + len(call.completion)}
+        common = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": "policy",
+                  "usage": usage}
+        if request.kind == "completions":
+            return self._answer(request, 200, {**common, "object": "text_completion", "choices": [
+                {"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}]})
+        content, tool_calls = split_tool_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        reason = "tool_calls" if tool_calls and call.finish_reason == "stop" else call.finish_reason
+        if call.completion:
+            session.messages = [_plain(m) for m in request.body["messages"]] + [_plain(message)]
+        self._answer(request, 200, {**common, "object": "chat.completion", "choices": [
+            {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}]})
+
+    # ------------------------------------------------------------------ recording
+    @staticmethod
+    def _segment(session: _Session, next_prompt: list[int] | None = None) -> list[Call]:
+        """The calls of the session's current segment (with ``next_prompt``: the one that call would join)."""
+        calls = [c for c in session.calls if c.completion]
+        segment: list[Call] = []
+        for call in [*calls, Call(next_prompt, [], [], "")] if next_prompt is not None else calls:
+            if segment and not _extends(segment[-1], call.prompt):
+                segment = []
+            segment.append(call)
+        return [c for c in segment if c.completion]
+
+    def _trajectory(self, session: _Session) -> tuple[Trajectory, list[float]]:
+        calls = [c for c in session.calls if c.completion]
+        splits = sum(1 for a, b in zip(calls, calls[1:]) if not _extends(a, b.prompt))
+        segment = self._segment(session)
+        error = session.error is not None
+        metrics = {"num_turns": float(len(segment)), "harness_splits": float(splits)}
+        if not segment:  # no call sampled anything: an empty response after the row's own prompt
+            prompt = self.agent.renderer.prompt_tokens(_row_messages(session.row))
+            traj = Trajectory(prompt_tokens=prompt, finish_reason="error" if error else "stop", error=error,
+                              metrics=metrics)
+            traj.turn_rewards = [session.reward]
+            return traj, []
+        traj = Trajectory(prompt_tokens=list(segment[0].prompt))
+        logps: list[float] = []
+        for call in segment:
+            observation = call.prompt[len(traj.prompt_tokens) + len(traj.response_tokens):]
+            traj.response_tokens.extend(observation)
+            traj.loss_mask.extend([0] * len(observation))
+            start = len(traj.response_tokens)
+            traj.response_tokens.extend(call.completion)
+            traj.loss_mask.extend([1] * len(call.completion))
+            traj.turn_spans.append((start, start + len(call.completion)))
+            traj.turn_rewards.append(0.0)
+            logps.extend(call.logps)
+        traj.turn_rewards[-1] = session.reward
+        traj.final_text = self.agent.renderer.tokenizer.decode(segment[-1].completion, skip_special_tokens=True)
+        traj.finish_reason = "error" if error else segment[-1].finish_reason
+        traj.error = error
+        traj.metrics = metrics
+        return traj, logps
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A model turn's text as OpenAI's ``content`` and ``tool_calls`` (from Hermes ``<tool_call>{json}</tool_call>``
+    blocks; one that is not valid JSON stays in the content, where the harness sees it)."""
+    calls, kept, last = [], [], 0
+    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        try:
+            payload = json.loads(m.group(1).strip())
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            continue
+        arguments = payload.get("arguments", {})
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                      "function": {"name": payload["name"],
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def engine_turns(generate: Callable[..., Any], params: Any, pad_id: int) -> TurnGenerate:
+    """A `TurnGenerate` over an engine's single-turn ``generate(prompts, params)``: one batched call."""
+    from torchrlhf.data.batch import Batch
+    from torchrlhf.generation.sampling import prompt_seed_for
+
+    def turns(prompts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[tuple[list[int], list[float], str]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p, dtype=torch.long), 1
+        batch = Batch({"input_ids": ids, "attention_mask": mask, "max_tokens": torch.tensor(budgets),
+                       "seed": torch.tensor([prompt_seed_for(s) for s in seeds], dtype=torch.long)})
+        out = generate(batch, dataclasses.replace(params, n=1, max_tokens=max(budgets)))
+        lengths = out["response_mask"].sum(-1).tolist()
+        return [(out["responses"][r, :m].tolist(),
+                 out["rollout_log_probs"][r, :m].tolist() if "rollout_log_probs" in out else [0.0] * m,
+                 out["finish_reason"][r]) for r, m in enumerate(lengths)]
+
+    return turns
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _extends(call: Call, prompt: list[int]) -> bool:
+    done = call.prompt + call.completion
+    return len(prompt) > len(done) and prompt[:len(done)] == done
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A chat message as the fields the template and the prefix check read (the openai client sends extra
+    ``None`` fields back, e.g. ``refusal``)."""
+    m = dict(message)
+    out = {"role": m.get("role"), "content": m.get("content")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"],
+                                                               "arguments": c["function"]["arguments"]}}
+                             for c in m["tool_calls"]]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    if m.get("name"):
+        out["name"] = m["name"]
+    return out
+
+
+def _row_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt or [{"role": "user", "content": ""}]]
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error"}}
