@@ -41,7 +41,7 @@ from torchrlhf.models import smollm2_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import LRSchedule
-from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
 
@@ -55,8 +55,10 @@ COMPONENT_SECTIONS: dict[str, type] = {
     "critic": CriticWorker,
     "reward_model": RewardModelWorker,
     "cost_model": RewardModelWorker,
+    "judge": JudgeWorker,
     "reward": RewardManager,
 }
+MODEL_SCORERS = ("reward_model", "cost_model", "judge")  # roles `Scorer.models` calls
 OPTIM_SECTIONS = ("actor", "critic")  # sections with an ``optim`` sub-section (the optimizer is a component)
 
 
@@ -76,6 +78,7 @@ DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
     "critic": {"rollout_n": _rollout_n, "total_steps": _total_steps},
     "reward_model": {"output_key": lambda cfg: "rm_scores"},
     "cost_model": {"output_key": lambda cfg: "cost_scores"},
+    "judge": {"policy_tokenizer_path": lambda cfg: resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path)},
     "reward": {"tokenizer": None},
 }
 
@@ -170,6 +173,7 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
         ("critic", sections["critic"] | None, dataclasses.field(default=None)),
         ("reward_model", sections["reward_model"] | None, dataclasses.field(default=None)),
         ("cost_model", sections["cost_model"] | None, dataclasses.field(default=None)),
+        ("judge", sections["judge"] | None, dataclasses.field(default=None)),  # an LLM judge (`JudgeWorker`)
         # A shared default the sections interpolate (``${model_path}``).
         ("model_path", str | None, dataclasses.field(default=None)),
         ("tokenizer_path", str | None, dataclasses.field(default=None)),  # default: the actor's model_path
@@ -260,7 +264,7 @@ def models_in_unit(cfg: RecipeConfig, world_size: int) -> bool:
         return True
     ranks = role_ranks(cfg, world_size)
     training = {r for role in ("actor", "ref", "critic") for r in ranks.get(role, ())}
-    return not any(training & set(ranks[role]) for role in ("reward_model", "cost_model") if role in ranks)
+    return not any(training & set(ranks[role]) for role in MODEL_SCORERS if role in ranks)
 
 
 def on_policy_update(cfg: RecipeConfig) -> bool:
@@ -279,7 +283,7 @@ def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
     ranks = {"actor": actor, "rollout": list(p.rollout) if p.rollout is not None else actor}
     if needs_reference(cfg) and not reference_is_actor(cfg):
         ranks["ref"] = actor
-    for role in ("critic", "reward_model", "cost_model"):
+    for role in ("critic", *MODEL_SCORERS):
         if getattr(cfg, role) is not None:
             chosen = getattr(p, role)
             ranks[role] = list(chosen) if chosen is not None else actor
@@ -408,7 +412,7 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
             errors.append(
                 f"{what} with trainer.mode=async needs each sample's full score on the rollout thread, as its "
                 "group returns; the reward/cost model shares ranks with a role that trains meanwhile (two "
-                "threads' collectives would interleave on one process group): place reward_model / cost_model "
+                "threads' collectives would interleave on one process group): place reward_model / cost_model / judge "
                 "on ranks of their own or on the rollout ranks (placement.reward_model)")
     return errors
 
@@ -464,7 +468,7 @@ def _model_path_errors(cfg: RecipeConfig) -> list[str]:
     """Every model path that names nothing (``smollm2`` is the packaged model, converted at first use)."""
     paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path}
     paths.update({f"{role}.model_path": getattr(cfg, role).model_path
-                  for role in ("actor", "critic", "reward_model", "cost_model") if getattr(cfg, role) is not None})
+                  for role in ("actor", "critic", *MODEL_SCORERS) if getattr(cfg, role) is not None})
     return [f"{key}: model path does not exist: {path}" for key, path in paths.items()
             if path and path != SMOLLM2 and not os.path.exists(os.path.expanduser(path))]
 
