@@ -6,7 +6,13 @@ import textwrap
 
 import pytest
 
-from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
+from torchrlhf.rewards.judge import (
+    DEFAULT_TEMPLATE,
+    VerdictParser,
+    check_template,
+    correct_or_wrong,
+    render_judge_prompt,
+)
 
 PARSERS = textwrap.dedent(
     """
@@ -81,3 +87,8 @@ def test_function_parser_failures_and_timeout(tmp_path):
         assert late == [False, False, False, True, False]
     finally:
         parser.close()
+
+
+def test_correct_or_wrong_reads_the_first_word():
+    verdicts = [" correct\n", "Wrong.", "YES, it is", "no", "incorrect answer", "maybe correct", "", "42"]
+    assert [correct_or_wrong(v) for v in verdicts] == [1.0, 0.0, 1.0, 0.0, 0.0, None, None, None]

@@ -109,3 +109,17 @@ def _finite(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+_YES = frozenset({"correct", "yes", "right", "true"})
+_NO = frozenset({"wrong", "incorrect", "no", "false"})
+
+
+def correct_or_wrong(verdict: str) -> float | None:
+    """A word verdict as a score: 1.0 when its first word is correct / yes / right / true, 0.0 when it is
+    wrong / incorrect / no / false, None (unparseable) otherwise. For judges too small to write a number
+    (``parser_fn: torchrlhf.rewards.judge.correct_or_wrong``)."""
+    words = re.findall(r"[a-z]+", verdict.lower())
+    if not words:
+        return None
+    return 1.0 if words[0] in _YES else 0.0 if words[0] in _NO else None
