@@ -27,6 +27,7 @@ from torchrlhf import algorithms
 from torchrlhf.algorithms.rollout_is import check_rollout_is
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
+from torchrlhf.rewards.judge import VerdictParser, check_template
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
     AsyncConfig,
@@ -314,6 +315,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
+    errors += _judge_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -462,6 +464,18 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
     """What the config asks of the rollout engine that it does not declare (`torchrlhf.generation.CAPABILITIES`)."""
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
+
+
+def _judge_errors(cfg: RecipeConfig) -> list[str]:
+    """The judge's template and verdict parser, checked before any model loads."""
+    if cfg.judge is None:
+        return []
+    try:
+        check_template(cfg.judge.template)
+        VerdictParser(cfg.judge.parser_regex, cfg.judge.parser_fn, timeout_s=cfg.judge.parse_timeout_s)
+    except (ValueError, ConfigError) as e:
+        return [str(e)]
+    return []
 
 
 def _model_path_errors(cfg: RecipeConfig) -> list[str]:
