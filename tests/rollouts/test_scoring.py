@@ -48,6 +48,26 @@ def cost_score(index: torch.Tensor) -> torch.Tensor:
     return 2.0 - 0.125 * index.float()
 
 
+def judge_score(index: torch.Tensor) -> torch.Tensor:
+    return 1.0 - 0.25 * index.float()
+
+
+class FakeJudge:
+    """A judge group: `JudgeWorker.judge`'s columns, scores a known function of the prompt index, the first
+    sample's verdict unparseable."""
+
+    def __init__(self) -> None:
+        self.threads = set()
+
+    def judge(self, batch: Batch) -> Batch:
+        self.threads.add(threading.current_thread())
+        n = len(batch)
+        failed = torch.arange(n) == 0
+        return Batch({"judge_scores": judge_score(torch.tensor(batch["index"])), "judge_parse_failed": failed,
+                      "judge_timed_out": torch.zeros(n, dtype=torch.bool),
+                      "judge_too_long": torch.zeros(n, dtype=torch.bool)})
+
+
 class FakeModel:
     """A reward or cost model group: ``compute_scores`` of a known function of each sample's prompt index,
     recording the threads it was called on."""
@@ -70,7 +90,9 @@ MODEL = {"model_path": "${model_path}"}
 SCORERS = {"rules": ({}, None),
            "rm_on_actor_ranks": ({"reward_model": MODEL}, None),
            "rm_on_rollout_ranks": ({"reward_model": MODEL}, [2]),
-           "cost_model": ({"cost_model": MODEL}, None)}
+           "cost_model": ({"cost_model": MODEL}, None),
+           # rewards composed by weights: 0.5 * rule + 2 * judge
+           "judge_weighted": ({"judge": {**MODEL, "weight": 2.0}, "reward": {"weight": 0.5}}, None)}
 CELLS = [(s, p, c) for s in SCHEDULES for p in PLACEMENTS for c in SCORERS
          if (s == "sync" or p == "split")  # asynchronous training needs rollout ranks of their own
          and not (p == "colocated" and c == "rm_on_rollout_ranks")]  # the same ranks as the actor's
@@ -81,6 +103,7 @@ def test_every_source_yields_fully_scored_batches(tmp_path, monkeypatch, schedul
     world, ranks = PLACEMENTS[placement]
     sections, model_ranks = SCORERS[scorer]
     role = next(iter(sections), None)
+    roles = [r for r in sections if r != "reward"]
     placement_cfg = dict(ranks) | ({role: model_ranks} if model_ranks is not None else {})
     trainer = {"total_steps": 3, "output_dir": str(tmp_path), **SCHEDULES[schedule]["trainer"]}
     extra = {k: v for k, v in SCHEDULES[schedule].items() if k != "trainer"}
@@ -91,17 +114,21 @@ def test_every_source_yields_fully_scored_batches(tmp_path, monkeypatch, schedul
 
     # no actor weights to move to the fake replicas, which ignore them
     monkeypatch.setattr("torchrlhf.trainer.build.WeightSync", lambda *args, **kwargs: lambda *a, **kw: {})
-    models = {"reward_model": FakeModel("rm_scores", rm_score), "cost_model": FakeModel("cost_scores", cost_score)}
+    models = {"reward_model": FakeModel("rm_scores", rm_score), "cost_model": FakeModel("cost_scores", cost_score),
+              "judge": FakeJudge()}
     groups = {"rollout": FakeRollouts(dp_size=len(ranks.get("rollout", [0])), slow=0.002), "actor": None,
-              **{r: models[r] for r in sections}}
+              **{r: models[r] for r in roles}}
     source = build_rollouts(cfg, world, groups, build_scorer(cfg, groups, rule_reward), PromptSource())
 
     source.start(0)
     try:
         for step in range(1, 4):
-            batch, _ = source.next_batch(step, step - 1)
+            batch, metrics = source.next_batch(step, step - 1)
             index = torch.tensor(batch["index"])
             expected = RULE + (rm_score(index) if "reward_model" in sections else torch.zeros(len(batch)))
+            if "judge" in sections:
+                expected = 0.5 * RULE + 2.0 * judge_score(index)
+                assert metrics["judge/parse_failures"] >= 1 and metrics["judge/time_s"] >= 0, metrics
             torch.testing.assert_close(batch["token_level_scores"].sum(-1), expected)
             torch.testing.assert_close(batch["token_level_scores"][:, :-1], torch.zeros(len(batch), R - 1))
             if "cost_model" in sections:
@@ -112,7 +139,7 @@ def test_every_source_yields_fully_scored_batches(tmp_path, monkeypatch, schedul
     finally:
         source.stop()
 
-    for r in sections:
+    for r in roles:
         assert models[r].threads, f"the {r} never scored"
         if schedule != "sync" and model_ranks is None:  # with the actor: only the trainer's thread may call it
             assert models[r].threads == {threading.main_thread()}

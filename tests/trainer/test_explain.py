@@ -114,3 +114,20 @@ def test_dry_run_names_an_agent_harness():
     assert ok.returncode == 0, ok.stderr
     assert ("agent: harness recipes/harness/calculator_agent.py:run_agent (an OpenAI-compatible endpoint on "
             "127.0.0.1), ≤ 48 model tokens over all calls, ≤ 300s per trajectory; reward: env") in ok.stdout
+
+
+def test_dry_run_lists_the_judge_memory_per_rank(tiny_model_dir, tmp_path):
+    # one whole judge engine on rank 1: fp32 weights + K and V of 256 slots x 4096 tokens for every layer
+    cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir, placement={"judge": [1]},
+                            actor={"batching": {"ppo_micro_batch_size_per_device": 8}},
+                            judge={"model_path": tiny_model_dir, "max_tokens": 4, "batch_size": 2,
+                                   "engine": {"max_batch_size": 256, "max_seq_len": 4096}})
+    text = explain(load_recipe_config(load_config(cfg_path), 2), 2)
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * 256 * 4096 * config.num_key_value_heads * head_dim * 4
+    assert kv > 2**28  # large enough to show in GiB with two decimals
+    params = _hf_params(tiny_model_dir)
+    assert (f"judge     ranks 1: {params / 1e6:.1f} M parameters, KV cache 256 slots × 4096 tokens = "
+            f"{kv / 2**30:.2f} GiB per rank; verdicts ≤ 4 tokens, 2 per engine call") in text
+    assert f"judge weights {params * 4 / 2**30:.2f} GiB, judge KV cache {kv / 2**30:.2f} GiB)" in text

@@ -86,6 +86,11 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"trainer": {"total_steps": 2, "profile": {"steps": [2, 3]}}},
      "trainer.profile.steps: [3] after the last step (trainer.total_steps=2)"),
     ({"trainer": {"profile": {"step": [1]}}}, "trainer.profile.step: unknown key (did you mean 'steps'?)"),
+    ({"judge": {"model_path": "${model_path}", "parser_regex": "(x"}}, "judge.parser_regex: '(x' is not a regular "
+                                                                        "expression"),
+    ({"judge": {"model_path": "${model_path}", "parser_regex": "x", "parser_fn": "json:loads"}},
+     "judge: set one of parser_regex and parser_fn, not both"),
+    ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
 ])
 def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

@@ -48,6 +48,8 @@ class RewardManager:
         reward_kwargs: extra keyword arguments passed to every reward function.
         isolate: False runs every function in this process (no time limit; for trusted code, notebooks).
         startup_timeout_s: how long starting the worker pool may take (imports torch).
+        weight: the rule score's weight in a training sample's reward, beside an LLM judge's ``judge.weight``
+            (applied where rewards are composed, `torchrlhf.rollouts.Scorer`; validation accuracy is unweighted).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class RewardManager:
         reward_kwargs: Mapping[str, Any] | None = None,
         isolate: bool = True,
         startup_timeout_s: float = 300.0,
+        weight: float = 1.0,
     ) -> None:
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"RewardManager: need timeout_s > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
@@ -71,6 +74,7 @@ class RewardManager:
         self.reward_kwargs = dict(reward_kwargs or {})
         self.isolate = isolate
         self.startup_timeout_s = startup_timeout_s
+        self.weight = float(weight)
         self._default: RewardFn | str | None = None
         self._per_source: dict[str, RewardFn | str] = {}
         if isinstance(reward_fn, Mapping):

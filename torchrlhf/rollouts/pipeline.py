@@ -22,19 +22,37 @@ from torchrlhf.utils.timer import timer
 Generate = Callable[[Batch, SamplingParams], Batch]
 
 
+def judge_metrics(out: Batch, seconds: float) -> dict[str, float]:
+    """``judge/*`` of one judge call: failure counts, the mean (unweighted) score with failures at their
+    ``on_failure_score``, and the call's time."""
+    return {
+        "judge/parse_failures": float(out["judge_parse_failed"].sum()),
+        "judge/timeouts": float(out["judge_timed_out"].sum()),
+        "judge/too_long": float(out["judge_too_long"].sum()),
+        "judge/score_mean": out["judge_scores"].float().mean().item(),
+        "judge/time_s": seconds,
+    }
+
+
 class Scorer:
-    """``token_level_scores`` of generations: the outcome (the reward function's score; for agent trajectories
-    composed with the environment's reward as ``rollout.agent.reward`` says) and DAPO's overlong penalty, run
-    anywhere; then the reward model's score and the cost model's costs, worker calls.
+    """``token_level_scores`` of generations, the one place rewards are composed:
+
+        rule_weight * outcome + overlong penalty + reward model + judge_weight * judge
+
+    The outcome (the reward function's score; for agent trajectories composed with the environment's reward as
+    ``rollout.agent.reward`` says) and DAPO's overlong penalty run anywhere; the reward model's score, the
+    LLM judge's score and the cost model's costs are worker calls. Validation reads the unweighted outcome.
 
     Model calls are serialised (several rollout threads may score at once, and a group runs one call at a
     time).
     """
 
     def __init__(self, reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]], *,
-                 reward_model: Any = None, cost_model: Any = None, max_tokens: int, overlong_buffer_len: int = 0,
+                 reward_model: Any = None, cost_model: Any = None, judge: Any = None, rule_weight: float = 1.0,
+                 judge_weight: float = 1.0, max_tokens: int, overlong_buffer_len: int = 0,
                  overlong_penalty_factor: float = 1.0, agent: Any = None) -> None:
         self.reward_fn, self.reward_model, self.cost_model = reward_fn, reward_model, cost_model
+        self.judge, self.rule_weight, self.judge_weight = judge, float(rule_weight), float(judge_weight)
         self.max_tokens = max_tokens
         self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
         self.agent = agent  # the rollout.agent spec: how a trajectory's score is composed
@@ -62,6 +80,8 @@ class Scorer:
         else:
             outcome, metrics = self.outcome(gen)
             scores = at_last_token(outcome, gen["response_mask"])
+        if self.rule_weight != 1.0:
+            scores = self.rule_weight * scores
         if self.overlong_buffer_len > 0:
             penalty = algorithms.overlong_penalty(
                 gen["response_mask"].sum(-1), max_response_length=self.max_tokens,
@@ -72,23 +92,41 @@ class Scorer:
         gen["token_level_scores"] = scores
         return gen, metrics
 
-    def models(self, gen: Batch) -> Batch:
-        """Add the reward model's score (at the last response token) and the cost model's ``cost_scores``."""
+    def models(self, gen: Batch, metrics: MutableMapping[str, float] | None = None) -> Batch:
+        """Add the reward model's and the weighted judge's scores (at the last response token) and the cost
+        model's ``cost_scores``; the judge's ``judge/*`` metrics go into ``metrics``."""
         with self._lock:
-            if self.reward_model is not None:
-                rm = self.reward_model.compute_scores(gen)["rm_scores"]
-                gen["token_level_scores"] = gen["token_level_scores"] + at_last_token(rm, gen["response_mask"])
+            added = self._model_scores(gen, metrics)
+            if added is not None:
+                gen["token_level_scores"] = gen["token_level_scores"] + at_last_token(added, gen["response_mask"])
             if self.cost_model is not None:
                 gen["cost_scores"] = self.cost_model.compute_scores(gen)["cost_scores"]
         return gen
 
     def baseline(self, greedy: Batch, with_models: bool) -> torch.Tensor:
-        """ReMax: each greedy response's sequence reward (its outcome, plus the reward model's)."""
-        scores = self.outcome(greedy)[0]
-        if with_models and self.reward_model is not None:
+        """ReMax: each greedy response's sequence reward (its weighted outcome, plus the models' scores)."""
+        scores = self.rule_weight * self.outcome(greedy)[0]
+        if with_models:
             with self._lock:
-                scores = scores + self.reward_model.compute_scores(greedy)["rm_scores"]
+                added = self._model_scores(greedy, None)
+            if added is not None:
+                scores = scores + added
         return scores
+
+    def _model_scores(self, gen: Batch, metrics: MutableMapping[str, float] | None) -> torch.Tensor | None:
+        """The reward model's plus ``judge_weight`` times the judge's sequence scores ``[B]`` (None: no model)."""
+        total = None
+        if self.reward_model is not None:
+            total = self.reward_model.compute_scores(gen)["rm_scores"]
+        if self.judge is not None:
+            clock: dict[str, float] = {}
+            with timer("judge", clock):
+                out = self.judge.judge(gen)
+            if metrics is not None:
+                metrics.update(judge_metrics(out, clock["timing_s/judge"]))
+            judged = self.judge_weight * out["judge_scores"].to(gen["response_mask"].device)
+            total = judged if total is None else total + judged
+        return total
 
     def close(self) -> None:
         """Stop the reward function's worker processes."""
@@ -156,7 +194,7 @@ class RolloutPipeline:
         with timer("reward", clock, accumulate=True):
             gen, metrics = self.scorer.rules(gen)
             if self.models_in_unit:
-                gen = self.scorer.models(gen)
+                gen = self.scorer.models(gen, metrics)
             if self.remax:
                 gen["reward_baselines"] = self.scorer.baseline(greedy, with_models=self.models_in_unit)
         return gen, metrics
@@ -167,7 +205,7 @@ class RolloutPipeline:
         if self.models_in_unit:
             return batch
         with timer("reward_models", timings):
-            return self.scorer.models(batch)
+            return self.scorer.models(batch, timings)
 
     def keep(self, gen: Batch) -> list[bool]:
         """Per prompt group of ``gen``: whether it trains (every group without the DAPO filter)."""

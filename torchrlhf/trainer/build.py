@@ -30,6 +30,7 @@ from torchrlhf.rollouts import (
 )
 from torchrlhf.trainer.rl_trainer import RLTrainer, Roles
 from torchrlhf.trainer.schema import (
+    MODEL_SCORERS,
     RecipeConfig,
     models_in_unit,
     distills,
@@ -69,7 +70,7 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     if distills(cfg):
         teacher = teacher_kwargs(cfg)
         specs["teacher"] = (ActorWorker, (), {**teacher, "model_path": resolve_model_path(teacher["model_path"])})
-    for role in ("critic", "reward_model", "cost_model"):
+    for role in ("critic", *MODEL_SCORERS):
         section = getattr(cfg, role)
         if section is not None:
             kwargs = {**section_kwargs(cfg, role), "model_path": resolve_model_path(section.model_path)}
@@ -103,6 +104,8 @@ def build_groups(cfg: RecipeConfig, world_size: int) -> dict[str, Any]:
 def build_scorer(cfg: RecipeConfig, groups: dict[str, Any], reward_fn: Any) -> Scorer:
     algo = cfg.algorithm
     return Scorer(reward_fn, reward_model=groups.get("reward_model"), cost_model=groups.get("cost_model"),
+                  judge=groups.get("judge"), rule_weight=cfg.reward.weight,
+                  judge_weight=cfg.judge.weight if cfg.judge is not None else 1.0,
                   max_tokens=cfg.rollout.max_tokens, overlong_buffer_len=algo.overlong_buffer_len,
                   overlong_penalty_factor=algo.overlong_penalty_factor, agent=cfg.rollout.agent)
 

@@ -231,3 +231,4 @@ class PlacementConfig:
     critic: list[int] | None = None
     reward_model: list[int] | None = None
     cost_model: list[int] | None = None
+    judge: list[int] | None = None

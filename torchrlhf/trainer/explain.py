@@ -21,6 +21,7 @@ still counted from their formulas (slots × tokens × layers × KV heads × head
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import transformers
 
+from torchrlhf.config import get_component
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.trainer.memory import as_held, trace_micro_batch
 from torchrlhf.trainer.schema import (
@@ -103,7 +105,6 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     dp = len(ranks) // tp
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     samples = prompts * n
-    dtype_bytes = _bytes(sec.dtype)
     lines = [f"  {role:<9} ranks {_ranks(ranks)}: FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}), "
              f"{shape.params / 1e6:.1f} M parameters in {sec.dtype}"]
     lora = getattr(sec, "lora", None)
@@ -301,6 +302,20 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             rm_shape = model_shape(resolve_model_path(sec.model_path))
             out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
             add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
+    if cfg.judge is not None:  # one whole engine per rank: weights and KV cache are not divided
+        judge, engine = cfg.judge, cfg.judge.engine or {}
+        j_shape = model_shape(resolve_model_path(judge.model_path))
+        memory = {"weights": j_shape.params * _bytes(judge.dtype)}
+        defaults = {k: p.default for k, p in inspect.signature(
+            get_component(engine.get("_component_", "torchrlhf.generation.NativeEngine"))).parameters.items()}
+        slots, seq = (engine.get(k, defaults.get(k)) for k in ("max_batch_size", "max_seq_len"))
+        kv = ""
+        if isinstance(slots, int) and isinstance(seq, int):
+            memory["KV cache"] = 2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim * _bytes(judge.dtype)
+            kv = f", KV cache {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank"
+        out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{kv}; verdicts "
+                   f"≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call")
+        add("judge", ranks["judge"], memory)
 
     out += _flops_lines(cfg, ranks, shapes)
     out.append("memory per rank (estimate; colocated roles add up — the hybrid engine frees the actor's grads "

@@ -27,6 +27,7 @@ from torchrlhf import algorithms
 from torchrlhf.algorithms.rollout_is import check_rollout_is
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
+from torchrlhf.rewards.judge import VerdictParser, check_template
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
     AsyncConfig,
@@ -42,7 +43,7 @@ from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import LRSchedule
-from torchrlhf.workers import ActorWorker, CriticWorker, RewardModelWorker
+from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
 
@@ -56,8 +57,10 @@ COMPONENT_SECTIONS: dict[str, type] = {
     "critic": CriticWorker,
     "reward_model": RewardModelWorker,
     "cost_model": RewardModelWorker,
+    "judge": JudgeWorker,
     "reward": RewardManager,
 }
+MODEL_SCORERS = ("reward_model", "cost_model", "judge")  # roles `Scorer.models` calls
 OPTIM_SECTIONS = ("actor", "critic")  # sections with an ``optim`` sub-section (the optimizer is a component)
 
 
@@ -77,6 +80,7 @@ DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
     "critic": {"rollout_n": _rollout_n, "total_steps": _total_steps},
     "reward_model": {"output_key": lambda cfg: "rm_scores"},
     "cost_model": {"output_key": lambda cfg: "cost_scores"},
+    "judge": {"policy_tokenizer_path": lambda cfg: resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path)},
     "reward": {"tokenizer": None},
 }
 
@@ -172,6 +176,7 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
         ("critic", sections["critic"] | None, dataclasses.field(default=None)),
         ("reward_model", sections["reward_model"] | None, dataclasses.field(default=None)),
         ("cost_model", sections["cost_model"] | None, dataclasses.field(default=None)),
+        ("judge", sections["judge"] | None, dataclasses.field(default=None)),  # an LLM judge (`JudgeWorker`)
         # A shared default the sections interpolate (``${model_path}``).
         ("model_path", str | None, dataclasses.field(default=None)),
         ("tokenizer_path", str | None, dataclasses.field(default=None)),  # default: the actor's model_path
@@ -271,7 +276,7 @@ def models_in_unit(cfg: RecipeConfig, world_size: int) -> bool:
         return True
     ranks = role_ranks(cfg, world_size)
     training = {r for role in ("actor", "ref", "teacher", "critic") for r in ranks.get(role, ())}
-    return not any(training & set(ranks[role]) for role in ("reward_model", "cost_model") if role in ranks)
+    return not any(training & set(ranks[role]) for role in MODEL_SCORERS if role in ranks)
 
 
 def on_policy_update(cfg: RecipeConfig) -> bool:
@@ -297,7 +302,7 @@ def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
         ranks["ref"] = actor
     if distills(cfg):
         ranks["teacher"] = actor
-    for role in ("critic", "reward_model", "cost_model"):
+    for role in ("critic", *MODEL_SCORERS):
         if getattr(cfg, role) is not None:
             chosen = getattr(p, role)
             ranks[role] = list(chosen) if chosen is not None else actor
@@ -330,6 +335,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
+    errors += _judge_errors(cfg)
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
@@ -428,7 +434,7 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
             errors.append(
                 f"{what} with trainer.mode=async needs each sample's full score on the rollout thread, as its "
                 "group returns; the reward/cost model shares ranks with a role that trains meanwhile (two "
-                "threads' collectives would interleave on one process group): place reward_model / cost_model "
+                "threads' collectives would interleave on one process group): place reward_model / cost_model / judge "
                 "on ranks of their own or on the rollout ranks (placement.reward_model)")
     return errors
 
@@ -507,12 +513,24 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
     return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
 
 
+def _judge_errors(cfg: RecipeConfig) -> list[str]:
+    """The judge's template and verdict parser, checked before any model loads."""
+    if cfg.judge is None:
+        return []
+    try:
+        check_template(cfg.judge.template)
+        VerdictParser(cfg.judge.parser_regex, cfg.judge.parser_fn, timeout_s=cfg.judge.parse_timeout_s)
+    except (ValueError, ConfigError) as e:
+        return [str(e)]
+    return []
+
+
 def _model_path_errors(cfg: RecipeConfig) -> list[str]:
     """Every model path that names nothing (``smollm2`` is the packaged model, converted at first use)."""
     paths = {"tokenizer_path": cfg.tokenizer_path, "ref.model_path": cfg.ref.model_path,
              "teacher.model_path": cfg.teacher.model_path if cfg.teacher is not None else None}
     paths.update({f"{role}.model_path": getattr(cfg, role).model_path
-                  for role in ("actor", "critic", "reward_model", "cost_model") if getattr(cfg, role) is not None})
+                  for role in ("actor", "critic", *MODEL_SCORERS) if getattr(cfg, role) is not None})
     return [f"{key}: model path does not exist: {path}" for key, path in paths.items()
             if path and path != SMOLLM2 and not os.path.exists(os.path.expanduser(path))]
 

@@ -1,0 +1,108 @@
+"""JudgeWorker: hand-written verdicts through the worker's real path (prompt, tokenization, batching, decode,
+parse) with a scripted engine; failures score ``on_failure_score`` and are flagged; one real engine run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from judge_engines import ScriptedEngine  # noqa: E402
+
+from torchrlhf.data import Batch  # noqa: E402
+from torchrlhf.models import load_tokenizer, save_tiny_model  # noqa: E402
+from torchrlhf.workers.judge import JudgeWorker, question_of  # noqa: E402
+
+ENGINE = {"_component_": "judge_engines.ScriptedEngine"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_judge"), tokenizer_from="smollm2"))
+
+
+def generations(model_dir: str, answers: list[str]) -> Batch:
+    """Policy samples answering "What is 2+2?" with ``answers`` (right-padded response tokens)."""
+    tok = load_tokenizer(model_dir)
+    ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
+    width = max(len(x) for x in ids) + 1
+    responses = torch.full((len(ids), width), tok.pad_token_id)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for row, x in enumerate(ids):
+        responses[row, :len(x)], mask[row, :len(x)] = torch.tensor(x), 1
+    n = len(answers)
+    return Batch.from_dict({"responses": responses, "response_mask": mask, "raw_prompt": ["<chat>What is 2+2?"] * n,
+                            "messages": [[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "What is 2+2?"}]] * n,
+                            "ground_truth": ["4"] * n})
+
+
+@pytest.fixture(autouse=True)
+def fresh_script(monkeypatch):
+    ScriptedEngine.calls, ScriptedEngine.clock, ScriptedEngine.seconds_per_call = [], [0.0], 0.0
+    monkeypatch.setattr("torchrlhf.workers.judge.time.monotonic", lambda: ScriptedEngine.clock[0])
+
+
+def test_question_is_the_last_user_message():
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert question_of(chat, "raw") == "c"
+    assert question_of(None, "raw") == "raw" and question_of([{"role": "system", "content": "s"}], "raw") == "raw"
+
+
+def test_scores_and_failures_from_hand_written_verdicts(model_dir):
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine=ENGINE, batch_size=2,
+                        on_failure_score=-1.0)
+    out = judge.judge(generations(model_dir, ["4", "5", "five", "0.5", "4"]))
+    assert out["judge_scores"].tolist() == [1.0, 0.0, -1.0, 0.5, 1.0]
+    assert out["judge_parse_failed"].tolist() == [False, False, True, False, False]
+    assert not out["judge_timed_out"].any() and not out["judge_too_long"].any()
+    assert [len(c) for c in ScriptedEngine.calls] == [2, 2, 1]  # batch_size prompts per engine call
+    first = ScriptedEngine.calls[0][0]
+    assert "Question: What is 2+2?\nReference answer: 4\nAnswer to grade: 4\n" in first
+    assert first.startswith("<|im_start|>") and "<|im_start|>assistant" in first  # the judge's chat template
+
+
+def test_timeout_fails_the_samples_not_started(model_dir):
+    ScriptedEngine.seconds_per_call = 10.0  # each engine call "takes" 10 s on the fake clock
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine=ENGINE, batch_size=2, timeout_s=15.0,
+                        on_failure_score=-1.0)
+    out = judge.judge(generations(model_dir, ["4", "5", "4", "4", "5"]))
+    # calls start at 0 s and 10 s (within 15 s); the third would start at 20 s: its sample times out
+    assert out["judge_scores"].tolist() == [1.0, 0.0, 1.0, 1.0, -1.0]
+    assert out["judge_timed_out"].tolist() == [False, False, False, False, True]
+    assert not out["judge_parse_failed"].any()
+    assert len(ScriptedEngine.calls) == 2
+
+
+def test_too_long_prompt_fails_without_calling_the_engine(model_dir):
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine={**ENGINE, "max_seq_len": 40},
+                        max_tokens=8, on_failure_score=0.25)
+    out = judge.judge(generations(model_dir, ["4", "4"]))
+    assert out["judge_scores"].tolist() == [0.25, 0.25] and out["judge_too_long"].all()
+    assert ScriptedEngine.calls == []
+
+
+def test_native_engine_verdicts_are_parsed_like_the_engine_wrote_them(model_dir):
+    """A real (random tiny) judge on the native engine: its greedy verdict, decoded independently from the
+    engine's own output, parses to the score the worker reports (here almost surely a parse failure)."""
+    from torchrlhf.generation import NativeEngine, SamplingParams
+
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine={"max_seq_len": 256, "max_batch_size": 4},
+                        max_tokens=6, template="{question} {response} Score:", parser_regex=r"(\d)",
+                        apply_chat_template=False, on_failure_score=-1.0)
+    out = judge.judge(generations(model_dir, ["4", "5"]))
+    tok = load_tokenizer(model_dir)
+    engine = NativeEngine(model_dir, tok, max_seq_len=256, max_batch_size=4, dtype=torch.float32)
+    for row, answer in enumerate(["4", "5"]):
+        ids = torch.tensor([tok(f"What is 2+2? {answer} Score:", add_special_tokens=False)["input_ids"]])
+        gen = engine.generate(Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}),
+                              SamplingParams(temperature=0.0, max_tokens=6, logprobs=False))
+        verdict = tok.decode(gen["responses"][0][gen["response_mask"][0].bool()].tolist(), skip_special_tokens=True)
+        digits = [c for c in verdict if c.isdigit()]
+        want = float(digits[0]) if digits else -1.0
+        assert out["judge_scores"][row].item() == want, verdict
+        assert out["judge_parse_failed"][row].item() == (not digits)

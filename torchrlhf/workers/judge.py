@@ -1,0 +1,171 @@
+"""The judge role: a generative reward model that reads each response and writes a verdict, parsed to a score.
+
+It owns a `RolloutEngine` (the native engine or vLLM: the rollout's engine contract,
+`torchrlhf.generation.base`) built from its own ``model_path``, on the ranks ``placement.judge`` names (by
+default the actor's, beside the training roles: the judge keeps its weights and cache resident). Samples are
+split across the ranks (one engine per rank) and judged ``batch_size`` prompts per `generate` call.
+
+Texts cross tokenizers: responses are decoded with the policy's tokenizer and the judge's prompt is
+tokenized with the judge's own, so the judge may be any causal LM with a tokenizer.
+
+Failures are scores, not errors (`torchrlhf.rewards.judge`): an unparseable verdict, a parser call past
+``parse_timeout_s``, a judge prompt longer than the engine's sequence, and every sample not started within
+``timeout_s`` of the call score ``on_failure_score`` and are flagged in the returned columns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchrlhf.config import get_component
+from torchrlhf.data import Batch
+from torchrlhf.generation import SamplingParams
+from torchrlhf.models import load_tokenizer
+from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
+from torchrlhf.runtime.worker import Dispatch, Worker, register
+from torchrlhf.workers.base import resolve_dtype
+
+JUDGE_COLUMNS = ("judge_scores", "judge_parse_failed", "judge_timed_out", "judge_too_long")
+
+
+def question_of(messages: Any, raw_prompt: str) -> str:
+    """The question a sample answers: its last user message, else the prompt text the policy saw."""
+    if isinstance(messages, Sequence) and not isinstance(messages, str):
+        users = [m.get("content") for m in messages if isinstance(m, Mapping) and m.get("role") == "user"]
+        if users and isinstance(users[-1], str):
+            return users[-1]
+    return raw_prompt
+
+
+class JudgeWorker(Worker):
+    """An LLM judge on an engine. Arguments mirror the ``judge`` config section.
+
+    Args:
+        model_path: the judge model (an HF directory, or ``smollm2``).
+        policy_tokenizer_path: decodes the policy's responses (the run's tokenizer; set by the recipe).
+        engine: ``_component_`` (a `RolloutEngine` class, default `torchrlhf.generation.NativeEngine`) and
+            its keyword arguments (``max_seq_len``, ``max_batch_size``, ...).
+        template: the judge's prompt, with ``{question}``, ``{response}`` and ``{reference}`` (the sample's
+            ground truth) fields.
+        apply_chat_template: wrap the prompt as one user message in the judge tokenizer's chat template.
+        parser_regex: a verdict's score is this regex's first group (else its whole match) as a float; None
+            (with no ``parser_fn``): ``Score: <number>`` (`torchrlhf.rewards.judge.DEFAULT_REGEX`).
+        parser_fn: instead of the regex, a function ``fn(verdict) -> float | None`` (``pkg.mod:fn`` or
+            ``/path/file.py:fn``), run in a worker process.
+        max_tokens / temperature / top_p: the verdict's sampling (temperature 0: greedy).
+        batch_size: judge prompts per engine call.
+        timeout_s: samples not started this long after a call began are not judged (they fail).
+        parse_timeout_s: the time limit of one ``parser_fn`` call.
+        on_failure_score: the score of a failed sample (unparseable, timed out, prompt too long).
+        weight: the judge's score enters the reward as ``weight * score`` (the rule reward's: ``reward.weight``),
+            composed by `torchrlhf.rollouts.Scorer`.
+        dtype: the judge's weights.
+        seed: the base sampling seed (with temperature > 0).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        policy_tokenizer_path: str,
+        engine: dict[str, Any] | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        apply_chat_template: bool = True,
+        parser_regex: str | None = None,
+        parser_fn: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        batch_size: int = 16,
+        timeout_s: float = 600.0,
+        parse_timeout_s: float = 5.0,
+        on_failure_score: float = 0.0,
+        weight: float = 1.0,
+        dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or max_tokens < 1 or timeout_s < 0:
+            raise ValueError(f"judge: need batch_size >= 1, max_tokens >= 1 and timeout_s >= 0, got {batch_size}, "
+                             f"{max_tokens}, {timeout_s}")
+        self.template = check_template(template)
+        self.apply_chat_template = apply_chat_template
+        self.parser = VerdictParser(parser_regex, parser_fn, timeout_s=parse_timeout_s)
+        self.sampling = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                                       logprobs=False)
+        self.batch_size, self.timeout_s = batch_size, float(timeout_s)
+        self.on_failure_score, self.weight = float(on_failure_score), float(weight)
+        self.tokenizer = load_tokenizer(model_path)
+        self.policy_tokenizer = self.tokenizer if policy_tokenizer_path == model_path else \
+            load_tokenizer(policy_tokenizer_path)
+        spec = dict(engine or {})
+        engine_cls = get_component(spec.pop("_component_", "torchrlhf.generation.NativeEngine"))
+        self.engine = engine_cls(model_path, tokenizer=self.tokenizer, device=self.device, dtype=resolve_dtype(dtype),
+                                 tp_mesh=None, **spec)
+        self.max_prompt_tokens = getattr(self.engine, "max_seq_len", None)
+        if self.max_prompt_tokens is not None:
+            self.max_prompt_tokens -= max_tokens
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def judge(self, batch: Batch) -> Batch:
+        """`JUDGE_COLUMNS` ``[B]`` for generated samples (``responses``, ``response_mask``, ``raw_prompt``,
+        optional ``messages`` and ``ground_truth``): the parsed score (``on_failure_score`` where it failed)
+        and why a sample failed. ``weight`` is applied where rewards are composed (`torchrlhf.rollouts.Scorer`)."""
+        start = time.monotonic()
+        n = len(batch)
+        mask = batch["response_mask"].bool()
+        responses = self.policy_tokenizer.batch_decode(
+            [batch["responses"][i][mask[i]].tolist() for i in range(n)], skip_special_tokens=True)
+        messages = batch.get("messages", [None] * n)
+        truths = batch.get("ground_truth", [None] * n)
+        prompts = [self._tokens(render_judge_prompt(self.template, question_of(messages[i], batch["raw_prompt"][i]),
+                                                    responses[i], truths[i])) for i in range(n)]
+        too_long = [self.max_prompt_tokens is not None and len(p) > self.max_prompt_tokens for p in prompts]
+        todo = [i for i in range(n) if not too_long[i]]
+        verdicts: dict[int, str] = {}
+        timed_out = [False] * n
+        for lo in range(0, len(todo), self.batch_size):
+            chunk = todo[lo:lo + self.batch_size]
+            if time.monotonic() - start > self.timeout_s:
+                for i in todo[lo:]:
+                    timed_out[i] = True
+                break
+            verdicts.update(zip(chunk, self._generate([prompts[i] for i in chunk])))
+        judged = sorted(verdicts)
+        parsed, parse_timed_out = self.parser([verdicts[i] for i in judged])
+        scores: list[float | None] = [None] * n
+        for i, score, late in zip(judged, parsed, parse_timed_out):
+            scores[i], timed_out[i] = score, late
+        parse_failed = [i in verdicts and scores[i] is None and not timed_out[i] for i in range(n)]
+        final = torch.tensor([self.on_failure_score if s is None else s for s in scores], dtype=torch.float32)
+        return Batch({
+            "judge_scores": final,
+            "judge_parse_failed": torch.tensor(parse_failed),
+            "judge_timed_out": torch.tensor(timed_out),
+            "judge_too_long": torch.tensor(too_long),
+        }, meta=batch.meta)
+
+    def _tokens(self, text: str) -> list[int]:
+        if self.apply_chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
+        """Verdict texts of left-padded ``prompts`` (one engine call)."""
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        out = self.engine.generate(Batch({"input_ids": input_ids.to(self.device),
+                                          "attention_mask": attention_mask.to(self.device)}), self.sampling)
+        resp, rmask = out["responses"].cpu(), out["response_mask"].cpu().bool()
+        return self.tokenizer.batch_decode([resp[i][rmask[i]].tolist() for i in range(len(prompts))],
+                                           skip_special_tokens=True)
