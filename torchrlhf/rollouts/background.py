@@ -32,8 +32,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from torchrlhf.data import Batch
 from torchrlhf.generation.base import concat_generations
 from torchrlhf.rollouts.batches import batch_from_state, batch_state, concat_prompts

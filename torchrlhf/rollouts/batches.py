@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from torchrlhf.data import Batch
 from torchrlhf.generation.base import concat_generations
 
