@@ -99,7 +99,7 @@ def test_dry_run_lists_the_distillation_teachers_memory_and_flops(tiny_model_dir
     params = _hf_params(teacher)
     assert f"  teacher   ranks 0: FSDP2 over 1 × TP 1 (mesh dp_shard=1, tp=1), {params / 1e6:.1f} M parameters" in text
     assert "distillation: A = 1 × A_task + 0.5 × (log p_teacher − log p_student) per sampled token" in text
-    assert f"teacher weights {params * 4 / 2**30:.2f} GiB" in text
+    assert f"teacher parameters {params * 4 / 2**30:.2f} GiB" in text
     b, p, r = 16, 64, 8
     counts = (b * (p + r), b * (p + r) * (p + r + 1) // 2, b * r)
     student = TransformerFlops.from_model(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir))

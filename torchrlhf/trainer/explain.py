@@ -244,8 +244,10 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
     if distills(cfg):
         teacher = SimpleNamespace(**teacher_kwargs(cfg))
-        shapes["teacher"] = model_shape(resolve_model_path(teacher.model_path))
-        lines, mem = _trainer_lines("teacher", teacher, cfg, ranks["teacher"], shapes["teacher"], frozen=True)
+        teacher_path = resolve_model_path(teacher.model_path)
+        shapes["teacher"] = model_shape(teacher_path)
+        lines, mem = _trainer_lines("teacher", teacher, cfg, ranks["teacher"], shapes["teacher"], teacher_path,
+                                    frozen=True)
         d = cfg.algorithm.distill
         out += lines + [f"      distillation: A = {d.task_coef:g} × A_task + {d.coef:g} × (log p_teacher − log p_student) "
                         "per sampled token"]
