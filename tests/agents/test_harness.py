@@ -178,7 +178,7 @@ def test_config_errors(tiny_dir, harness_module):
     tok = load_tokenizer(tiny_dir)
     with pytest.raises(ConfigError, match="set reward: env"):
         build_agent({"harness": f"{harness_module}:two_calls"}, tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="leave tools and env unset"):
+    with pytest.raises(ConfigError, match="leave tools, env and verifiers unset"):
         build_agent({"harness": f"{harness_module}:two_calls", "tools": ["calculator"], "reward": "env"}, tok,
                     max_tokens=8)
     with pytest.raises(ConfigError, match="rollout.agent.harness"):
