@@ -4,6 +4,8 @@ harnesses made error samples, and the recipe run for 2 steps on SmolLM2 with a h
 
 from __future__ import annotations
 
+import functools
+
 import json
 import sys
 import textwrap
@@ -11,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from torchrlhf.agents import build_agent
-from torchrlhf.agents.harness import HarnessRunner, engine_turns, split_tool_calls
+from torchrlhf.agents.harness import HarnessRunner, split_tool_calls
 from torchrlhf.config import ConfigError
 from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.generation.base import sample_single_turns
 from torchrlhf.models import load_tokenizer, save_tiny_model
 
 pytest.importorskip("openai")
@@ -115,7 +117,7 @@ def _run(engine, tiny_dir, harness_module, name, rows=ROWS, **spec):
                         max_trajectory_tokens=256)
     runner = HarnessRunner(agent, agent.spec.load_harness())
     try:
-        return tok, runner.run(rows, [7 + i for i in range(len(rows))], engine_turns(engine.generate, PARAMS,
+        return tok, runner.run(rows, [7 + i for i in range(len(rows))], functools.partial(sample_single_turns, engine.generate, PARAMS,
                                                                                    tok.eos_token_id))
     finally:
         runner.close()

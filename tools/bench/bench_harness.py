@@ -16,6 +16,8 @@ Sides alternate, ``--repeats`` times each (medians printed), so both see the sam
 
 from __future__ import annotations
 
+import functools
+
 import argparse
 import json
 import statistics
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 
 from torchrlhf.agents import AgentSession, build_agent
-from torchrlhf.agents.harness import HarnessRunner, engine_turns
+from torchrlhf.agents.harness import HarnessRunner
+from torchrlhf.generation.base import sample_single_turns
 from torchrlhf.config import load_callable
 from torchrlhf.data import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
@@ -70,7 +73,7 @@ def main() -> None:
 
     def run_harness() -> tuple[float, int, float]:
         start = time.perf_counter()
-        trajs, _ = runner.run(rows, list(range(len(rows))), engine_turns(engine.generate, params, pad))
+        trajs, _ = runner.run(rows, list(range(len(rows))), functools.partial(sample_single_turns, engine.generate, params, pad))
         seconds = time.perf_counter() - start
         return seconds, sum(sum(t.loss_mask) for t in trajs), statistics.mean(t.env_reward for t in trajs)
 

@@ -26,7 +26,6 @@ refused. The server binds to loopback (``harness_host``): anyone who reaches it 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
@@ -39,7 +38,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import torch
 
 from torchrlhf.agents.agent import Agent
 from torchrlhf.agents.render import ChatRenderer
@@ -48,8 +46,9 @@ from torchrlhf.agents.session import Trajectory
 log = logging.getLogger(__name__)
 
 Harness = Callable[[str, dict[str, Any]], Any]
-# ``generate(prompts, params)``: the engine's single-turn generate (a `RolloutEngine.generate` bound to the run's
-# sampling); prompts carry ``input_ids``, ``attention_mask``, ``max_tokens`` and ``seed`` columns.
+# ``turns(contexts, budgets, seeds)``: one batched call sampling a turn after each token context, each with its own
+# budget and sample seed (`torchrlhf.generation.base.sample_single_turns` bound to an engine's generate and the run's
+# sampling); returns (tokens, log-probs, finish reason) per context.
 TurnGenerate = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float], str]]]
 
 
@@ -372,28 +371,6 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
-
-
-def engine_turns(generate: Callable[..., Any], params: Any, pad_id: int) -> TurnGenerate:
-    """A `TurnGenerate` over an engine's single-turn ``generate(prompts, params)``: one batched call."""
-    from torchrlhf.data.batch import Batch
-    from torchrlhf.generation.sampling import prompt_seed_for
-
-    def turns(prompts: list[list[int]], budgets: list[int], seeds: list[int]) -> list[tuple[list[int], list[float], str]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p, dtype=torch.long), 1
-        batch = Batch({"input_ids": ids, "attention_mask": mask, "max_tokens": torch.tensor(budgets),
-                       "seed": torch.tensor([prompt_seed_for(s) for s in seeds], dtype=torch.long)})
-        out = generate(batch, dataclasses.replace(params, n=1, max_tokens=max(budgets)))
-        lengths = out["response_mask"].sum(-1).tolist()
-        return [(out["responses"][r, :m].tolist(),
-                 out["rollout_log_probs"][r, :m].tolist() if "rollout_log_probs" in out else [0.0] * m,
-                 out["finish_reason"][r]) for r, m in enumerate(lengths)]
-
-    return turns
 
 
 class _BadRequest(ValueError):

@@ -15,7 +15,7 @@ from concurrent.futures import wait
 
 from torchrlhf.agents.session import AgentSession
 
-Turn = tuple[list[int], list[float], str]  # sampled tokens, their log-probs (empty when not asked), "stop" | "length"
+Turn = tuple[list[int], list[float], str]  # sampled tokens, their log-probs (zeros when not asked), "stop" | "length"
 TurnSampler = Callable[[list[int], int], list[Turn]]
 
 

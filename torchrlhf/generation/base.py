@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from torchrlhf.agents.rounds import run_rounds
+from torchrlhf.agents.rounds import Turn, run_rounds
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.sampling import SamplingParams, prompt_seed_for, sample_seed
 
@@ -351,6 +351,26 @@ def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: 
                              [t.finish_reason for t in trajectories], extra)
 
 
+def sample_single_turns(generate: Callable[[Batch, SamplingParams], Batch], params: SamplingParams, pad_id: int,
+                        contexts: Sequence[Sequence[int]], budgets: Sequence[int], seeds: Sequence[int]) -> list[Turn]:
+    """One batched single-turn ``generate`` call that continues each token ``context``: left-padded, with its own
+    ``max_tokens`` (``budgets``) and seed (a sample seed, mapped through `prompt_seed_for`, so the engine samples
+    from exactly it). Returns (tokens, their log-probs (zeros without ``params.logprobs``), finish reason) per
+    context: the agent round driver's and the OpenAI-endpoint harness's sampler of turns."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(contexts), width, dtype=torch.long)
+    for r, c in enumerate(contexts):
+        ids[r, width - len(c):], mask[r, width - len(c):] = torch.tensor(c, dtype=torch.long), 1
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "max_tokens": torch.tensor(list(budgets)),
+                   "seed": torch.tensor([prompt_seed_for(s) for s in seeds], dtype=torch.long)})
+    out = generate(batch, dataclasses.replace(params, n=1, max_tokens=max(budgets)))
+    lengths = out["response_mask"].sum(-1).tolist()
+    return [(out["responses"][r, :m].tolist(),
+             out["rollout_log_probs"][r, :m].tolist() if "rollout_log_probs" in out else [0.0] * m,
+             out["finish_reason"][r]) for r, m in enumerate(lengths)]
+
+
 def generate_in_rounds(generate: Callable[[Batch, SamplingParams], Batch], prompts: Batch, params: SamplingParams,
                        sessions: Sequence[Any], pad_id: int, tp_mesh: Any = None) -> Batch:
     """``generate(prompts, params, sessions=sessions)`` for an engine whose ``generate`` samples single turns.
@@ -362,21 +382,10 @@ def generate_in_rounds(generate: Callable[[Batch, SamplingParams], Batch], promp
     """
     seeds = prompt_seeds(prompts, params, tp_mesh)
 
-    def sample_turns(live: list[int], turn: int) -> list[tuple[list[int], list[float], str]]:
-        budgets = [sessions[k].turn_budget() for k in live]
-        contexts = [torch.tensor(sessions[k].tokens, dtype=torch.long) for k in live]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(live), width), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(live), width, dtype=torch.long)
-        for r, c in enumerate(contexts):
-            ids[r, width - len(c):], mask[r, width - len(c):] = c, 1
-        turn_seeds = [prompt_seed_for(sample_seed(seeds[k // params.n], k % params.n) + turn) for k in live]
-        batch = Batch({"input_ids": ids, "attention_mask": mask, "max_tokens": torch.tensor(budgets),
-                       "seed": torch.tensor(turn_seeds, dtype=torch.long)})
-        out = generate(batch, dataclasses.replace(params, n=1, max_tokens=max(budgets)))
-        lengths = out["response_mask"].sum(-1).tolist()
-        return [(out["responses"][r, :m].tolist(), out["rollout_log_probs"][r, :m].tolist() if params.logprobs else [],
-                 out["finish_reason"][r]) for r, m in enumerate(lengths)]
+    def sample_turns(live: list[int], turn: int) -> list[Turn]:
+        return sample_single_turns(generate, params, pad_id, [sessions[k].tokens for k in live],
+                                   [sessions[k].turn_budget() for k in live],
+                                   [sample_seed(seeds[k // params.n], k % params.n) + turn for k in live])
 
     logps = run_rounds(sessions, sample_turns)
     table = torch.zeros(len(sessions), max(1, params.max_tokens), dtype=torch.float32)

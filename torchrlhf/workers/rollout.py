@@ -27,6 +27,7 @@ produced it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,11 +37,11 @@ import torch
 
 from torchrlhf import hybrid
 from torchrlhf.agents import AgentSession, agent_columns, build_agent
-from torchrlhf.agents.harness import HarnessRunner, engine_turns
+from torchrlhf.agents.harness import HarnessRunner
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.generation.base import assemble_trajectories, concat_generations, prompt_seeds
+from torchrlhf.generation.base import assemble_trajectories, concat_generations, prompt_seeds, sample_single_turns
 from torchrlhf.generation.sampling import sample_seed
 from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
@@ -168,7 +169,7 @@ class RolloutWorker(Worker):
         messages = prompts.non_tensors["messages"]  # the harness gets the prompt as the chat the dataset rendered
         rows = [{**row, "prompt": messages[i]} for i, row in enumerate(self._rows(prompts)) for _ in range(sampling.n)]
         sample_seeds = [sample_seed(seeds[k // sampling.n], k % sampling.n) for k in range(len(rows))]
-        trajectories, logps = self.harness.run(rows, sample_seeds, engine_turns(generate, sampling, pad_id))
+        trajectories, logps = self.harness.run(rows, sample_seeds, functools.partial(sample_single_turns, generate, sampling, pad_id))
         table = torch.zeros(len(rows), max([1, *map(len, logps)]), dtype=torch.float32)
         for k, values in enumerate(logps):
             table[k, : len(values)] = torch.tensor(values, dtype=torch.float32)
