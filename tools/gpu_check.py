@@ -10,12 +10,16 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
   without graphs (``tools/bench/bench_generate.py``, SmolLM2-shaped random weights, bf16).
 - ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
 - ``decode-1b``: the native engine's decode of the 1.07 B shape (random weights) at batch 128, 256 tokens: tok/s
-  and the fraction of the memory bound (weights + KV bytes per step at the measured copy bandwidth).
+  and the fraction of the memory bound (weights + KV bytes per step at the measured copy bandwidth), with the
+  decode step compiled (``NativeEngine(compile=True)``) against uncompiled, and each engine's warm-up.
+- ``agent`` (with ``--models DIR`` holding ``smol``): multi-turn agent decode (turns of about 25 tokens, 64
+  trajectories) against single-turn decode on the same engine and batch (``tools/bench/bench_agent.py``).
 - ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
   bf16 FSDP2 actor (``actor-update`` reports that run's actor update: its time and gradient norm).
 - ``train-1b``, ``train-3b``, ``train-1b-lora`` (with ``--models DIR`` holding random-weight models ``1b``
   and ``3b``, e.g. made by the GPU kit's ``mkmodels.py``): the GRPO recipe at world size 1, 16 prompts x 8
-  samples of <= 64 prompt + 256 response tokens, bf16 actor and reference, LoRA rank 16 on the last row.
+  samples of <= 64 prompt + 256 response tokens, bf16 actor and reference, LoRA rank 16 on the ``-lora`` row,
+  compiled blocks and decode step (``actor.compile``, ``rollout.engine.compile``) on the ``-compile`` row.
   Figures: the last step's actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
   memory against the dry run's estimate. ``--profile-dir DIR`` also records the step before the last with
   ``trainer.profile`` (``DIR/<check>/step_N/<role>_rank0.{json,txt}``).
@@ -49,11 +53,15 @@ BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat
          "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
 # issue 38's target row: the 1.07 B shape's decode at batch 128, 256 tokens, against the memory bound
 DECODE_1B = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "1b",
-             "--batch-sizes", "128", "--max-new-tokens", "256", "--repeats", "2", "--skip-hf"]
+             "--batch-sizes", "128", "--max-new-tokens", "256", "--repeats", "2", "--skip-hf", "--compile"]
+# issue 38's agent row: multi-turn decode against single-turn on the same engine and batch (random smol weights)
+AGENT = ["tools/bench/bench_agent.py", "--device", "cuda", "--dtype", "bfloat16", "--trajectories", "64", "--n", "1",
+         "--turns", "8", "--stop-every", "25", "--max-tokens", "256", "--repeats", "2"]
 RECIPE_STEPS = 3
 # name -> (model folder under --models, micro-batch, extra overrides): the training rows (issue figures' shapes)
 TRAIN_ROWS = {
     "train-1b": ("1b", 16, []),
+    "train-1b-compile": ("1b", 16, ["actor.compile=true", "rollout.engine.compile=true"]),
     "train-1b-lora": ("1b", 16, ["actor.lora.rank=16", "actor.lora.alpha=32"]),
     "train-3b": ("3b", 8, []),
 }
@@ -93,13 +101,16 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
               "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
               "trainer.loggers=[console,jsonl]", "actor.dtype=bfloat16"]
     found = [
-        Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS], 150),
+        Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *CUDA_TESTS], 150),
         Check("generate", "native decode with CUDA graphs vs HF generate", [py, *BENCH], 180),
-        Check("decode-1b", "native decode, 1.07 B shape, batch 128, 256 tokens", [py, *DECODE_1B], 240),
+        Check("decode-1b", "native decode, 1.07 B shape, batch 128, 256 tokens", [py, *DECODE_1B], 360),
         Check("recipe", f"GRPO recipe, world size 1, SmolLM2, {RECIPE_STEPS} steps", recipe, 300),
     ]
     if vllm_ok:
         found.insert(2, Check("vllm", "the same bench with vLLM beside it", [py, *BENCH, "--vllm"], 240))
+    if models is not None and (Path(models) / "smol").is_dir():
+        found.append(Check("agent", "multi-turn agent decode vs single-turn, smol shape, 64 trajectories",
+                           [py, *AGENT, "--model", str(Path(models) / "smol")], 240))
     for name, (shape, micro, extra) in TRAIN_ROWS.items():
         if models is None or not (Path(models) / shape).is_dir():
             continue
@@ -108,7 +119,7 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
         if profile_dir:
             # the step before the last: the figures come from the last, which the profiler does not slow
             command += [f"trainer.profile.steps=[{RECIPE_STEPS - 1}]", f"trainer.profile.dir={profile_dir}/{name}"]
-        found.append(Check(name, f"GRPO update, {shape} shape, micro {micro}" + (", LoRA" if extra else ""),
+        found.append(Check(name, f"GRPO update, {shape} shape, micro {micro}" + (f", {' '.join(extra)}" if extra else ""),
                            command, 360))
     return found
 
@@ -144,7 +155,22 @@ def _figure_of_bench(out: str, vllm: bool) -> str:
     text = f"batch {r[0]}: {float(r[1]):.0f} tok/s, {r[3]}x HF, {r[5]}x without graphs"
     if vllm and len(r) >= 10:
         text += f", {r[7]}x vLLM"
+    if "compiled/uncompiled" in out:  # --compile: the native column is the compiled step
+        text += f", compiled {r[7]}x uncompiled"
+    warm = re.findall(r"warm-up of (\w+) .*: ([\d.]+) s", out)
+    if warm:
+        text += ", warm-up " + ", ".join(f"{name} {sec} s" for name, sec in warm)
     return text + f", {float(r[-1]):.0%} of the memory bound"
+
+
+def _figure_of_agent(out: str) -> str:
+    """Agent and single-turn tok/s and their ratio (bench_agent's table)."""
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("native")}
+    ratio = re.search(r"agent / single-turn = ([\d.]+)x", out)
+    if "native" not in rows or "native-single" not in rows or not ratio:
+        return ""
+    return (f"agent {float(rows['native'][2]):.0f} tok/s ({rows['native'][3]} turns), single-turn "
+            f"{float(rows['native-single'][2]):.0f} tok/s: {ratio.group(1)}x")
 
 
 def _figures_of_recipe(output_dir: str) -> tuple[str, str]:
@@ -176,7 +202,7 @@ def run(check: Check, budget_left: float) -> tuple[str, str, float]:
     if p.returncode != 0:
         tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
         return f"FAIL (exit {p.returncode}: {tail[0][:80]})", p.stdout + p.stderr, seconds
-    return "pass", p.stdout, seconds
+    return "pass", p.stdout + (f"\n--- stderr ---\n{p.stderr}" if p.stderr else ""), seconds
 
 
 def table(results: list[Result]) -> str:
@@ -198,10 +224,12 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None,
-                        help="run these checks only (cuda-tests, generate, vllm, recipe, actor-update)")
+                        help="run these checks only, in this order (cuda-tests, generate, vllm, decode-1b, agent, recipe, "
+                             "actor-update, train-1b, train-1b-compile, train-1b-lora, train-3b)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
     parser.add_argument("--models", default=None, help="a folder with random-weight models 1b and 3b (training rows)")
     parser.add_argument("--profile-dir", default=None, help="record the training rows' last step there")
+    parser.add_argument("--log-dir", default=None, help="write each check's whole output to DIR/<check>.log")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         if not torch.cuda.is_available():
@@ -218,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.only or [])
         if "actor-update" in wanted:
             wanted.add("recipe")
-        if wanted:
-            todo = [c for c in todo if c.name in wanted]
+        if wanted:  # in the order asked for (the most wanted first, in case the budget runs out)
+            order = [*args.only, *(["recipe"] if "actor-update" in wanted and "recipe" not in args.only else [])]
+            todo = sorted((c for c in todo if c.name in wanted), key=lambda c: order.index(c.name))
         device = torch.cuda.get_device_name(0)
         header = (f"gpu_check on {device}, {datetime.date.today().isoformat()}, commit {_commit()}, "
                   f"torch {torch.__version__}")
@@ -228,9 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         for check in todo:
             result, out, seconds = run(check, args.budget_s - (time.monotonic() - start))
             print(f"  {check.name}: {result} ({seconds:.0f} s)", flush=True)
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.log_dir) / f"{check.name}.log").write_text(out)
             if check.name == "cuda-tests":
                 counts = re.findall(r"\d+ (?:passed|failed|skipped)", out)
                 results.append(Result(check.name, result, ", ".join(counts)))
+            elif check.name == "agent":
+                results.append(Result(check.name, result, _figure_of_agent(out)))
             elif check.name in ("generate", "vllm", "decode-1b"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
             elif check.name in TRAIN_ROWS:

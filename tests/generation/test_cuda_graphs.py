@@ -33,7 +33,7 @@ def test_cpu_engine_decodes_eagerly():
     engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=32, cuda_graphs=True)
     assert not engine.use_cuda_graphs and engine.decode_fn() == engine.decoder.decode
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphedDecode(engine.decoder, engine.k_cache, engine.v_cache)
+        GraphedDecode(engine.decode_step, engine.k_cache, engine.v_cache)
 
 
 @requires_cuda
@@ -76,3 +76,27 @@ def test_graphs_are_recaptured_after_release_and_use_new_weights(tmp_path):
     engine.update_weights((name, p.detach().cuda()) for name, p in model_b.named_parameters())
     out = engine.generate(batch, params)
     assert torch.equal(out["responses"], hf_greedy(model_b.cuda(), batch, 8))
+
+
+@requires_cuda
+def test_every_bucket_is_captured_by_the_first_generate():
+    """Capture once: the second generate (other prompt lengths, other spans) replays and captures nothing."""
+    model = tiny_model().cuda()
+    engine = NativeEngine(model, max_batch_size=8, max_seq_len=600, device="cuda")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.generate(prompts(device="cuda"), params)
+    graphed = engine._graphed
+    assert sorted(graphed.graphs) == graphed.buckets() and len(graphed.buckets()) == 4 * 3  # spans 1..8, KV 256..600
+    captured = dict(graphed.graphs)
+    out = engine.generate(prompts([2, 11, 4], device="cuda"), params)
+    assert engine._graphed is graphed and graphed.graphs == captured
+    assert torch.equal(out["responses"], hf_greedy(model, prompts([2, 11, 4], device="cuda"), 12))
+
+
+@requires_cuda
+def test_compiled_graphed_decode_equals_hf_generate():
+    model = tiny_model().cuda()
+    batch = prompts(device="cuda")
+    engine = NativeEngine(model, max_batch_size=8, max_seq_len=64, device="cuda", compile=True)
+    out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert torch.equal(out["responses"], hf_greedy(model, batch, 12))

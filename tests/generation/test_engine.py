@@ -112,6 +112,22 @@ def test_looking_every_k_steps_changes_no_sample(check_every):
     torch.testing.assert_close(lazy["rollout_log_probs"], every["rollout_log_probs"], atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_decode_samples_what_the_eager_step_does():
+    """``compile=True`` runs the decode step through torch.compile (the KV write stays in place): greedy
+    tokens are transformers' own, and seeded sampling with stops and refills is the eager engine's."""
+    model = tiny_model()
+    batch = prompt_batch([4, 8, 3, 6])
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    compiled = NativeEngine(model, max_batch_size=3, max_seq_len=64, compile=True)
+    assert torch.equal(compiled.generate(batch, greedy)["responses"], hf_greedy(model, batch, 10))
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=12, stop_token_ids=[61, 33, 43, 91], seed=5)
+    a = compiled.generate(batch, params)
+    b = NativeEngine(model, max_batch_size=3, max_seq_len=64).generate(batch, params)
+    assert "stop" in a["finish_reason"] and a["finish_reason"] == b["finish_reason"]
+    assert torch.equal(a["responses"], b["responses"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=1e-5)
+
+
 class _HostReads(TorchFunctionMode):
     """Counts the calls that make the host wait for a tensor's values (a device synchronisation on a GPU)."""
 

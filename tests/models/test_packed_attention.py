@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from torchrlhf.models.packed_attention import (
 )
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
+LAYER_0 = SimpleNamespace(layer_idx=0)  # what a plan reads of the HF attention module
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3]]  # the last one: an empty prefix
 RESPONSES = [[20, 21], [], [22, 23, 24, 25, 26], [30], [31, 32, 33], [40, 41, 42, 43, 44], [50, 51, 52]]
 GROUP = [0, 0, 0, 1, 1, 2, 2]
@@ -109,7 +112,7 @@ def test_one_batched_call_equals_one_call_per_segment_in_value_and_gradient():
         def get(self, layer):
             return pk, pv
 
-    got = PackedAttention(segments, prefix=Prefix()).attend(0, q, k, v, scale)
+    got = PackedAttention(segments, prefix=Prefix()).attend(LAYER_0, q, k, v, scale)
     grads = torch.autograd.grad((got * weights).sum(), leaves)
     want = _segment_reference(q, k, v, pk, pv, segments, scale)
     want_grads = torch.autograd.grad((want * weights).sum(), leaves)
@@ -119,7 +122,7 @@ def test_one_batched_call_equals_one_call_per_segment_in_value_and_gradient():
 
     # a prefix pass (no prompt keys, causal segments): the same against the reference with empty prompts
     prompts = [(0, 5, 0, 0), (5, 12, 0, 0)]
-    got = PackedAttention(prompts, record=True).attend(0, q, k, v, scale)
+    got = PackedAttention(prompts, record=True).attend(LAYER_0, q, k, v, scale)
     torch.testing.assert_close(got, _segment_reference(q, k, v, pk, pv, prompts, scale), atol=1e-6, rtol=1e-5)
 
 

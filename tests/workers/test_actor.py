@@ -212,6 +212,21 @@ def _assert_same_run(run, reference, model_dir):
     assert torch.equal(run["responses"], want)
 
 
+def test_compiled_blocks_train_as_eager_blocks(model_dir, single_process_run):
+    """``compile=True`` (each block's forward through torch.compile, the packed shared-prefix attention eager
+    inside it): two PPO steps give the eager run's metrics and weights, within float rounding."""
+    actor = ActorWorker(model_dir, **grouped(ppo_micro_batch_size_per_device=4, compile=True, **TRAIN_KW))
+    metrics = _train(actor, rollout_batch(8, temperature=0.9))
+    ref_metrics, ref_params = single_process_run
+    for got, want in zip(metrics, ref_metrics):
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    params = actor.model.state_dict()
+    assert params.keys() == ref_params.keys()  # the blocks are not wrapped: checkpoints look the same
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name], want, atol=2e-5, rtol=1e-4, msg=name)
+
+
 def test_fsdp_two_ranks_match_single_process(model_dir, single_process_run, tmp_path):
     """2-rank FSDP2 (fixed micro-batches of 1, and token-balanced dynamic) == 1 process with 4-sample micro-batches."""
     out = tmp_path / "fsdp.pt"

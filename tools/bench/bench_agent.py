@@ -12,11 +12,21 @@ process, ``--repeats`` times each (the median is printed):
   conversation so far (what an agent loop without cache reuse does).
 - ``vllm`` / ``vllm-reprefill`` (``--vllm``): `VLLMEngine`'s round loop with prefix caching on / off.
 
+- ``native-single``: the same engine, single-turn: every sample decodes the trajectories' mean model tokens
+  in one turn (EOS ignored): the speed a multi-turn run is measured against (issue target: ``native`` >= 0.7x).
+
 Prints seconds per trajectory, model tokens per second, prefill tokens per trajectory, and the ratios
-(re-prefill / reuse, native / vLLM).
+(re-prefill / reuse, agent / single-turn, native / vLLM).
 
     python tools/bench/bench_agent.py --threads 2
     python tools/bench/bench_agent.py --threads 2 --vllm
+
+On a GPU, with a random-weight model (e.g. the GPU kit's ``mkmodels.py`` output, which carries SmolLM2's
+tokenizer): random weights never end a turn, so ``--stop-every K`` makes every K-th token id a stop id and
+samples at temperature 1 (turns of about K tokens):
+
+    python tools/bench/bench_agent.py --model /tmp/models/smol --device cuda --dtype bfloat16 \
+        --trajectories 64 --n 1 --stop-every 25 --max-tokens 256
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from concurrent.futures import wait
 from typing import Any
 
@@ -113,6 +124,20 @@ def prefill_tokens(trajectories: list[Any], reuse: bool) -> float:
     return total / len(trajectories)
 
 
+def _single_turn(engine: NativeEngine, agent: Any, rows: list[dict[str, Any]], n: int, tokens: int):
+    """The rows' first contexts (as the agent renders them) as one single-turn request of ``tokens`` new
+    tokens per sample, EOS ignored."""
+    ids = [AgentSession(agent, r).prompt_tokens for r in rows]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), engine._pad_id(), dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, x in enumerate(ids):
+        input_ids[i, width - len(x):] = torch.tensor(x)
+        mask[i, width - len(x):] = 1
+    return (Batch({"input_ids": input_ids, "attention_mask": mask}),
+            SamplingParams(n=n, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trajectories", type=int, default=16)
@@ -122,22 +147,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--vllm", action="store_true", help="also vLLM (prefix caching on and off)")
+    ap.add_argument("--model", default=None, help="an HF model dir with a tokenizer (default: SmolLM2-135M)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--stop-every", type=int, default=0,
+                    help="random weights: every K-th token id ends a turn, sampled at temperature 1")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = str(smollm2_model_dir())
+    path = args.model or str(smollm2_model_dir())
     tok = load_tokenizer(path)
     spec = {"env": {"_component_": f"{__file__}:NotesEnv", "turns": args.turns}, "reward": "env",
             "max_turns": args.turns}
     rows = _rows(args.trajectories // args.n)
-    params = SamplingParams(n=args.n, temperature=0.0, max_tokens=args.max_tokens)
+    stops = list(range(args.stop_every - 1, len(tok), args.stop_every)) if args.stop_every else []
+    params = SamplingParams(n=args.n, temperature=1.0 if stops else 0.0, max_tokens=args.max_tokens,
+                            stop_token_ids=stops, seed=0)
     seq = 1024
     agent = build_agent(spec, tok, max_tokens=args.max_tokens, max_trajectory_tokens=seq)
     sessions = lambda: [AgentSession(agent, r) for r in rows for _ in range(args.n)]  # noqa: E731
 
     sides: dict[str, Any] = {}
-    native = NativeEngine(path, max_batch_size=args.trajectories, max_seq_len=seq)
+    native = NativeEngine(path, max_batch_size=args.trajectories, max_seq_len=seq, device=args.device,
+                          dtype=getattr(torch, args.dtype))
     sides["native"] = (True, lambda s: native.generate(_prompt_batch(rows), params, sessions=s))
-    sides["native-reprefill"] = (False, lambda s: reprefill_rounds(native, s, params))
+    if not stops:  # re-prefilling is driven greedily: comparable only where greedy turns end by themselves
+        sides["native-reprefill"] = (False, lambda s: reprefill_rounds(native, s, params))
     if args.vllm:
         engines = {reuse: VLLMEngine(path, max_batch_size=args.trajectories, max_seq_len=seq,
                                      enable_prefix_caching=reuse) for reuse in (True, False)}
@@ -159,14 +193,30 @@ def main() -> None:
         results[name] = {"s/traj": seconds / len(trajs), "tok/s": model_tokens / seconds,
                          "turns": sum(len(t.turn_spans) for t in trajs) / len(trajs),
                          "prefill/traj": prefill_tokens(trajs, reuse), "model/traj": model_tokens / len(trajs)}
-    print(f"{args.trajectories} trajectories (n={args.n}), up to {args.turns} turns, greedy, SmolLM2-135M fp32, "
-          f"{args.threads} threads, median of {args.repeats}")
+    # Single-turn at the same batch: every sample decodes the agent trajectories' mean model tokens at once.
+    single_tokens = max(1, round(results["native"]["model/traj"]))
+    first = native.generate(*_single_turn(native, agent, rows, args.n, single_tokens))
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        first = native.generate(*_single_turn(native, agent, rows, args.n, single_tokens))
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    results["native-single"] = {"s/traj": seconds / len(first), "tok/s": int(first["response_mask"].sum()) / seconds,
+                                "turns": 1.0, "prefill/traj": first["prompts"].shape[1], "model/traj": single_tokens}
+    where = f"{args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+    print(f"{args.trajectories} trajectories (n={args.n}), up to {args.turns} turns, "
+          f"{'sampled, turns end at stop ids every ' + str(args.stop_every) if stops else 'greedy'}, "
+          f"{Path(path).name} {args.dtype}, {where}, median of {args.repeats}")
     print(f"{'side':<18}{'s/traj':>9}{'tok/s':>9}{'turns':>7}{'model tok':>11}{'prefill tok':>13}")
     for name, r in results.items():
         print(f"{name:<18}{r['s/traj']:>9.3f}{r['tok/s']:>9.1f}{r['turns']:>7.2f}{r['model/traj']:>11.1f}"
               f"{r['prefill/traj']:>13.1f}")
-    print(f"native: re-prefill / reuse = {results['native-reprefill']['s/traj'] / results['native']['s/traj']:.2f}x "
-          "(time per trajectory)")
+    if "native-reprefill" in results:
+        print(f"native: re-prefill / reuse = "
+              f"{results['native-reprefill']['s/traj'] / results['native']['s/traj']:.2f}x (time per trajectory)")
+    print(f"native: agent / single-turn = {results['native']['tok/s'] / results['native-single']['tok/s']:.2f}x "
+          "(model tokens per second)")
     if args.vllm:
         print(f"vllm: re-prefill / reuse = {results['vllm-reprefill']['s/traj'] / results['vllm']['s/traj']:.2f}x; "
               f"native / vllm = {results['native']['s/traj'] / results['vllm']['s/traj']:.2f}x")

@@ -239,6 +239,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="random weights of this shape (default: the real SmolLM2-135M-Instruct)")
     parser.add_argument("--vllm", action="store_true", help="also time VLLMEngine (needs the vllm extra)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the native engine compiles its decode step; also time it uncompiled")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
@@ -250,7 +252,9 @@ def main() -> None:
         # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
         sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=64 + args.max_new_tokens, device=device,
                      dtype=dtype)
-        engines = {"native": NativeEngine(path, tokenizer, **sizes)}
+        engines = {"native": NativeEngine(path, tokenizer, **sizes, compile=args.compile)}
+        if args.compile:
+            engines["uncompiled"] = NativeEngine(path, tokenizer, **sizes)
         # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
         baseline = "eager" if cuda else "unpacked"
         engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
@@ -261,8 +265,10 @@ def main() -> None:
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     # Warm up every path once (allocator, kernels) on a short run.
     warm = make_prompts(tokenizer, 2, device)
-    for engine in engines.values():
+    for name, engine in engines.items():
+        start = time.perf_counter()
         bench_native(engine, warm, 4, sampling)
+        print(f"warm-up of {name} (first generate: graph capture, compilation): {time.perf_counter() - start:.1f} s")
     if not args.skip_hf:
         bench_hf(model, warm, 4, pad_id, sampling)
     where = torch.cuda.get_device_name(device) if cuda else f"{args.threads} threads"
@@ -282,6 +288,8 @@ def main() -> None:
         extra += f" {'F.linear floor tok/s':>21} {'native/floor':>12}"
         if dtype == torch.float32:
             extra += f" {'packed floor tok/s':>19} {'native/packed floor':>19}"
+    if args.compile:
+        extra += f" {'uncompiled tok/s':>16} {'compiled/uncompiled':>19}"
     if args.vllm:
         extra += f" {'vllm tok/s':>11} {'native/vllm':>11}"
     print(f"{'batch':>5} {'native tok/s':>13} {'hf tok/s':>10} {'ratio':>6} {extra} {'bw bound tok/s':>15} "
@@ -304,6 +312,8 @@ def main() -> None:
             if dtype == torch.float32:
                 pfloor = packed_floor(model, bs)
                 tail += f" {pfloor:>19.1f} {native / pfloor:>19.2f}"
+        if args.compile:
+            tail += f" {max(runs['uncompiled']):>16.1f} {native / max(runs['uncompiled']):>19.2f}"
         if args.vllm:
             tail += f" {max(runs['vllm']):>11.1f} {native / max(runs['vllm']):>11.2f}"
         bound = bandwidth_bound(model, engines["native"], bs, prompts["input_ids"].shape[1], args.max_new_tokens,

@@ -11,14 +11,15 @@ slots (their cache rows are rewritten when a sample is admitted) fed position 0,
 and KV positions past a row's own position are masked out of attention.
 
 Graphs hold the addresses of the KV cache and the weights, so they are only valid
-until those are freed (`NativeEngine.release`); the engine drops them then.
+until those are freed (`NativeEngine.release`); the engine drops them then. `capture_all`
+captures every bucket at once, so that no later step pays for a capture (a warm-up spike).
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchrlhf.generation.model import CachedDecoder
+from collections.abc import Callable
 
 
 def _span_bucket(span: int, max_span: int) -> int:
@@ -26,18 +27,20 @@ def _span_bucket(span: int, max_span: int) -> int:
 
 
 class GraphedDecode:
-    """``CachedDecoder.decode`` with the same signature, replayed from captured CUDA graphs.
+    """A decode step (``CachedDecoder.decode``, or its ``torch.compile``-d form) with the same signature,
+    replayed from captured CUDA graphs.
 
-    Graphs are captured lazily, the first time a (span bucket, KV bucket) pair is
+    Graphs are captured by `capture_all`, or else the first time a (span bucket, KV bucket) pair is
     needed, and share one memory pool (their intermediates are dead after each replay;
     only the static inputs and logits stay reserved). The logits returned are a view
     of a static buffer, valid until the next call.
     """
 
-    def __init__(self, decoder: CachedDecoder, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_block: int = 256):
+    def __init__(self, step: Callable[..., torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 kv_block: int = 256):
         if k_cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the KV cache on a CUDA device, got {k_cache.device}")
-        self.decoder = decoder
+        self.step = step
         self.k_cache, self.v_cache = k_cache, v_cache
         self.max_span, self.max_seq_len = k_cache.shape[1], k_cache.shape[2]
         self.kv_block = kv_block
@@ -55,12 +58,28 @@ class GraphedDecode:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.decoder.decode(*args)
+            self.step(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.decoder.decode(*args)
+            logits = self.step(*args)
         return graph, logits
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (span bucket, KV bucket) pair a step can need."""
+        spans = sorted({_span_bucket(s, self.max_span) for s in range(1, self.max_span + 1)})
+        kvs = sorted({min(b, self.max_seq_len) for b in range(self.kv_block, self.max_seq_len + self.kv_block,
+                                                             self.kv_block)})
+        return [(s, kv) for s in spans for kv in kvs]
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (steps then only replay). Inputs are zeros: position 0 of the slots'
+        cache rows is written with junk that the next prefill into a slot rewrites."""
+        self.tokens.zero_()
+        self.positions.zero_()
+        for key in self.buckets():
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, kv_len: int,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

@@ -92,13 +92,19 @@ class NativeEngine:
             params; all ranks then produce identical outputs. With TP the engine
             owns its weights (`release` frees them).
         cuda_graphs: on a CUDA device with TP=1, replay decode steps from captured CUDA
-            graphs (`GraphedDecode`); graphs are captured on first use after each
-            `resume` (the freed weights and cache come back at new addresses).
+            graphs (`GraphedDecode`); every bucket is captured by the first `generate` after
+            construction and after each `resume` (the freed weights and cache come back at new
+            addresses), so no later step pays for a capture.
+        compile: run the decode step through ``torch.compile`` (inside the CUDA graphs where they are on):
+            RMSNorm, RoPE, SwiGLU, residual adds and the in-place KV write fuse into a few kernels instead
+            of dozens per layer. The first `generate` pays the compilation (tens of seconds for a 1 B
+            model); the tokens are those of the eager step within floating-point rounding.
         cpu_prepack: on CPU in fp32 with TP=1, when the engine owns its weights (loaded
             from a path), run the projections through oneDNN with each weight packed once
             (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
             memory. `update_weights` invalidates the packed copy of every weight it writes.
-            A model passed in is never packed, so writes to it by any means are seen.
+            A model passed in is never packed, so writes to it by any means are seen. Off with ``compile``
+            (the packed weights are opaque to it).
         check_every: decode steps between two looks of the host at the slots (default: 8 on CUDA, 1 on
             CPU). Stop tokens, length limits and non-finite log-probs are detected on the device; a slot
             that ends stops advancing there, and the host frees it (continuous batching refills it, an
@@ -133,6 +139,7 @@ class NativeEngine:
         cuda_graphs: bool = True,
         cpu_prepack: bool = True,
         check_every: int | None = None,
+        compile: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -170,9 +177,10 @@ class NativeEngine:
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
         self._missing: set[str] = set()
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.tp_size == 1
+        self.decode_step = torch.compile(self.decoder.decode, dynamic=True) if compile else self.decoder.decode
         self._graphed: GraphedDecode | None = None
         self.prepacked: PrepackedLinears | None = None
-        if cpu_prepack and self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype):
+        if cpu_prepack and not compile and self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype):
             self.prepacked = PrepackedLinears(model, free_plain=True)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -266,11 +274,13 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ generate
     def decode_fn(self):
-        """The decode step to call: graph replay where enabled, else the eager `CachedDecoder.decode`."""
+        """The decode step to call: graph replay where enabled (every bucket captured on the first call after
+        construction or `resume`), else `decode_step` (`CachedDecoder.decode`, compiled or not)."""
         if not self.use_cuda_graphs:
-            return self.decoder.decode
+            return self.decode_step
         if self._graphed is None:
-            self._graphed = GraphedDecode(self.decoder, self.k_cache, self.v_cache)
+            self._graphed = GraphedDecode(self.decode_step, self.k_cache, self.v_cache)
+            self._graphed.capture_all()
         return self._graphed
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:

@@ -101,8 +101,10 @@ class CachedAttention:
             self.mask = (cols[None, None, :] <= positions[:, :, None]).view(b, 1, t, kv_len)
             self.write = real.nonzero(as_tuple=True)  # (row, token) of every real appended token
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [b, H, T, D], k/v [b, Hkv, T, D] (HF's layout after RoPE) -> [b, T, H, D]."""
+    def attend(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [b, H, T, D], k/v [b, Hkv, T, D] (HF's layout after RoPE) -> [b, T, H, D] (``module``: the HF
+        attention module of layer ``module.layer_idx``)."""
+        layer = module.layer_idx
         if self.positions is None:
             s = q.shape[2]
             self.k_cache[layer, self.slots, :s] = k.transpose(1, 2)
@@ -119,9 +121,12 @@ class CachedAttention:
             out = sdpa(q, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         b, heads, _, head_dim = q.shape
+        # One index_put on the whole cache (not on a view of it): under torch.compile a write through a
+        # view of an input becomes a copy of the entire cache, while this one stays in place.
+        at = (self.rows.new_full((b,), layer), self.rows, self.positions)
+        self.k_cache.index_put_(at, k[:, :, 0])
+        self.v_cache.index_put_(at, v[:, :, 0])
         kc, vc = self.k_cache[layer, :b], self.v_cache[layer, :b]
-        kc[self.rows, self.positions] = k[:, :, 0]
-        vc[self.rows, self.positions] = v[:, :, 0]
         kv_heads = k.shape[1]
         # Group query heads by their KV head so GQA needs no repeated KV: q [b, Hkv, G, D].
         qg = q[:, :, 0].reshape(b, kv_heads, heads // kv_heads, head_dim)

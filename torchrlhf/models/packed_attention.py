@@ -74,8 +74,14 @@ class PackedAttention:
         self.values: dict[int, torch.Tensor] = {}
         self._layout: PackedLayout | None = None  # the same for every layer: built at the first
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
+    @torch.compiler.disable
+    def attend(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D].
+
+        Eager under ``torch.compile`` (compiled blocks break the graph here, and the layer index is read
+        here, not in compiled code, so all blocks share one graph): the plan records per-layer keys and
+        builds its layout from Python lists."""
+        layer = module.layer_idx
         if self.record and layer not in self.keys:  # activation checkpointing re-runs the forward: keep the first
             self.keys[layer], self.values[layer] = k, v
         if self.prefix is not None:
@@ -177,8 +183,9 @@ class AttentionPlan(Protocol):
     """What a forward's ``attention_plan=`` does at each layer: `PackedAttention` (training),
     `generation.model.CachedAttention` (the engine's KV cache)."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [b, H, T, D], k/v [b, Hkv, T, D] after RoPE -> the attention output [b, T, H, D]."""
+    def attend(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [b, H, T, D], k/v [b, Hkv, T, D] after RoPE -> the attention output [b, T, H, D] (``module``: the
+        HF attention module; its ``layer_idx`` says which layer)."""
         ...
 
 
@@ -191,7 +198,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             return out.to(query.dtype), weights
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    return attention_plan.attend(module.layer_idx, query, key, value, scaling), None
+    return attention_plan.attend(module, query, key, value, scaling), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)

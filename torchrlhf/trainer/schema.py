@@ -228,6 +228,7 @@ def frozen_kwargs(section: RefConfig, actor: Any) -> dict[str, Any]:
         "batching": dataclasses.replace(actor.batching, log_prob_micro_batch_size_per_device=micro),
         "tp_size": actor.tp_size,
         "cpu_offload": section.cpu_offload,
+        "compile": actor.compile,
         "shared_prefix": actor.shared_prefix,
         "freeze": True,
     }

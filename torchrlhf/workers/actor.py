@@ -77,6 +77,7 @@ class ActorWorker(FSDPWorker):
         tp_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        compile: bool = False,
         shared_prefix: bool = True,
         lora: LoRAConfig | None = None,
         freeze: bool = False,
@@ -105,7 +106,8 @@ class ActorWorker(FSDPWorker):
         self.max_metrics = ("actor/rollout_is_max",) if rollout_is else ()
 
         self.model = self._build_model(model_path, resolve_dtype(dtype), freeze=freeze,
-                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)
+                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+                                       compile=compile)
         self.window = sliding_window(self.model.config)
         self.lm_head: LogProbHead = self.model.get_output_embeddings()  # scores responses without logits
         if freeze:  # the reference: only no-grad passes, whose micro sizes come from ``batching``

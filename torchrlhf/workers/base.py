@@ -30,7 +30,7 @@ from torchrlhf.models import (
     load_value_weights,
 )
 from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_lora, lora_init_tensors
-from torchrlhf.models.parallelize import enable_activation_checkpointing, parallelize
+from torchrlhf.models.parallelize import compile_blocks, enable_activation_checkpointing, parallelize
 from torchrlhf.models.sharded import load_weights
 from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
@@ -145,6 +145,7 @@ class FSDPWorker(Worker):
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         init_head_std: float | None = None,
+        compile: bool = False,
     ) -> torch.nn.Module:
         """The role's model (a causal LM, or a `ValueModel` with ``value_head``), sharded over the group.
 
@@ -152,7 +153,8 @@ class FSDPWorker(Worker):
         rank reads only its own rows (`loads_sharded`); otherwise it is loaded whole, then sharded. A fresh
         value head is drawn from ``self.seed``, identical on every rank. With ``self.lora`` the targeted
         Linear layers get adapters before sharding (so TP and FSDP2 shard them too), drawn from the seed;
-        only they train, and with a compute ``dtype`` below float32 the frozen base is held in it.
+        only they train, and with a compute ``dtype`` below float32 the frozen base is held in it. With
+        ``compile`` each transformer block's forward runs through ``torch.compile`` (`compile_blocks`).
         """
         sharded = self.loads_sharded(model_path, dtype, cpu_offload)
         if value_head:
@@ -170,6 +172,8 @@ class FSDPWorker(Worker):
             if dtype.itemsize < 4:  # FSDP2 computes in ``dtype`` (a plain model is float32)
                 hold_frozen_in(model, dtype)
         model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload)
+        if compile:
+            compile_blocks(model)
         if sharded and value_head:
             load_value_weights(model, model_path, device=self.device, init_head_std=init_head_std, seed=self.seed,
                                cpu_offload=cpu_offload)

@@ -58,6 +58,7 @@ class CriticWorker(FSDPWorker):
         tp_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        compile: bool = False,
         shared_prefix: bool = True,
         seed: int = 0,
     ) -> None:
@@ -66,7 +67,7 @@ class CriticWorker(FSDPWorker):
         self.shared_prefix = shared_prefix
         self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
-                                       init_head_std=init_head_std)
+                                       init_head_std=init_head_std, compile=compile)
         self.window = sliding_window(self.model.config)
         self._init_training(optim=optim, batching=batching, rollout_n=rollout_n, total_steps=total_steps,
                             grad_clip=grad_clip, loss_agg_mode=loss_agg_mode)
