@@ -66,6 +66,20 @@ def test_packed_engine_agrees_with_the_unpacked_one(family, tmp_path):
     torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="the CPU has no bf16 instructions")
+def test_bf16_engine_is_packed_where_the_cpu_has_bf16_and_agrees(tmp_path):
+    """bf16 packing (AVX512-BF16 / AMX): transformers' own bf16 greedy tokens, the unpacked engine's log-probs."""
+    model = tiny_model().to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    packed = NativeEngine(tmp_path, max_batch_size=2, max_seq_len=64, dtype=torch.bfloat16)
+    unpacked = NativeEngine(tmp_path, max_batch_size=2, max_seq_len=64, dtype=torch.bfloat16, cpu_prepack=False)
+    assert packed.prepacked is not None and unpacked.prepacked is None
+    a, b = packed.generate(prompts(), GREEDY), unpacked.generate(prompts(), GREEDY)
+    assert torch.equal(a["responses"], b["responses"])
+    assert torch.equal(a["responses"], hf_greedy(model, prompts(), 10))
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], rtol=0, atol=2e-2)
+
+
 def test_a_shared_model_is_not_packed_and_its_changes_reach_generation():
     """Writes to a model passed in can come from anywhere (optimizer, load_state_dict, ``.data``): no packed copy."""
     model = tiny_model(seed=0)

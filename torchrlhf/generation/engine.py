@@ -99,8 +99,8 @@ class NativeEngine:
             RMSNorm, RoPE, SwiGLU, residual adds and the in-place KV write fuse into a few kernels instead
             of dozens per layer. The first `generate` pays the compilation (tens of seconds for a 1 B
             model); the tokens are those of the eager step within floating-point rounding.
-        cpu_prepack: on CPU in fp32 with TP=1, when the engine owns its weights (loaded
-            from a path), run the projections through oneDNN with each weight packed once
+        cpu_prepack: on CPU in fp32 (and in bf16 where the CPU has bf16 instructions) with TP=1, when the
+            engine owns its weights (loaded from a path), run the projections through oneDNN with each weight packed once
             (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
             memory. `update_weights` invalidates the packed copy of every weight it writes.
             A model passed in is never packed, so writes to it by any means are seen. Off with ``compile``

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked projection weights for CPU fp32 generation.
+"""oneDNN-prepacked projection weights for CPU generation (fp32, and bf16 where the CPU has bf16 instructions).
 
 On CPU, ``F.linear`` calls MKL sgemm, which re-packs the weight on every call;
 a decode step calls every projection on a handful of rows, so that repacking is
@@ -18,8 +18,11 @@ from torch import nn
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packs fp32 on any x86/ARM CPU build; bf16 packing needs AVX512-BF16-class CPUs, so fp32 only."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """oneDNN packs fp32 on any x86/ARM CPU build, and bf16 where the CPU has bf16 instructions
+    (AVX512-BF16 or AMX: 1.25-1.46x over ``F.linear`` at decode shapes on an AMD EPYC with AVX512-BF16)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Linear):
