@@ -12,20 +12,24 @@ function in its worker processes under the time limit instead of in-process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
 from torchrlhf.rewards._numbers import numbers_equal
 
-try:
-    from math_verify import parse as _mv_parse
-    from math_verify import verify as _mv_verify
-except ImportError:  # optional dependency
-    _mv_parse = _mv_verify = None
-else:
+@functools.cache
+def _math_verify():
+    """math-verify's ``(parse, verify)``, or None without it: imported at the first MATH score, not with the
+    library (it and sympy cost every process a quarter of a second at start-up)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # optional dependency
+        return None
     # We call with its timeouts off (see compute_score); silence its per-call warning about that.
-    for _name in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(_name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
+    return parse, verify
 
 
 def last_boxed(text: str) -> str | None:
@@ -83,11 +87,13 @@ def _fallback_equal(solution_str: str, ground_truth: str) -> bool:
 
 def compute_score(solution_str: str, ground_truth: str, *, use_math_verify: bool = True) -> float:
     """1.0 when the response's final answer is equivalent to ``ground_truth``, else 0.0."""
-    if use_math_verify and _mv_parse is not None:
+    mv = _math_verify() if use_math_verify else None
+    if mv is not None:
+        parse, verify = mv
         # Timeouts are ours (RewardManager); math-verify's own use signal.alarm, which fails off the main thread.
-        gold = _mv_parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=None)
-        pred = _mv_parse(solution_str, parsing_timeout=None)
-        if gold and pred and _mv_verify(gold, pred, timeout_seconds=None):
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=None)
+        pred = parse(solution_str, parsing_timeout=None)
+        if gold and pred and verify(gold, pred, timeout_seconds=None):
             return 1.0
         return 0.0
     return 1.0 if _fallback_equal(solution_str, ground_truth) else 0.0
