@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from torchrlhf.data.dataset import PromptDataset, StatefulSampler, collate_prompts, read_rows
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.models import (
-    build_meta_causal_lm,
     build_meta_value_model,
     build_tiny_causal_lm,
     load_causal_lm,

@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from torchrlhf.models import load_causal_lm, load_value_model
