@@ -66,6 +66,7 @@ USER_TOOLS = textwrap.dedent(
 
         def __init__(self, start: int = 0):
             self.n = start
+            self.closed = 0
 
         def reset(self, row):
             self.n = 0
@@ -74,6 +75,9 @@ USER_TOOLS = textwrap.dedent(
         def step(self, text):
             self.n += 1
             return (f"turn {self.n}", 0.5, self.n >= 3)
+
+        def close(self):
+            self.closed += 1
 
 
     class BadReset:

@@ -150,6 +150,16 @@ def test_environment_reset_step_done_and_per_trajectory_state(smollm2_tok, user_
     traj = a.result()
     assert traj.turn_rewards == [0.5, 0.5, 0.5] and traj.finish_reason == "env_done"
     assert a.final_reward(reward_fn_score=1.0) == 2.5 and a.turn_budget() == 0
+    assert a.env.closed == 1 and b.env.closed == 0  # an ended trajectory frees its environment, once
+
+
+def test_a_trajectory_cut_by_max_turns_closes_its_environment(smollm2_tok, user_tools):
+    agent = build_agent({"env": {"_component_": "agent_user_tools.Counter"}, "reward": "env", "max_turns": 2},
+                        smollm2_tok, max_tokens=100)
+    s = AgentSession(agent, {"prompt": QUESTION})
+    assert not s.end_turn(turn(smollm2_tok, "one"), "stop").result().done and s.env.closed == 0
+    assert s.end_turn(turn(smollm2_tok, "two"), "stop").result().done
+    assert s.result().finish_reason == "max_turns" and s.env.closed == 1
 
 
 def test_environment_failures(smollm2_tok, user_tools):

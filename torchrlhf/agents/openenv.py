@@ -104,7 +104,14 @@ class OpenEnv:
                 pass
 
     def __del__(self) -> None:
-        self.close()
+        # A finalizer must not block: the garbage collector runs it on whatever thread it is on (at exit too),
+        # and websockets' closing handshake joins its reader thread, which can deadlock there. Drop the socket.
+        if self._ws is not None:
+            self._ws = None
+            try:
+                self._connection.socket.close()
+            except Exception:  # noqa: BLE001 - nothing to do in a finalizer
+                pass
 
     def _call(self, kind: str, data: Mapping[str, Any]) -> tuple[str, float, bool]:
         """Send one message, read its reply: (observation text, reward, done)."""

@@ -349,6 +349,12 @@ class AgentSession:
                 reason, error = "error", True
         traj.finish_reason = reason
         traj.error = error
+        close = getattr(self.env, "close", None)  # a session's end frees what its environment holds (a socket)
+        if callable(close):
+            try:
+                call_with_timeout(close, self._agent.spec.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the trajectory is complete either way
+                _log_failure("environment close", e)
         return TurnResult(observation_tokens=None, reward=reward)
 
     @staticmethod
