@@ -17,9 +17,9 @@ captures every bucket at once, so that no later step pays for a capture (a warm-
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 
 def _span_bucket(span: int, max_span: int) -> int:

@@ -100,8 +100,8 @@ class NativeEngine:
             of dozens per layer. The first `generate` pays the compilation (tens of seconds for a 1 B
             model); the tokens are those of the eager step within floating-point rounding.
         cpu_prepack: on CPU in fp32 (and in bf16 where the CPU has bf16 instructions) with TP=1, when the
-            engine owns its weights (loaded from a path), run the projections through oneDNN with each weight packed once
-            (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
+            engine owns its weights (loaded from a path), run the projections through oneDNN with each
+            weight packed once (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
             memory. `update_weights` invalidates the packed copy of every weight it writes.
             A model passed in is never packed, so writes to it by any means are seen. Off with ``compile``
             (the packed weights are opaque to it).
@@ -180,7 +180,8 @@ class NativeEngine:
         self.decode_step = torch.compile(self.decoder.decode, dynamic=True) if compile else self.decoder.decode
         self._graphed: GraphedDecode | None = None
         self.prepacked: PrepackedLinears | None = None
-        if cpu_prepack and not compile and self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype):
+        packable = self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype)
+        if cpu_prepack and not compile and packable:
             self.prepacked = PrepackedLinears(model, free_plain=True)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
