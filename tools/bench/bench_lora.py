@@ -8,6 +8,9 @@ Three measurements, each side in a process of its own (its peak RSS is its own):
   itself. Per step: the reference log-probs, then one update (KL loss on). Prints seconds per update and per
   reference pass (median), trainable parameters, and the process's peak RSS (the whole process: weights,
   gradients, optimizer state, activations).
+* ``time``: the same updates, full and every LoRA rank alternated in one process, so that a noisy host
+  slows every side alike; prints each side's median seconds per update and its ratio to full (the figure
+  to quote for speed; ``update``'s sides run one after another and differ by the host's drift).
 * ``step``: the recipe ``recipes/configs/grpo_arithmetic_cpu.yaml`` under torchrun (2 ranks, colocated:
   actor, reference and rollout on every rank) with and without ``actor.lora``; the median ``timing_s/step``,
   its update / ref / generation phases, and rank 0's peak RSS (``perf/max_memory_allocated_gb``).
@@ -15,6 +18,7 @@ Three measurements, each side in a process of its own (its peak RSS is its own):
   per step, full weights against LoRA ranks.
 
     python tools/bench/bench_lora.py update [--ranks 8 64 --n 8 --prompts 2 --steps 3]
+    python tools/bench/bench_lora.py time [--ranks 8 --steps 5]
     python tools/bench/bench_lora.py step [--ranks 8 --steps 4]
     python tools/bench/bench_lora.py sync [--ranks 8 64]
 """
@@ -85,7 +89,7 @@ def update_main(args: argparse.Namespace) -> None:
     print(f"SmolLM2-135M fp32 actor + reference, {args.prompts} prompts x n {args.n}, prompt {args.prompt_len} "
           f"tokens, response {args.response_len // 2}-{args.response_len}, micro-batch {args.micro}, KL loss on, "
           f"median of {args.steps} steps, {args.threads} threads, {os.cpu_count()} CPUs")
-    print(f"{'side':<8} {'trainable':>10} {'s/update':>9} {'s/ref':>7} {'peak RSS MB':>12} {'vs full':>8}")
+    print(f"{'side':<8} {'trainable':>10} {'s/update':>9} {'vs full':>8} {'s/ref':>7} {'peak RSS MB':>12} {'vs full':>8}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     results = {}
     for side in sides(args.ranks):
@@ -97,9 +101,38 @@ def update_main(args: argparse.Namespace) -> None:
         if proc.returncode != 0:
             raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
         r = results[side] = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[7:])
-        ratio = r["peak_mb"] / results["full"]["peak_mb"]
-        print(f"{side:<8} {r['trainable'] / 1e6:>9.2f}M {r['update_s']:>9.2f} {r['ref_s']:>7.2f} "
-              f"{r['peak_mb']:>12.0f} {ratio:>7.2f}x", flush=True)
+        full = results["full"]
+        print(f"{side:<8} {r['trainable'] / 1e6:>9.2f}M {r['update_s']:>9.2f} {r['update_s'] / full['update_s']:>7.2f}x "
+              f"{r['ref_s']:>7.2f} {r['peak_mb']:>12.0f} {r['peak_mb'] / full['peak_mb']:>7.2f}x", flush=True)
+
+
+def time_main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    path = str(smollm2_model_dir())
+    batch = group_rollouts(args.prompts, args.n, args.prompt_len, args.response_len, 49152)
+    batching = Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=args.micro)
+    common = dict(rollout_n=1, batching=batching, use_kl_loss=True)
+    actors = {"full": ActorWorker(path, optim={"lr": 1e-6}, **common)}
+    for r in args.ranks:
+        actors[f"lora-{r}"] = ActorWorker(path, optim={"lr": 1e-5}, lora={"rank": r, "alpha": 2 * r}, **common)
+    ref = ActorWorker(path, batching=batching, freeze=True)
+    batch = batch.union(ref.compute_ref_log_prob(batch, temperature=1.0))
+    del ref
+    print(f"SmolLM2-135M fp32 updates alternated in one process: {args.prompts} prompts x n {args.n}, prompt "
+          f"{args.prompt_len}, response {args.response_len // 2}-{args.response_len}, micro-batch {args.micro}, KL "
+          f"loss on, median of {args.steps} rounds after one warm-up round, {args.threads} threads")
+    times: dict[str, list[float]] = {side: [] for side in actors}
+    for round_ in range(args.steps + 1):
+        for side, actor in actors.items():
+            start = time.perf_counter()
+            actor.update(batch, temperature=1.0)
+            if round_:
+                times[side].append(time.perf_counter() - start)
+    full = statistics.median(times["full"])
+    print(f"{'side':<8} {'s/update':>9} {'vs full':>8}   every round")
+    for side, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{side:<8} {med:>9.2f} {med / full:>7.2f}x   {[round(t, 2) for t in ts]}")
 
 
 # ---------------------------------------------------------------------- recipe runs
@@ -151,14 +184,14 @@ def sync_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["update", "step", "sync"], nargs="?", default="update")
+    ap.add_argument("what", choices=["update", "time", "step", "sync"], nargs="?", default="update")
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64], help="LoRA ranks beside full fine-tuning")
     ap.add_argument("--n", type=int, default=8, help="update: responses per prompt")
     ap.add_argument("--prompts", type=int, default=2, help="update: prompts (groups) per update")
     ap.add_argument("--prompt-len", type=int, default=150)
     ap.add_argument("--response-len", type=int, default=48)
     ap.add_argument("--micro", type=int, default=4, help="update: samples per micro-batch")
-    ap.add_argument("--steps", type=int, default=3, help="update: measured steps; step: recipe steps (first skipped)")
+    ap.add_argument("--steps", type=int, default=3, help="update: measured steps; time: rounds; step: recipe steps (first skipped)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora-lr", type=float, default=1e-4, help="step: the LoRA runs' actor.optim.lr")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # update: the child process of one side
@@ -166,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         print("RESULT", json.dumps(measure_update(args.one, args)))
     else:
-        {"update": update_main, "step": step_main, "sync": sync_main}[args.what](args)
+        {"update": update_main, "time": time_main, "step": step_main, "sync": sync_main}[args.what](args)
 
 
 if __name__ == "__main__":

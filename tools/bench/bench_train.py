@@ -99,11 +99,13 @@ def one_rank_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "float32",
+def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "float32", lora_rank: int = 0,
                ) -> Callable[[], dict[str, float]]:
-    """One `ActorWorker.update` over ``batch`` (one optimizer step, micro-batches of ``micro`` samples)."""
+    """One `ActorWorker.update` over ``batch`` (one optimizer step, micro-batches of ``micro`` samples);
+    ``lora_rank`` > 0 trains all-linear LoRA adapters of that rank instead of every weight."""
     one_rank_group()
-    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype,
+    lora = {"rank": lora_rank, "alpha": 2 * lora_rank} if lora_rank else None
+    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype, lora=lora,
                         batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
     return lambda: actor.update(batch, temperature=1.0)
 

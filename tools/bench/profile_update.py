@@ -141,12 +141,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--side", choices=["dense", "shared"], default="shared")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank (all-linear); 0 trains every weight")
     ap.add_argument("--warmup", type=int, default=2, help="unprofiled updates first (the last one is timed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     batch = group_rollouts(**shape_batch(shape), vocab=49152)
-    step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=args.side == "shared", dtype=args.dtype)
+    step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=args.side == "shared", dtype=args.dtype,
+                      lora_rank=args.lora)
     times = []
     for _ in range(args.warmup):
         start = time.perf_counter()
@@ -156,7 +158,7 @@ def main() -> None:
         start = time.perf_counter()
         step()
         wall = time.perf_counter() - start
-    print(f"profile_update: shape {args.shape} ({shape}), {args.dtype}, {args.side}, {args.threads} threads, "
+    print(f"profile_update: shape {args.shape} ({shape}), {args.dtype}, {args.side}, lora rank {args.lora}, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(f"unprofiled update: {times[-1]:.2f} s (warm-up updates: {[round(t, 2) for t in times]}); "
           f"profiled: {wall:.2f} s; median of all: {statistics.median(times + [wall]):.2f} s")

@@ -93,11 +93,16 @@ class LoRALinear(nn.Linear):
         self.adapter_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
         if not self.adapter_enabled:
-            return out
-        h = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return out.add(F.linear(F.linear(h, self.lora_A), self.lora_B), alpha=self.scaling)
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = F.linear(rows, self.weight, self.bias)
+        h = F.dropout(rows, self.dropout, self.training) if self.dropout else rows
+        low = F.linear(h, self.lora_A).to(out.dtype)
+        # s · (h Aᵀ) Bᵀ accumulates into the base product in place: the rank-r GEMM writes no activation-sized
+        # temporary and needs no separate add (on CPU this is most of an adapter's cost).
+        out.addmm_(low, self.lora_B.to(out.dtype).t(), alpha=self.scaling)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
