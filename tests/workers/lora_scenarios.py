@@ -1,8 +1,10 @@
-"""LoRA actor + rollout scenarios run as real jobs by tests/workers/test_lora_rollout.py.
+"""LoRA actor + rollout scenarios run as real jobs by tests/workers/test_rollout.py.
 
     python lora_scenarios.py colocated ENGINE MODEL_DIR                    # world size 1 (hybrid engine)
     torchrun --nproc_per_node=3 lora_scenarios.py split ENGINE MODEL_DIR   # actor [0], rollout [1, 2]
-    torchrun --nproc_per_node=3 lora_scenarios.py async ENGINE MODEL_DIR   # the same, through the relay
+
+Split syncs versions 1 and 2 directly into the idle engine, then 3 and 4 through the asynchronous relay
+(`WeightRelay`, as ``trainer.mode=async`` does).
 
 The classic bug this catches: after an update, the next rollout must use the *new* adapter (not the base,
 not the previous merge). Greedy tokens are checked against PEFT's forward of the HF base model carrying
@@ -66,13 +68,16 @@ def main(mode: str, engine_component: str, model_dir: str) -> None:
     check("before training, greedy equals PEFT with the initial adapter (B = 0: the base)",
           torch.equal(before["responses"], peft_greedy(model_dir, initial, prompts(0))))
 
-    for version in (1, 2):  # the second update checks that a merge starts from the base, not the last merge
+    # each path's second update checks that a merge starts from the base, not from the last merge
+    versions = (1, 2) if sync is None else (1, 2, 3, 4)
+    for version in versions:
         actor.update(training_batch(before), temperature=1.0)
         if sync is not None:
-            stats = sync(version, to_relay=mode == "async")
+            relay = version > 2
+            stats = sync(version, to_relay=relay)
             adapter_bytes = sum(t.numel() * 4 for t in adapters().values())
             full_bytes = sum(p.numel() * 4 for p in local_worker("actor").model.parameters())
-            check(f"v{version}: only the adapter factors travelled",
+            check(f"v{version} ({'relay' if relay else 'direct'}): only the adapter factors travelled",
                   stats["weight_sync/bytes"] == adapter_bytes and adapter_bytes < full_bytes / 10,
                   f"{stats} vs {adapter_bytes} adapter bytes, {full_bytes} in the model")
         after = rollout.generate(prompts(version), GREEDY, version=version)
