@@ -216,3 +216,4 @@ def test_recipe_trains_two_steps_with_a_harness_on_smollm2(tmp_path):
         assert m["agent/agent_error/mean"] == 0.0 and m["agent/harness_splits/mean"] == 0.0
         assert m["num_turns/min"] >= 1 and m["rollout/weight_version"] == m["step"] - 1
         assert m["critic/score/mean"] == m["agent/env_reward/mean"]  # the harness's return is the score
+        assert "perf/reshard_s" in m  # the rollout ran in generate_with_current_weights, as any colocated one

@@ -61,7 +61,8 @@ def test_deterministic_schedule_with_no_lag_equals_a_synchronous_run_bit_for_bit
 
 def test_async_learns_with_bounded_staleness(tiny_model_dir, tmp_path):
     """30 steps with rollouts one and two versions behind (the deterministic schedule, token-level truncated
-    importance weights) over trainer seeds 0, 1 and 2: the score rises, and every sample stays within k.
+    importance weights) over trainer seeds 0, 1 and 2: the score rises, and every sample stays within k
+    (also under the stream schedule, 12 steps of seed 0).
 
     How much it rises moves with the seed and with the host: float rounding differs between CPUs, which
     changes the sampled tokens and so the whole trajectory (a synchronous run moves as much; that the
@@ -83,8 +84,9 @@ def test_async_learns_with_bounded_staleness(tiny_model_dir, tmp_path):
                                schedule="deterministic", actor={"rollout_is": "token"}, test_freq=15)
             assert_ok(run_recipe(cfg, f"trainer.seed={seed}", nproc=3))
             runs[name, seed] = metrics_of(out)
-    cfg, out = _config(tmp_path, tiny_model_dir, "stream2_0", 30, max_staleness=2, schedule="stream",
-                       actor={"rollout_is": "token"}, test_freq=15)
+    # the stream schedule is here for its bounds, not its gain: 12 steps, validated at 6 and 12
+    cfg, out = _config(tmp_path, tiny_model_dir, "stream2_0", 12, max_staleness=2, schedule="stream",
+                       actor={"rollout_is": "token"}, test_freq=6)
     assert_ok(run_recipe(cfg, nproc=3))
     runs["stream2", 0] = metrics_of(out)
 
@@ -94,9 +96,9 @@ def test_async_learns_with_bounded_staleness(tiny_model_dir, tmp_path):
 
     gains = {(name, seed): gain(name, seed) for name in ("det1", "det2") for seed in seeds}
     assert _mean(list(gains.values())) > 0.015, gains
-    for name, k in [("det1", 1), ("det2", 2), ("stream2", 2)]:
+    for name, k, steps in [("det1", 1, 30), ("det2", 2, 30), ("stream2", 2, 12)]:
         metrics = runs[name, 0]
-        assert len(metrics) == 30
+        assert len(metrics) == steps
         for step, m in enumerate(metrics):
             assert 0 <= m["rollout/staleness/max"] <= k, (name, step, m["rollout/staleness/max"])
             assert m["rollout/weight_version"] == step  # the trainer's version: one update per step
@@ -107,29 +109,29 @@ def test_async_learns_with_bounded_staleness(tiny_model_dir, tmp_path):
         busy = [m["rollout/busy_fraction"] for m in metrics[1:]]
         assert all(0 <= b <= 1.0 + 1e-6 for b in busy) and sum(busy) > 0, (name, busy)
         # validation every 15 steps pauses the rollout thread and generates with the newest weights
-        assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [15, 30], name
+        assert [i + 1 for i, m in enumerate(metrics) if "val/arithmetic/acc" in m] == [steps // 2, steps], name
     assert [m["rollout/staleness/max"] for m in runs["det1", 0][:3]] == [0, 1, 1]
 
 
 def test_deterministic_schedule_is_bitwise_reproducible_and_resumes(tiny_model_dir, tmp_path):
-    """Two runs of batch t generated with version t-1 agree exactly; so does a run stopped after the
-    step-2 checkpoint (which holds the batch already generated for step 3) and resumed."""
+    """A run stopped after the step-2 checkpoint (which holds the batch already generated for step 3) and
+    resumed equals an uninterrupted run bit for bit, batch t generated with version t-1: so the schedule is
+    reproducible across processes and the resume loses nothing (a third run, a plain repeat, would add no
+    check that this one does not make)."""
     sched = {"schedule": "deterministic", "max_staleness": 1, "actor": {"rollout_is": "token"}}
     cfg_a, out_a = _config(tmp_path, tiny_model_dir, "a", 4, save_freq=4, **sched)
-    cfg_b, out_b = _config(tmp_path, tiny_model_dir, "b", 4, save_freq=4, **sched)
     cfg_r2, out_r = _config(tmp_path, tiny_model_dir, "r", 2, save_freq=2, **sched)
     cfg_r4, _ = _config(tmp_path, tiny_model_dir, "r", 4, save_freq=4, **sched)
-    for cfg in (cfg_a, cfg_b, cfg_r2, cfg_r4):
+    for cfg in (cfg_a, cfg_r2, cfg_r4):
         assert_ok(run_recipe(cfg, nproc=3))
-    a, b, r = metrics_of(out_a), metrics_of(out_b), metrics_of(out_r)
+    a, r = metrics_of(out_a), metrics_of(out_r)
     assert [m["training/global_step"] for m in r] == [1, 2, 3, 4]
     keys = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean",
             "rollout/staleness/mean", "actor/rollout_is_mean"]
-    for other in (b, r):
-        for step, (want, got) in enumerate(zip(a, other)):
-            assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, step  # exactly equal
+    for step, (want, got) in enumerate(zip(a, r)):
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, step  # exactly equal
     assert [m["rollout/staleness/max"] for m in a] == [0, 1, 1, 1]
-    states = [_checkpoint_tensors(out / "global_step_4" / "actor") for out in (out_a, out_b, out_r)]
+    states = [_checkpoint_tensors(out / "global_step_4" / "actor") for out in (out_a, out_r)]
     model = states[0]["model"]
     assert len(model) > 0
     for name, tensor in model.items():  # the trained weights, bit for bit

@@ -19,7 +19,7 @@ The engine is a `torchrlhf.generation.RolloutEngine` (`NativeEngine`, `VLLMEngin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -187,10 +187,12 @@ def generate_with_current_weights(
     optimizer: torch.optim.Optimizer | None = None,
     offload: bool = True,
     dtype: torch.dtype | None = None,
+    generate: Callable[[Batch, Any], Batch] | None = None,
     **generate_kwargs: Any,
 ) -> Batch:
     """``engine.generate(prompts, sampling, **generate_kwargs)`` with the training model's current weights: the
-    actor's rollout.
+    actor's rollout. ``generate`` replaces ``engine.generate`` for a rollout that drives the engine itself
+    (an agent harness sampling its endpoint calls through it); such a rollout runs at generation TP 1.
 
     For ``RolloutWorker.generate`` colocated with the actor: one controller call per rollout, every rank of
     the actor group runs it (the transition is collective), each with its own DP_COMPUTE shard of prompts.
@@ -204,7 +206,11 @@ def generate_with_current_weights(
     """
     with generation_mode(model, engine, optimizer=optimizer, offload=offload, dtype=dtype) as stats:
         mesh = resolve_generation_mesh(model, engine)
-        if mesh is None or mesh.size(1) == 1:
+        if generate is not None:
+            if mesh is not None and mesh.size(1) > 1:
+                raise ValueError("a rollout with its own generate (an agent harness) runs at generation TP 1")
+            out = generate(prompts, sampling, **generate_kwargs)
+        elif mesh is None or mesh.size(1) == 1:
             out = engine.generate(prompts, sampling, **generate_kwargs)
         else:
             pooled, offset, count = _gather_tp_prompts(prompts, mesh)

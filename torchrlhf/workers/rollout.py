@@ -198,15 +198,12 @@ class RolloutWorker(Worker):
         sessions = self._sessions(prompts, sampling.n)
         extra = {} if sessions is None else {"sessions": sessions}
         start = time.perf_counter()
-        if self.actor_group is not None and self.harness is not None:
+        if self.actor_group is not None:
             actor = self.actor
-            with hybrid.generation_mode(actor.model, self.engine, optimizer=actor.optimizer):
-                out = self._run_harness(prompts, sampling, self.engine.generate)
-            version = version or 0
-        elif self.actor_group is not None:
-            actor = self.actor
+            harness = None if self.harness is None else functools.partial(self._run_harness,
+                                                                          generate=self.engine.generate)
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
-                                                       optimizer=actor.optimizer, **extra)
+                                                       optimizer=actor.optimizer, generate=harness, **extra)
             version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
             if version is not None:
