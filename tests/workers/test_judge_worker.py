@@ -106,3 +106,28 @@ def test_native_engine_verdicts_are_parsed_like_the_engine_wrote_them(model_dir)
         want = float(digits[0]) if digits else -1.0
         assert out["judge_scores"][row].item() == want, verdict
         assert out["judge_parse_failed"][row].item() == (not digits)
+
+
+def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(model_dir):
+    """``sleep``: between calls the engine holds no KV cache and no weight storage; each call reads the weights
+    back from the files, so two calls give the verdicts of a judge that never slept. (Without CPU prepacking,
+    which would free the plain weights of both judges once packed.)"""
+    engine = {"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}
+    kw = dict(policy_tokenizer_path=model_dir, engine=engine, max_tokens=6,
+              template="{question} {response} Score:", parser_regex=r"(\d)", apply_chat_template=False,
+              on_failure_score=-1.0)
+    batches = [generations(model_dir, ["4", "5"]), generations(model_dir, ["5", "4", "4"])]
+    awake = JudgeWorker(model_dir, **kw)
+    want = [awake.judge(b) for b in batches]
+    asleep = JudgeWorker(model_dir, sleep=True, **kw)
+    for batch, expected in zip(batches, want):
+        assert asleep.engine.k_cache is None
+        assert all(p.untyped_storage().nbytes() == 0 for p in asleep.engine.model.parameters())
+        got = asleep.judge(batch)
+        for key in ("judge_scores", "judge_parse_failed"):
+            assert torch.equal(got[key], expected[key]), key
+    # what a call runs on: the weights read back equal the never-released judge's, tensor for tensor
+    asleep._wake()
+    woken, kept = asleep.engine.model.state_dict(), awake.engine.model.state_dict()
+    assert woken.keys() == kept.keys() and all(torch.equal(woken[k], kept[k]) for k in kept)
+    assert asleep.engine.k_cache is not None

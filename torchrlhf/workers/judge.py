@@ -24,7 +24,7 @@ import torch
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.models import load_tokenizer
+from torchrlhf.models import SafetensorsReader, load_tokenizer, safetensors_files
 from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
@@ -65,6 +65,9 @@ class JudgeWorker(Worker):
             composed by `torchrlhf.rollouts.Scorer`.
         dtype: the judge's weights.
         seed: the base sampling seed (with temperature > 0).
+        sleep: free the engine's weights and KV cache between judge calls (`release`) and read the weights
+            back from ``model_path``'s safetensors at the next call: a judge on the training ranks then holds
+            no memory while the actor generates and trains, for one read of its weights per step.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class JudgeWorker(Worker):
         weight: float = 1.0,
         dtype: str = "float32",
         seed: int = 0,
+        sleep: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1 or max_tokens < 1 or timeout_s < 0:
@@ -109,12 +113,35 @@ class JudgeWorker(Worker):
         self.max_prompt_tokens = getattr(self.engine, "max_seq_len", None)
         if self.max_prompt_tokens is not None:
             self.max_prompt_tokens -= max_tokens
+        self.model_path, self.sleep = model_path, sleep
+        if sleep:
+            safetensors_files(model_path)  # a missing or non-safetensors judge fails here, not at the first step
+            self.engine.release()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def judge(self, batch: Batch) -> Batch:
         """`JUDGE_COLUMNS` ``[B]`` for generated samples (``responses``, ``response_mask``, ``raw_prompt``,
         optional ``messages`` and ``ground_truth``): the parsed score (``on_failure_score`` where it failed)
         and why a sample failed. ``weight`` is applied where rewards are composed (`torchrlhf.rollouts.Scorer`)."""
+        if not self.sleep:
+            return self._judge(batch)
+        self._wake()
+        try:
+            return self._judge(batch)
+        finally:
+            self.engine.release()
+
+    def _wake(self) -> None:
+        """Re-allocate what `release` freed and refill the weights from the judge's files."""
+        self.engine.resume(("weights",))
+        reader = SafetensorsReader(self.model_path)
+        try:
+            self.engine.update_weights((name, reader.get(name)) for name in sorted(reader.keys()))
+        finally:
+            reader.close()
+        self.engine.resume(("kv_cache",))
+
+    def _judge(self, batch: Batch) -> Batch:
         start = time.monotonic()
         n = len(batch)
         mask = batch["response_mask"].bool()
