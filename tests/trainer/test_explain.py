@@ -131,3 +131,6 @@ def test_dry_run_lists_the_judge_memory_per_rank(tiny_model_dir, tmp_path):
     assert (f"judge     ranks 1: {params / 1e6:.1f} M parameters, KV cache 256 slots × 4096 tokens = "
             f"{kv / 2**30:.2f} GiB per rank; verdicts ≤ 4 tokens, 2 per engine call") in text
     assert f"judge weights {params * 4 / 2**30:.2f} GiB, judge KV cache {kv / 2**30:.2f} GiB)" in text
+    assert "judge.sleep" not in text
+    sleeping = load_recipe_config(load_config(cfg_path, ["+judge.sleep=true"]), 2)
+    assert "2 per engine call; held only while judging (judge.sleep)" in explain(sleeping, 2)

@@ -315,8 +315,9 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         if isinstance(slots, int) and isinstance(seq, int):
             memory["KV cache"] = 2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim * _bytes(judge.dtype)
             kv = f", KV cache {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank"
+        sleeps = "; held only while judging (judge.sleep)" if judge.sleep else ""
         out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{kv}; verdicts "
-                   f"≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call")
+                   f"≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
         add("judge", ranks["judge"], memory)
 
     out += _flops_lines(cfg, ranks, shapes)
