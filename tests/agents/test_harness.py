@@ -187,6 +187,46 @@ def test_config_errors(tiny_dir, harness_module):
         build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
 
 
+def test_the_endpoint_takes_every_trajectory_connecting_at_once():
+    """Twice, 128 openai clients (a step of 16 prompts x 8 trajectories) call the endpoint together, without
+    retries: every connection is accepted (with a listen backlog of 5 some were refused)."""
+    import threading
+
+    import openai
+
+    from torchrlhf.agents.harness import HarnessServer
+
+    server = HarnessServer()
+    reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]}
+
+    def answer(n: int) -> None:
+        for _ in range(n):
+            HarnessRunner._answer(server.requests.get(timeout=10), 200, reply)
+
+    errors: list[str] = []
+
+    def call(i: int) -> None:
+        client = openai.OpenAI(base_url=server.base_url(f"s{i}"), api_key="unused", max_retries=0, timeout=30)
+        try:
+            assert client.chat.completions.create(model="policy", messages=[]).choices[0].message.content == "ok"
+        except Exception as e:  # noqa: BLE001 - every failure is counted, not raised in a thread
+            errors.append(repr(e))
+
+    try:
+        for _ in range(2):
+            threads = [threading.Thread(target=answer, args=(128,))]
+            threads += [threading.Thread(target=call, args=(i,)) for i in range(128)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads)
+    finally:
+        server.close()
+    assert errors == [], (len(errors), errors[:3])
+
+
 def test_hermes_tool_calls_become_openai_tool_calls():
     content, calls = split_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert content == "Let me add." and len(calls) == 1
