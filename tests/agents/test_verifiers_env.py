@@ -4,6 +4,7 @@ in the shape verifiers' docs give. Needs ``verifiers`` 0.1.x (skips without it).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -14,6 +15,7 @@ from torchrlhf.agents.verifiers_env import verifiers_data_files  # noqa: E402
 from torchrlhf.config import ConfigError  # noqa: E402
 
 IM_END = 2
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORD_ENV = {"env": "vf_word_env", "args": {"num_examples": 2}}
 
 
@@ -63,8 +65,27 @@ def test_tool_env_calls_from_hermes_text(smollm2_tok, tmp_path):
     assert last.done and last.reward == pytest.approx(1 / 3)
 
 
+def test_a_module_file_from_the_project_folder_runs_the_calculator_recipe_env(smollm2_tok, tmp_path):
+    """``env: path/to/module.py`` loads a module that is not installed: here the demo's recipes/envs/vf_calculator.py."""
+    calc = {"env": os.path.join(REPO, "recipes", "envs", "vf_calculator.py"), "args": {"num_train": 2, "num_eval": 2}}
+    (train,), (val,) = verifiers_data_files(calc, str(tmp_path), [])
+    row = json.loads(open(train).readline())
+    assert row["prompt"][-1] == {"role": "user", "content": "What is 124 * 76 * 74 * 24?"}  # after the few-shot exchange
+    assert row["ground_truth"] == "16737024" and row["data_source"] == "vf_calculator"  # the file's stem names the metric
+    agent = build_agent({"verifiers": calc, "reward": "env", "max_turns": 3, "check_tokens": "error"}, smollm2_tok,
+                        max_tokens=60)
+    s = AgentSession(agent, {**row, "messages": row["prompt"]})
+    r = s.end_turn(turn(smollm2_tok, "<calc>124 * 76 * 74 * 24</calc>"), "stop").result()
+    assert smollm2_tok.decode(r.observation_tokens) == "\n<|im_start|>user\n16737024<|im_end|>\n<|im_start|>assistant\n"
+    last = s.end_turn(turn(smollm2_tok, "The answer is 16737024."), "stop").result()
+    assert last.done and last.reward == 1.0  # a turn without <calc> ends the episode; the rubric checks the answer
+    s = AgentSession(agent, {**row, "messages": row["prompt"]})
+    assert s.end_turn(turn(smollm2_tok, "The answer is 16737."), "stop").result().reward == 0.0
+
+
 @pytest.mark.parametrize("cfg,match", [
     ({"verifiers": {"env": "no_such_vf_env"}, "reward": "env"}, "Could not import 'no_such_vf_env'"),
+    ({"verifiers": {"env": "envs/missing_env.py"}, "reward": "env"}, "file not found: envs/missing_env.py"),
     ({"verifiers": WORD_ENV}, "the rubric scores the trajectory; set reward: env"),
     ({"verifiers": WORD_ENV, "env": {"_component_": "x.Y"}, "reward": "env"}, "set env or verifiers, not both"),
     ({"verifiers": {"name": "vf_word_env"}, "reward": "env"}, "verifiers must be {env: NAME, args:"),

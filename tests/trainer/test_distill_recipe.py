@@ -9,12 +9,13 @@ or agent, colocated or with the rollout on its own rank.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from conftest import assert_ok, metrics_of, run_recipe, write_config
 
 from torchrlhf.config import ConfigError, load_config
-from torchrlhf.trainer.schema import load_recipe_config
+from torchrlhf.trainer.schema import load_recipe_config, role_ranks
 
 from test_agent_recipe import AGENT
 
@@ -30,11 +31,12 @@ def other_teacher_dir(tmp_path_factory) -> str:
                                initializer_range=1.0))
 
 
-def _run(tmp_path, tiny_model_dir, name, teacher, distill, *overrides, nproc=1, **sections):
+def _run(tmp_path, tiny_model_dir, name, teacher, distill, *overrides, nproc=1, trainer=None, **sections):
     out = tmp_path / name
     cfg = write_config(tmp_path / f"{name}.yaml", tiny_model_dir, teacher={"model_path": teacher},
                        algorithm={"adv_estimator": "grpo", "distill": distill},
-                       trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"]}, **sections)
+                       trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"], **(trainer or {})},
+                       **sections)
     assert_ok(run_recipe(cfg, *overrides, nproc=nproc))
     metrics = metrics_of(out)
     assert len(metrics) == 2
@@ -43,25 +45,32 @@ def _run(tmp_path, tiny_model_dir, name, teacher, distill, *overrides, nproc=1, 
     return metrics
 
 
-def test_teacher_equal_to_student_gives_zero_advantage(tiny_model_dir, tmp_path):
-    first, second = _run(tmp_path, tiny_model_dir, "same", tiny_model_dir, {"coef": 1.0, "task_coef": 0.0})
+def test_teacher_on_its_own_rank_equal_to_the_student_gives_zero_advantage(tiny_model_dir, tmp_path):
+    """The teacher on rank 1 (``placement.teacher``), its own worker group; actor and rollout on rank 0."""
+    first, second = _run(tmp_path, tiny_model_dir, "same", tiny_model_dir, {"coef": 1.0, "task_coef": 0.0}, nproc=2,
+                         placement={"actor": [0], "teacher": [1]})
+    ranks = role_ranks(load_recipe_config(load_config(str(tmp_path / "same.yaml")), 2), 2)
+    assert ranks["teacher"] == [1] and ranks["actor"] == ranks["rollout"] == [0]  # the groups the run built
     assert first["distill/reverse_kl"] == 0.0
     assert first["critic/advantages/max"] == 0.0 and first["critic/advantages/min"] == 0.0
     assert math.isfinite(second["distill/reverse_kl"])
 
 
-def test_distill_lora_single_turn_colocated_and_agent_split(tiny_model_dir, other_teacher_dir, tmp_path):
+def test_distill_lora_single_turn_colocated_and_agent_split_async(tiny_model_dir, other_teacher_dir, tmp_path):
     """Single turn on one rank with a LoRA student (teacher, actor and rollout in one process): its teacher is
     the separate model, not the actor's adapters-off base (which equals the student at step 1, KL 0). Then
-    an agent run on 2 ranks with the rollout on its own rank (the teacher sits with the actor on rank 0)."""
+    an asynchronous agent run on 2 ranks with the rollout on its own rank (the teacher sits with the actor on
+    rank 0 and scores each batch as the trainer takes it, one policy version behind at most)."""
     single = _run(tmp_path, tiny_model_dir, "single", other_teacher_dir, {"coef": 0.5},
                   actor={"lora": {"rank": 4, "alpha": 8}})
     assert all(m["distill/reverse_kl"] > 0 for m in single)
     agent = _run(tmp_path, tiny_model_dir, "agent", other_teacher_dir, {"coef": 1.0, "task_coef": 0.0}, nproc=2,
-                 rollout=AGENT, placement={"actor": [0], "rollout": [1]})
+                 rollout=AGENT, placement={"actor": [0], "rollout": [1]}, trainer={"mode": "async"},
+                 async_training={"max_staleness": 1})
     for m in agent:
         assert m["distill/reverse_kl"] > 0
         assert m["num_turns/mean"] >= 2 and m["agent/observation_tokens/mean"] > 0
+        assert m["rollout/staleness/max"] <= 1
 
 
 def test_teacher_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
@@ -81,13 +90,20 @@ def test_teacher_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
     assert "cross-tokenizer distillation is not supported" in msg
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"algorithm": {"distill": {"coef": 1.0}}}, "algorithm.distill needs a teacher section (teacher.model_path)"),
-    ({"teacher": {"model_path": "${model_path}"}}, "a teacher section is configured but algorithm.distill is not"),
-    ({"teacher": {"model_path": "${model_path}"}, "algorithm": {"distill": {"coef": -1.0}}},
+TEACHER = {"teacher": {"model_path": "${model_path}"}, "algorithm": {"distill": {"coef": 1.0}}}
+
+
+@pytest.mark.parametrize("sections, world_size, message", [
+    ({"algorithm": {"distill": {"coef": 1.0}}}, 1, "algorithm.distill needs a teacher section (teacher.model_path)"),
+    ({"teacher": {"model_path": "${model_path}"}}, 1, "a teacher section is configured but algorithm.distill is not"),
+    ({"teacher": {"model_path": "${model_path}"}, "algorithm": {"distill": {"coef": -1.0}}}, 1,
      "coef and task_coef must be >= 0"),
+    ({**TEACHER, "placement": {"actor": [0], "rollout": [1], "teacher": [1]}}, 2,
+     "placement.teacher [1] shares ranks with ['rollout']: a teacher sits with the actor"),
+    ({**TEACHER, "placement": {"teacher": [0, 1]}}, 3, "placement.teacher [0, 1] shares ranks with ['actor', 'rollout']"),
+    ({"placement": {"teacher": [1]}}, 2, "placement.teacher=[1] but this run has no teacher"),
 ])
-def test_distill_config_errors(tiny_model_dir, tmp_path, sections, message):
+def test_distill_config_errors(tiny_model_dir, tmp_path, sections, world_size, message):
     cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, **sections)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_recipe_config(load_config(cfg), 1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_recipe_config(load_config(cfg), world_size)

@@ -5,6 +5,7 @@ Config (``rollout.agent``)::
     rollout:
       agent:
         verifiers: {env: my_env_module, args: {num_examples: 100}}   # verifiers.load_environment(env, **args)
+        # or a module file not installed as a package: {env: envs/my_env.py, args: {...}}
         reward: env          # the rubric's score is the trajectory's reward
         max_turns: 4
     data: {train_files: []}  # the environment's dataset is the prompts
@@ -31,7 +32,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torchrlhf.config import ConfigError
+from torchrlhf.config import ConfigError, load_callable
 
 Message = dict[str, Any]
 
@@ -46,8 +47,11 @@ def load_verifiers_env(env: str, args: Mapping[str, Any] | None = None) -> Any:
         raise ConfigError(f"rollout.agent.verifiers: verifiers {getattr(vf, '__version__', '?')} has no MultiTurnEnv; "
                           "this adapter speaks the 0.1.x API (load_environment, MultiTurnEnv, Rubric)")
     try:
-        loaded = vf.load_environment(env, **dict(args or {}))
-    except (ValueError, RuntimeError, AttributeError) as e:
+        if env.endswith(".py"):  # a module file not installed as a package, e.g. one in the project's folder
+            loaded = load_callable(f"{env}:load_environment", "verifiers environment")(**dict(args or {}))
+        else:
+            loaded = vf.load_environment(env, **dict(args or {}))
+    except (ValueError, RuntimeError, AttributeError, FileNotFoundError) as e:
         raise ConfigError(f"rollout.agent.verifiers.env={env!r}: {e}") from e
     if not isinstance(loaded, vf.MultiTurnEnv):
         raise ConfigError(f"rollout.agent.verifiers.env={env!r}: load_environment returned {type(loaded).__name__}, "
@@ -69,6 +73,11 @@ def _cached_env(env: str, args_json: str) -> tuple[Any, dict[str, dict[str, Any]
     return loaded, rows
 
 
+def env_name(env: str) -> str:
+    """The environment's name in metrics: its module name, or a module file's stem."""
+    return os.path.splitext(os.path.basename(env))[0] if env.endswith(".py") else env
+
+
 def _prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:
     return json.dumps([[m["role"], m["content"]] for m in messages])
 
@@ -86,7 +95,7 @@ def verifiers_data_files(node: Mapping[str, Any], output_dir: str, val_files: Se
             for row in dataset:
                 f.write(json.dumps({"prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
                                     "ground_truth": str(row.get("answer", "")),
-                                    "data_source": row.get("task") or node["env"]}) + "\n")
+                                    "data_source": row.get("task") or env_name(node["env"])}) + "\n")
         return path
 
     if loaded.dataset is None:

@@ -229,6 +229,7 @@ class PlacementConfig:
     actor: list[int] | None = None
     rollout: list[int] | None = None  # None: colocated with the actor (hybrid engine)
     critic: list[int] | None = None
+    teacher: list[int] | None = None  # None: with the actor; else ranks no other role uses
     reward_model: list[int] | None = None
     cost_model: list[int] | None = None
     judge: list[int] | None = None

@@ -292,7 +292,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                    f"trajectory; reward: {agent.reward}")
     elif agent is not None:
         what = ", ".join(filter(None, [f"tools {list(agent.tools)}" if agent.tools else "",
-                                       f"env {agent.env.get('_component_')}" if agent.env else ""]))
+                                       f"env {agent.env.get('_component_')}" if agent.env else "",
+                                       f"verifiers environment {agent.verifiers['env']}" if agent.verifiers else ""]))
         out.append(f"      agent: {what}; ≤ {agent.max_turns} model turns, ≤ {cfg.rollout.max_tokens} model tokens over "
                    f"all turns, observations ≤ {agent.max_tool_response_tokens} tokens each"
                    + (f", whole trajectory ≤ {seq} tokens (rollout.engine.max_seq_len)" if seq else "")

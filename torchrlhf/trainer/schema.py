@@ -295,14 +295,15 @@ def distills(cfg: RecipeConfig) -> bool:
 
 
 def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
-    """Ranks of every configured role (the reference and the teacher always sit with the actor)."""
+    """Ranks of every configured role (the reference always sits with the actor; the teacher does unless
+    ``placement.teacher`` gives it ranks of its own)."""
     p = cfg.placement
     actor = list(p.actor) if p.actor is not None else list(range(world_size))
     ranks = {"actor": actor, "rollout": list(p.rollout) if p.rollout is not None else actor}
     if needs_reference(cfg) and not reference_is_actor(cfg):
         ranks["ref"] = actor
     if distills(cfg):
-        ranks["teacher"] = actor
+        ranks["teacher"] = list(p.teacher) if p.teacher is not None else actor
     for role in ("critic", *MODEL_SCORERS):
         if getattr(cfg, role) is not None:
             chosen = getattr(p, role)
@@ -357,6 +358,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         if ranks["rollout"] != ranks["actor"] and set(ranks["rollout"]) & set(ranks["actor"]):
             errors.append(f"placement.rollout {ranks['rollout']} overlaps placement.actor {ranks['actor']}: a rollout "
                           "is either colocated with the actor (same ranks, or null) or on ranks of its own")
+        errors += _teacher_placement_errors(cfg, ranks)
         if rollout.tp_size < 1 or len(ranks["rollout"]) % rollout.tp_size:
             errors.append(f"rollout.tp_size={rollout.tp_size} must divide the rollout's {len(ranks['rollout'])} ranks")
         if rollout.weight_sync_bucket_mb < 1:
@@ -367,6 +369,23 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             errors += _async_errors(cfg, ranks, world_size)
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _teacher_placement_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+    """A teacher sits with the actor or on ranks no other role uses: its forward runs on the trainer's thread,
+    and on shared ranks (the rollout's, a scorer's) its collectives could interleave with another thread's."""
+    chosen = cfg.placement.teacher
+    if chosen is None:
+        return []
+    if not distills(cfg):
+        return [f"placement.teacher={list(chosen)} but this run has no teacher (algorithm.distill and teacher)"]
+    if ranks["teacher"] == ranks["actor"]:
+        return []
+    shared = sorted(role for role, r in ranks.items() if role != "teacher" and set(r) & set(ranks["teacher"]))
+    if shared:
+        return [f"placement.teacher {ranks['teacher']} shares ranks with {shared}: a teacher sits with the actor "
+                "(placement.teacher=null) or on ranks of its own"]
+    return []
 
 
 def _profile_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
