@@ -10,7 +10,7 @@ import torch
 import transformers
 from conftest import RECIPE, ROOT, write_config
 
-from torchrlhf.config import load_config
+from torchrlhf.config import ConfigError, load_config
 from torchrlhf.trainer.explain import explain, model_shape
 from torchrlhf.trainer.schema import load_recipe_config
 from torchrlhf.utils.flops import TransformerFlops
@@ -134,3 +134,10 @@ def test_dry_run_lists_the_judge_memory_per_rank(tiny_model_dir, tmp_path):
     assert "judge.sleep" not in text
     sleeping = load_recipe_config(load_config(cfg_path, ["+judge.sleep=true"]), 2)
     assert "2 per engine call; held only while judging (judge.sleep)" in explain(sleeping, 2)
+    # TP 2 over ranks 1 and 2 (world size 3): each rank holds half of the weights and of the KV cache
+    tp = explain(load_recipe_config(load_config(cfg_path, ["+placement.actor=[0]", "placement.judge=[1,2]", "+judge.tp_size=2"]), 3), 3)
+    assert (f"judge     ranks 1,2: {params / 1e6:.1f} M parameters, 1 engine(s) of TP 2, KV cache 256 slots × 4096 "
+            f"tokens = {kv / 2 / 2**30:.2f} GiB per rank") in tp
+    assert f"judge weights {params * 2 / 2**30:.2f} GiB, judge KV cache {kv / 2 / 2**30:.2f} GiB)" in tp
+    with pytest.raises(ConfigError, match=r"judge.tp_size=2 must divide the judge's 1 ranks \(placement.judge\)"):
+        load_recipe_config(load_config(cfg_path, ["+judge.tp_size=2"]), 2)

@@ -131,3 +131,45 @@ def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(mod
     woken, kept = asleep.engine.model.state_dict(), awake.engine.model.state_dict()
     assert woken.keys() == kept.keys() and all(torch.equal(woken[k], kept[k]) for k in kept)
     assert asleep.engine.k_cache is not None
+
+
+TP_JUDGE = dict(engine={"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}, max_tokens=6,
+                template="{question} {response} Score:", parser_regex=r"(\d)", apply_chat_template=False,
+                on_failure_score=-1.0)
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+ANSWERS = ("4", "3")
+
+
+def _tp_judge(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    """One rank of a sleeping TP=2 judge: each wake reads this rank's shard of every tensor from the files."""
+    import torch.distributed as dist
+
+    from torchrlhf.runtime.worker import WorkerContext, set_current_context
+
+    set_current_context(WorkerContext("judge", [0, 1], rank, dist.group.WORLD, torch.device("cpu")))
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, tp_size=world, sleep=True, **TP_JUDGE)
+    out = judge.judge(generations(model_dir, ["4", "5", "four"]))
+    judge._wake()
+    verdicts = judge._generate([judge._tokens(f"What is 2+2? {a} Score:") for a in ANSWERS])
+    torch.save({"scores": out["judge_scores"], "failed": out["judge_parse_failed"], "verdicts": verdicts,
+                "q_rows": judge.engine.param_local_shapes()[Q_PROJ][0]}, f"{out_dir}/rank{rank}.pt")
+
+
+def test_a_tensor_parallel_sleeping_judge_judges_as_one_rank_does(tmp_path):
+    """``tp_size=2``: one engine over 2 ranks (each holds half of q_proj's rows), woken from the files shard by
+    shard; its verdicts and scores equal a one-rank judge's. (Large random weights: the verdicts differ by prompt,
+    where a default tiny model writes the same token whatever it reads.)"""
+    from dist_helpers import run_ranks
+
+    model_dir = str(save_tiny_model(tmp_path / "judge", tokenizer_from="smollm2", initializer_range=1.0, seed=1))
+    run_ranks(_tp_judge, 2, model_dir, str(tmp_path), timeout=180)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    single = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, **TP_JUDGE)
+    out = single.judge(generations(model_dir, ["4", "5", "four"]))
+    want = single._generate([single._tokens(f"What is 2+2? {a} Score:") for a in ANSWERS])
+    assert len(set(want)) == len(ANSWERS)  # a judge that reads its prompt
+    full_rows = single.engine.param_local_shapes()[Q_PROJ][0]
+    for r in (r0, r1):
+        assert r["q_rows"] * 2 == full_rows
+        assert r["verdicts"] == want
+        assert torch.equal(r["scores"], out["judge_scores"]) and torch.equal(r["failed"], out["judge_parse_failed"])

@@ -308,16 +308,19 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     if cfg.judge is not None:  # one whole engine per rank: weights and KV cache are not divided
         judge, engine = cfg.judge, cfg.judge.engine or {}
         j_shape = model_shape(resolve_model_path(judge.model_path))
-        memory = {"weights": j_shape.params * _bytes(judge.dtype)}
+        tp = judge.tp_size
+        memory = {"weights": j_shape.params * _bytes(judge.dtype) / tp}
         defaults = {k: p.default for k, p in inspect.signature(
             get_component(engine.get("_component_", "torchrlhf.generation.NativeEngine"))).parameters.items()}
         slots, seq = (engine.get(k, defaults.get(k)) for k in ("max_batch_size", "max_seq_len"))
         kv = ""
         if isinstance(slots, int) and isinstance(seq, int):
-            memory["KV cache"] = 2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim * _bytes(judge.dtype)
+            memory["KV cache"] = (2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim
+                                  * _bytes(judge.dtype) / tp)
             kv = f", KV cache {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank"
         sleeps = "; held only while judging (judge.sleep)" if judge.sleep else ""
-        out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{kv}; verdicts "
+        engines = f", {len(ranks['judge']) // tp} engine(s) of TP {tp}" if tp > 1 else ""
+        out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{engines}{kv}; verdicts "
                    f"≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
         add("judge", ranks["judge"], memory)
 

@@ -359,6 +359,9 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             errors.append(f"placement.rollout {ranks['rollout']} overlaps placement.actor {ranks['actor']}: a rollout "
                           "is either colocated with the actor (same ranks, or null) or on ranks of its own")
         errors += _teacher_placement_errors(cfg, ranks)
+        if cfg.judge is not None and (cfg.judge.tp_size < 1 or len(ranks["judge"]) % cfg.judge.tp_size):
+            errors.append(f"judge.tp_size={cfg.judge.tp_size} must divide the judge's {len(ranks['judge'])} ranks "
+                          "(placement.judge)")
         if rollout.tp_size < 1 or len(ranks["rollout"]) % rollout.tp_size:
             errors.append(f"rollout.tp_size={rollout.tp_size} must divide the rollout's {len(ranks['rollout'])} ranks")
         if rollout.weight_sync_bucket_mb < 1:

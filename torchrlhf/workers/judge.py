@@ -2,8 +2,10 @@
 
 It owns a `RolloutEngine` (the native engine or vLLM: the rollout's engine contract,
 `torchrlhf.generation.base`) built from its own ``model_path``, on the ranks ``placement.judge`` names (by
-default the actor's, beside the training roles: the judge keeps its weights and cache resident). Samples are
-split across the ranks (one engine per rank) and judged ``batch_size`` prompts per `generate` call.
+default the actor's, beside the training roles: the judge keeps its weights and cache resident). With
+``tp_size`` > 1 each engine spans that many adjacent ranks (tensor parallel, the native engine's layout), so
+a judge larger than one device's memory fits. Samples are split across the engines and judged ``batch_size``
+prompts per `generate` call.
 
 Texts cross tokenizers: responses are decoded with the policy's tokenizer and the judge's prompt is
 tokenized with the judge's own, so the judge may be any causal LM with a tokenizer.
@@ -26,6 +28,7 @@ from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.models import SafetensorsReader, load_tokenizer, safetensors_files
 from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
 
@@ -64,6 +67,7 @@ class JudgeWorker(Worker):
         weight: the judge's score enters the reward as ``weight * score`` (the rule reward's: ``reward.weight``),
             composed by `torchrlhf.rollouts.Scorer`.
         dtype: the judge's weights.
+        tp_size: ranks per judge engine (tensor parallel; must divide the judge's ranks).
         seed: the base sampling seed (with temperature > 0).
         sleep: free the engine's weights and KV cache between judge calls (`release`) and read the weights
             back from ``model_path``'s safetensors at the next call: a judge on the training ranks then holds
@@ -89,10 +93,11 @@ class JudgeWorker(Worker):
         on_failure_score: float = 0.0,
         weight: float = 1.0,
         dtype: str = "float32",
+        tp_size: int = 1,
         seed: int = 0,
         sleep: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(tp_size=tp_size)
         if batch_size < 1 or max_tokens < 1 or timeout_s < 0:
             raise ValueError(f"judge: need batch_size >= 1, max_tokens >= 1 and timeout_s >= 0, got {batch_size}, "
                              f"{max_tokens}, {timeout_s}")
@@ -108,8 +113,9 @@ class JudgeWorker(Worker):
             load_tokenizer(policy_tokenizer_path)
         spec = dict(engine or {})
         engine_cls = get_component(spec.pop("_component_", "torchrlhf.generation.NativeEngine"))
+        self.tp_mesh = self.build_meshes()[1] if self.parallel_dims.tp > 1 else None
         self.engine = engine_cls(model_path, tokenizer=self.tokenizer, device=self.device, dtype=resolve_dtype(dtype),
-                                 tp_mesh=None, **spec)
+                                 tp_mesh=self.tp_mesh, **spec)
         self.max_prompt_tokens = getattr(self.engine, "max_seq_len", None)
         if self.max_prompt_tokens is not None:
             self.max_prompt_tokens -= max_tokens
@@ -117,6 +123,11 @@ class JudgeWorker(Worker):
         if sleep:
             safetensors_files(model_path)  # a missing or non-safetensors judge fails here, not at the first step
             self.engine.release()
+
+    @classmethod
+    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
+        """``tp_size`` adjacent ranks per engine; the engines (data-parallel replicas) share the samples."""
+        return ParallelDims(world, tp=arguments["tp_size"])
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def judge(self, batch: Batch) -> Batch:
@@ -132,11 +143,19 @@ class JudgeWorker(Worker):
             self.engine.release()
 
     def _wake(self) -> None:
-        """Re-allocate what `release` freed and refill the weights from the judge's files."""
+        """Re-allocate what `release` freed and refill the weights from the judge's files (with TP, each rank
+        reads its own shard of each tensor)."""
         self.engine.resume(("weights",))
+        dims = self.engine.param_shard_dims()
+        tp, tp_rank = self.parallel_dims.tp, self.tp_rank
+
+        def local(name: str, full: torch.Tensor) -> torch.Tensor:
+            dim = dims.get(name)
+            return full if dim is None else full.chunk(tp, dim)[tp_rank]
+
         reader = SafetensorsReader(self.model_path)
         try:
-            self.engine.update_weights((name, reader.get(name)) for name in sorted(reader.keys()))
+            self.engine.update_weights((name, local(name, reader.get(name))) for name in sorted(reader.keys()))
         finally:
             reader.close()
         self.engine.resume(("kv_cache",))
