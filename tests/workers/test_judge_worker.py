@@ -173,3 +173,35 @@ def test_a_tensor_parallel_sleeping_judge_judges_as_one_rank_does(tmp_path):
         assert r["q_rows"] * 2 == full_rows
         assert r["verdicts"] == want
         assert torch.equal(r["scores"], out["judge_scores"]) and torch.equal(r["failed"], out["judge_parse_failed"])
+
+
+def test_a_sleeping_vllm_judge_reads_its_weights_back_at_each_call(tmp_path):
+    """``sleep`` with the vLLM engine: each call re-reads the judge's files into vLLM (fused q/k/v and gate/up
+    loaded together), so a judge whose engine weights were overwritten between calls judges as before. On CPU
+    vLLM's `release` frees nothing (no sleep mode there); what this checks is the wake's weight reload."""
+    from torchrlhf.generation import SamplingParams, vllm_available
+
+    available, why = vllm_available()
+    if not available:
+        pytest.skip(f"vLLM is not importable here ({why})")
+    # 4 heads of 32 (vLLM's CPU attention needs head_dim >= 32); large random weights: verdicts differ by prompt
+    model_dir = str(save_tiny_model(tmp_path / "judge", hidden_size=128, intermediate_size=192, head_dim=32,
+                                    initializer_range=1.0, seed=1))
+    kw = {**TP_JUDGE, "engine": {"_component_": "torchrlhf.generation.VLLMEngine", "max_seq_len": 256,
+                                 "max_batch_size": 4}}
+    judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, sleep=True, **kw)
+    try:
+        prompts = [judge._tokens(f"What is 2+2? {a} Score:") for a in ANSWERS]
+        judge._wake()
+        want = judge._generate(prompts)
+        assert len(set(want)) == len(ANSWERS)
+        first = judge.judge(generations(model_dir, ["4", "5", "four"]))
+        shapes = judge.engine.param_local_shapes()
+        judge.engine.update_weights((name, torch.full(shape, 0.01)) for name, shape in shapes.items())
+        assert judge._generate(prompts) != want  # the overwrite reached the engine
+        again = judge.judge(generations(model_dir, ["4", "5", "four"]))  # wakes: the files' weights again
+        assert torch.equal(again["judge_scores"], first["judge_scores"])
+        judge._wake()
+        assert judge._generate(prompts) == want
+    finally:
+        judge.engine.shutdown()
