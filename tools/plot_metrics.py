@@ -3,7 +3,11 @@
     python tools/plot_metrics.py outputs/run/metrics.jsonl --out outputs/run/curves.png
     python tools/plot_metrics.py seed0/metrics.jsonl seed1/metrics.jsonl --labels seed0 seed1 --out cmp.png
 
-Several logs (e.g. seeds) are drawn into the same panels, one colour per log.
+Several logs (e.g. seeds) are drawn into the same panels, one colour per label: logs that share a label (the
+seeds of one method) share a colour, so two methods' seeds compare at a glance:
+
+    python tools/plot_metrics.py a/seed*/metrics.jsonl b/seed*/metrics.jsonl --labels A A A B B B \
+        --panels "training reward" "validation accuracy" --out cmp.png
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -46,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", help="metrics.jsonl files written by the jsonl logger")
     parser.add_argument("--labels", nargs="*", default=None, help="one legend label per log (default: its folder)")
+    parser.add_argument("--panels", nargs="*", default=None, help=f"only these panels, of {list(PANELS)}")
     parser.add_argument("--title", default=None)
     parser.add_argument("--out", default=None, help="PNG path (default: curves.png next to the first log)")
     args = parser.parse_args()
@@ -59,8 +64,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("plot_metrics needs matplotlib: pip install matplotlib") from None
+    unknown = sorted(set(args.panels or ()) - set(PANELS))
+    if unknown:
+        raise SystemExit(f"--panels: unknown {unknown}; valid: {list(PANELS)}")
     runs = [(label, collect_series(read_metrics(path))) for label, path in zip(labels, args.logs)]
-    panels = [p for p in PANELS if any(p in series for _, series in runs)]
+    colors = {label: f"C{k}" for k, label in enumerate(dict.fromkeys(labels))}
+    panels = [p for p in (args.panels or PANELS) if any(p in series for _, series in runs)]
     if not panels:
         raise SystemExit(f"{', '.join(args.logs)}: no reward, accuracy, length, entropy or KL metrics to plot")
     cols = min(3, len(panels))
@@ -69,10 +78,13 @@ def main() -> None:
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, panel in zip(axes.flat, panels):
-        for i, (label, series) in enumerate(runs):
+        legend: set[str] = set()
+        for label, series in runs:
             for j, (name, (steps, values)) in enumerate(series.get(panel, {}).items()):
-                ax.plot(steps, values, color=f"C{i}", linestyle=["-", "--", ":"][j % 3],
-                        marker="." if len(steps) < 20 else None, label=label if len(runs) > 1 else name)
+                key = label if len(runs) > 1 else name
+                ax.plot(steps, values, color=colors[label], linestyle=["-", "--", ":"][j % 3],
+                        marker="." if len(steps) < 20 else None, label="_nolegend_" if key in legend else key)
+                legend.add(key)
         names = sorted({n for _, series in runs for n in series.get(panel, {})})
         ax.set_title(panel if len(runs) == 1 else f"{panel}\n{', '.join(names)}", fontsize=9)
         ax.set_xlabel("step")
