@@ -7,11 +7,13 @@ The calculator task of ``recipes/configs/grpo_calculator_agent_cpu.yaml`` on Smo
   calculator tool in a worker process): slots keep their KV cache between turns.
 - ``harness``: ``recipes/harness/calculator_agent.py`` (an ``openai`` client loop, one thread per
   trajectory) through `torchrlhf.agents.harness.HarnessRunner`: HTTP calls batched into the engine's
-  single-turn ``generate``, each call prefilled whole.
+  single-turn ``generate``, each call prefilled whole (``--engine vllm``: vLLM's prefix cache holds what the
+  trajectory's earlier calls computed; the native side then runs its sessions in rounds on vLLM too).
 
 Sides alternate, ``--repeats`` times each (medians printed), so both see the same load on a shared host.
 
     python tools/bench/bench_harness.py --trajectories 16 --repeats 2
+    python tools/bench/bench_harness.py --trajectories 16 --repeats 2 --engine vllm
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torchrlhf.agents.harness import HarnessRunner
 from torchrlhf.generation.base import sample_single_turns
 from torchrlhf.config import load_callable
 from torchrlhf.data import Batch
-from torchrlhf.generation import NativeEngine, SamplingParams
+from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.rewards.calculator import compute_score
 
@@ -47,13 +49,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native",
+                        help="vllm: both sides on VLLMEngine, whose prefix cache spares the harness's re-prefill")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = str(smollm2_model_dir())
     tok = load_tokenizer(model)
     lines = (ROOT / "recipes/data/calculator_test.jsonl").read_text().splitlines()[: args.trajectories]
     rows = [json.loads(line) for line in lines]
-    engine = NativeEngine(model, tokenizer=tok, max_batch_size=64, max_seq_len=320)
+    engine_cls = NativeEngine if args.engine == "native" else VLLMEngine
+    engine = engine_cls(model, tokenizer=tok, max_batch_size=64, max_seq_len=320)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=True)
     native = build_agent(NATIVE, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
     harness_agent = build_agent(HARNESS, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
@@ -86,13 +91,15 @@ def main() -> None:
             print(f"  {side}: {results[side][-1][0]:.2f}s", flush=True)
     runner.close()
     native.close()
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
     per_traj = {}
     for side, runs in results.items():
         per_traj[side] = statistics.median(s for s, _, _ in runs) / len(rows)
         print(f"{side:8s} {per_traj[side] * 1e3:8.1f} ms/trajectory  model tokens {runs[-1][1]:5d}  "
               f"accuracy {runs[-1][2]:.3f}  (runs: {', '.join(f'{s:.2f}s' for s, _, _ in runs)})")
     print(f"harness / native time per trajectory: {per_traj['harness'] / per_traj['native']:.2f}x "
-          f"({len(rows)} trajectories, max_tokens {args.max_tokens}, {args.threads} threads)")
+          f"({len(rows)} trajectories, max_tokens {args.max_tokens}, {args.threads} threads, {args.engine} engine)")
 
 
 if __name__ == "__main__":
