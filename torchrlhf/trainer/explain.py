@@ -305,7 +305,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             rm_shape = model_shape(resolve_model_path(sec.model_path))
             out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
             add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
-    if cfg.judge is not None:  # one whole engine per rank: weights and KV cache are not divided
+    if cfg.judge is not None:  # one engine per judge.tp_size ranks: weights and KV cache divided by TP only
         judge, engine = cfg.judge, cfg.judge.engine or {}
         j_shape = model_shape(resolve_model_path(judge.model_path))
         tp = judge.tp_size
@@ -320,8 +320,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             kv = f", KV cache {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank"
         sleeps = "; held only while judging (judge.sleep)" if judge.sleep else ""
         engines = f", {len(ranks['judge']) // tp} engine(s) of TP {tp}" if tp > 1 else ""
-        out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{engines}{kv}; verdicts "
-                   f"≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
+        out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{engines}{kv}; "
+                   f"verdicts ≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
         add("judge", ranks["judge"], memory)
 
     out += _flops_lines(cfg, ranks, shapes)
