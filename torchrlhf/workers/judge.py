@@ -144,7 +144,7 @@ class JudgeWorker(Worker):
 
     def _wake(self) -> None:
         """Re-allocate what `release` freed and refill the weights from the judge's files (with TP, each rank
-        reads its own shard of each tensor)."""
+        keeps its own shard of each tensor it reads)."""
         self.engine.resume(("weights",))
         dims = self.engine.param_shard_dims()
         tp, tp_rank = self.parallel_dims.tp, self.tp_rank
