@@ -112,7 +112,8 @@ def send_weights(
     return stats
 
 
-def _local_shard(engine, name: str, full: torch.Tensor, dims: dict[str, int | None]) -> torch.Tensor:
+def local_shard(engine, name: str, full: torch.Tensor, dims: dict[str, int | None]) -> torch.Tensor:
+    """This rank's part of a full tensor in ``engine``'s TP layout (``dims``: its `param_shard_dims`)."""
     dim = dims.get(name)
     tp = int(getattr(engine, "tp_size", 1))
     if dim is None or tp == 1:
@@ -138,7 +139,7 @@ def receive_weights(
             stats.buckets += 1
             for i, part in zip(bucket, torch.split(flat, numels)):
                 name, shape = manifest[i]
-                yield name, _local_shard(engine, name, part.view(shape), dims)
+                yield name, local_shard(engine, name, part.view(shape), dims)
 
     engine.update_weights(tensors())
     stats.seconds = time.perf_counter() - start

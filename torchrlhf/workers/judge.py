@@ -26,6 +26,7 @@ import torch
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
+from torchrlhf.hybrid.broadcast import local_shard
 from torchrlhf.models import SafetensorsReader, load_tokenizer, safetensors_files
 from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
 from torchrlhf.runtime.parallel_dims import ParallelDims
@@ -147,15 +148,10 @@ class JudgeWorker(Worker):
         keeps its own shard of each tensor it reads)."""
         self.engine.resume(("weights",))
         dims = self.engine.param_shard_dims()
-        tp, tp_rank = self.parallel_dims.tp, self.tp_rank
-
-        def local(name: str, full: torch.Tensor) -> torch.Tensor:
-            dim = dims.get(name)
-            return full if dim is None else full.chunk(tp, dim)[tp_rank]
-
         reader = SafetensorsReader(self.model_path)
         try:
-            self.engine.update_weights((name, local(name, reader.get(name))) for name in sorted(reader.keys()))
+            self.engine.update_weights((name, local_shard(self.engine, name, reader.get(name), dims))
+                                       for name in sorted(reader.keys()))
         finally:
             reader.close()
         self.engine.resume(("kv_cache",))
