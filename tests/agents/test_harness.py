@@ -185,6 +185,9 @@ def test_config_errors(tiny_dir, harness_module):
                     max_tokens=8)
     with pytest.raises(ConfigError, match="rollout.agent.harness"):
         build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="harness_batch_wait_s must be >= 0, got -1"):
+        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "harness_batch_wait_s": -1}, tok,
+                    max_tokens=8)
 
 
 def test_the_endpoint_takes_every_trajectory_connecting_at_once():

@@ -277,3 +277,95 @@ def test_weights_swapped_between_steps_continue_the_trajectory(tmp_path):
         assert torch.equal(out["token_weight_versions"][i], expected)
     # the swap changed the outcome: model_a alone continues differently
     assert not torch.equal(out["responses"], hf_greedy(model_a, batch, new_tokens))
+
+
+# ---------------------------------------------------------------------------- the prefix cache
+
+
+def _record_forwards(engine: NativeEngine) -> list[tuple[str, list[int]]]:
+    """Spy on the engine's prompt computations: ("prefill", lengths) / ("extend", cached tokens per row)."""
+    calls: list[tuple[str, list[int]]] = []
+    prefill, extend = engine.decoder.prefill, engine.decoder.extend
+
+    def spy_prefill(tokens, lengths, *rest):
+        calls.append(("prefill", lengths.tolist()))
+        return prefill(tokens, lengths, *rest)
+
+    def spy_extend(tokens, starts, *rest):
+        calls.append(("extend", starts.tolist()))
+        return extend(tokens, starts, *rest)
+
+    engine.decoder.prefill, engine.decoder.extend = spy_prefill, spy_extend
+    return calls
+
+
+def _continued(out: Batch, new: int, seed: int) -> Batch:
+    """Each generated sequence of ``out`` (prompt + response, no padding inside) followed by ``new`` tokens."""
+    extra = torch.randint(3, 90, (len(out), new), generator=torch.Generator().manual_seed(seed))
+    return Batch({"input_ids": torch.cat([out["input_ids"], extra], 1),
+                  "attention_mask": torch.cat([out["attention_mask"], torch.ones_like(extra)], 1)})
+
+
+def _check_against_transformers(model, out: Batch, batch: Batch, new_tokens: int) -> None:
+    assert torch.equal(out["responses"], hf_greedy(model, batch, new_tokens))
+    ref = torch.log_softmax(forward_logits(model, out), -1).gather(-1, out["responses"][..., None])[..., 0]
+    torch.testing.assert_close(out["rollout_log_probs"], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_that_continues_a_finished_sample_computes_only_its_new_tokens(tmp_path):
+    """An endpoint agent's next call repeats the whole conversation: the slot that sampled the last turn
+    still holds its keys/values, and only the tokens after them are computed. Other runs in between
+    (whose free rows decode junk somewhere) leave the cached prefix intact; new weights drop it."""
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    model.save_pretrained(tmp_path)
+    engine = NativeEngine(tmp_path, CharTokenizer(), max_batch_size=4, max_seq_len=160)
+    calls = _record_forwards(engine)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = engine.generate(prompt_batch([20, 24]), params)
+    held = [20 + 20 - 1, 24 + 20 - 1]  # each prompt and every sampled token but the last, which was never fed
+    assert sorted(len(t) for t in engine.cached_prefixes.values()) == held
+
+    between = engine.generate(prompt_batch([6, 9], seed=3), params)  # takes the two slots that hold nothing
+    _check_against_transformers(model, between, prompt_batch([6, 9], seed=3), 20)
+    calls.clear()
+    again = _continued(first, 5, seed=1)
+    out = engine.generate(again, params)
+    assert calls == [("extend", held)]
+    _check_against_transformers(model, out, again, 20)
+
+    engine.update_weights(other.named_parameters())
+    calls.clear()
+    more = _continued(out, 3, seed=2)
+    out = engine.generate(more, params)
+    assert [kind for kind, _ in calls] == ["prefill"]  # computed with the old weights: not used
+    _check_against_transformers(other, out, more, 20)
+
+
+def test_a_prompt_sharing_most_of_a_cached_prefix_copies_it_and_leaves_it_cached(tmp_path):
+    model = tiny_model(seed=0)
+    model.save_pretrained(tmp_path)
+    engine = NativeEngine(tmp_path, CharTokenizer(), max_batch_size=4, max_seq_len=160)
+    calls = _record_forwards(engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = engine.generate(prompt_batch([30]), params)  # caches 30 + 11 tokens
+    fork = Batch({"input_ids": torch.cat([first["input_ids"][:, :32], torch.tensor([[5, 6, 7, 8]])], 1)})
+    fork["attention_mask"] = torch.ones_like(fork["input_ids"])
+    calls.clear()
+    out = engine.generate(fork, params)
+    assert calls == [("extend", [32])]  # the shared 32 tokens were copied, not computed
+    _check_against_transformers(model, out, fork, 12)
+    calls.clear()
+    again = _continued(first, 4, seed=1)
+    out = engine.generate(again, params)
+    assert calls == [("extend", [41])]  # the copy's source was kept: the first sample is still cached whole
+    _check_against_transformers(model, out, again, 12)
+    short = engine.generate(prompt_batch([5]), params)  # too short a shared prefix to be worth a call
+    assert calls[-1] == ("prefill", [5])
+    _check_against_transformers(model, short, prompt_batch([5]), 12)
+
+
+def test_no_prefix_cache_for_a_model_passed_in():
+    """The engine cannot see a passed-in model's weights change (an optimizer step), so it keeps nothing."""
+    engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=64)
+    engine.generate(prompt_batch([20]), SamplingParams(temperature=0, max_tokens=8))
+    assert not engine.prefix_cache and engine.cached_prefixes == {}

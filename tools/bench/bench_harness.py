@@ -7,8 +7,9 @@ The calculator task of ``recipes/configs/grpo_calculator_agent_cpu.yaml`` on Smo
   calculator tool in a worker process): slots keep their KV cache between turns.
 - ``harness``: ``recipes/harness/calculator_agent.py`` (an ``openai`` client loop, one thread per
   trajectory) through `torchrlhf.agents.harness.HarnessRunner`: HTTP calls batched into the engine's
-  single-turn ``generate``, each call prefilled whole (``--engine vllm``: vLLM's prefix cache holds what the
-  trajectory's earlier calls computed; the native side then runs its sessions in rounds on vLLM too).
+  single-turn ``generate``; the engine's prefix cache holds what the trajectory's earlier calls computed, so
+  a call computes only its new tokens (``--engine vllm``: vLLM's prefix cache; the native side then runs its
+  sessions in rounds on vLLM too).
 
 Sides alternate, ``--repeats`` times each (medians printed), so both see the same load on a shared host.
 

@@ -26,6 +26,8 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env`` 
         harness: pkg.mod:run_agent # instead of tools/env: run_agent(base_url, row) -> reward, an OpenAI client's
         harness_timeout_s: 300     #   agent (`torchrlhf.agents.harness`; needs reward: env or sum); per trajectory
         harness_host: 127.0.0.1    #   the endpoint's address (loopback: anyone reaching it can sample the policy)
+        harness_batch_wait_s: 0.2  #   waiting calls are sampled together once every live trajectory has one, or
+                                   #   after this long with none new (the other harnesses busy with their own work)
 
 The whole trajectory (prompt + model turns + observations) is capped by ``max_trajectory_tokens``,
 which the trainer derives from ``max_seq_len``. A model turn with tool calls gets their results; a
@@ -84,6 +86,7 @@ class AgentSpec:
     harness: str | None = None
     harness_timeout_s: float = 300.0
     harness_host: str = "127.0.0.1"
+    harness_batch_wait_s: float = 0.2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tools", tuple(self.tools))
@@ -102,6 +105,7 @@ class AgentSpec:
             (not self.harness or self.reward in ("env", "sum"),
              f"harness returns the reward: set reward: env (or sum, to add the reward function's), got {self.reward!r}"),
             (self.harness_timeout_s > 0, f"harness_timeout_s must be > 0, got {self.harness_timeout_s}"),
+            (self.harness_batch_wait_s >= 0, f"harness_batch_wait_s must be >= 0, got {self.harness_batch_wait_s}"),
             (self.format in ("hermes", "tags"), f"format must be 'hermes' or 'tags', got {self.format!r}"),
             (self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}"),
             (self.max_parallel_calls >= 1, f"max_parallel_calls must be >= 1, got {self.max_parallel_calls}"),

@@ -148,15 +148,17 @@ class HarnessRunner:
     """Runs a harness per row, serves its calls in batches, and turns the recorded calls into trajectories.
 
     Args:
-        agent: the run's `Agent` (its renderer, budgets, ``spec.harness_timeout_s`` / ``on_error``).
+        agent: the run's `Agent`: its renderer, budgets, ``on_error`` and ``spec.harness_*`` settings. The
+            waiting requests are sampled together once every live trajectory has one waiting, or when none
+            has come for ``harness_batch_wait_s`` (the other harnesses are busy with their own work; 0.05 s
+            split a step's first calls, as 16 harness threads start, into batches of 1-2 and 14-15).
         harness: ``run_agent(base_url, row) -> float``.
-        batch_wait_s: how long the first waiting request waits for the other live trajectories' requests
-            before a batch is sampled without them (a harness busy with its own work).
     """
 
-    def __init__(self, agent: Agent, harness: Harness, *, batch_wait_s: float = 0.05) -> None:
-        self.agent, self.harness, self.batch_wait_s = agent, harness, batch_wait_s
+    def __init__(self, agent: Agent, harness: Harness) -> None:
+        self.agent, self.harness = agent, harness
         spec = agent.spec
+        self.batch_wait_s = spec.harness_batch_wait_s
         self.server = HarnessServer(spec.harness_host, wait_s=spec.harness_timeout_s + 5.0)
         self._renderers: dict[str, ChatRenderer] = {}
 
@@ -174,7 +176,7 @@ class HarnessRunner:
             threading.Thread(target=self._call_harness, args=(sid, session), name=f"harness-{sid[:8]}",
                              daemon=True).start()
         pending: list[_Request] = []
-        first_at = 0.0
+        last_at = 0.0
         while True:
             now = time.monotonic()
             for session in sessions.values():
@@ -188,11 +190,11 @@ class HarnessRunner:
                 request = self.server.requests.get(timeout=0.01)
                 if not self._refused(request, sessions):
                     pending.append(request)
-                    first_at = first_at if len(pending) > 1 else time.monotonic()
-                continue_collecting = len(pending) < len(live)
+                    last_at = time.monotonic()
             except queue.Empty:
-                continue_collecting = False
-            if pending and (not continue_collecting or time.monotonic() - first_at > self.batch_wait_s):
+                pass
+            more_coming = len(pending) < len(live) and time.monotonic() - last_at < self.batch_wait_s
+            if pending and not more_coming:
                 self._serve(pending, sessions, generate)
                 pending = []
         for request in pending:

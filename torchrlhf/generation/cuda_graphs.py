@@ -7,8 +7,8 @@ Capturing the step once and replaying it turns those launches into one.
 A graph fixes its shapes, so steps are bucketed: the span of slots to a power of
 two (capped at the pool size) and the attended KV length to a multiple of
 ``kv_block``. Padding is harmless by construction: rows past the span are free
-slots (their cache rows are rewritten when a sample is admitted) fed position 0,
-and KV positions past a row's own position are masked out of attention.
+slots fed the scratch position ``max_seq_len - 1``, which no sample and no cached
+prefix holds, and KV positions past a row's own position are masked out of attention.
 
 Graphs hold the addresses of the KV cache and the weights, so they are only valid
 until those are freed (`NativeEngine.release`); the engine drops them then. `capture_all`
@@ -73,10 +73,10 @@ class GraphedDecode:
         return [(s, kv) for s in spans for kv in kvs]
 
     def capture_all(self) -> None:
-        """Capture every bucket now (steps then only replay). Inputs are zeros: position 0 of the slots'
-        cache rows is written with junk that the next prefill into a slot rewrites."""
+        """Capture every bucket now (steps then only replay). Inputs are token 0 at the scratch position
+        (junk written where nothing is kept)."""
         self.tokens.zero_()
-        self.positions.zero_()
+        self.positions.fill_(self.max_seq_len - 1)
         for key in self.buckets():
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
@@ -91,7 +91,7 @@ class GraphedDecode:
         self.positions[:span].copy_(positions)
         if bucket > span:
             self.tokens[span:bucket].zero_()
-            self.positions[span:bucket].zero_()
+            self.positions[span:bucket].fill_(self.max_seq_len - 1)
         key = (bucket, kv_bucket)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, kv_bucket)

@@ -6,11 +6,14 @@ slots holds the live ones; each slot owns a row of the pre-allocated KV cache
 slot at once and the next waiting sample takes it (continuous batching), so a
 long sample never holds the others back. The samples of one prompt share its
 prefill: the prompt runs once and its KV prefix is copied into the siblings' slots.
+
+A finished sample's slot keeps its keys/values until the slot is needed again (the prefix cache,
+while the weights stay the same): a later prompt that continues it, as an OpenAI-endpoint agent's next
+call continues its last one, computes only its new tokens.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -40,6 +43,23 @@ from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
+
+
+# The shortest cached prefix a prompt is computed from (vLLM's KV block size): below it the saved compute
+# does not pay for a forward call of its own.
+MIN_CACHED_PREFIX = 16
+
+
+def _shared_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share (a binary search over list-slice compares, done in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
@@ -112,6 +132,11 @@ class NativeEngine:
             steps instead of one or more per step, at the cost of up to ``check_every - 1`` idle steps per
             ended slot. The sampled tokens do not depend on it. Stop strings need the text of every token:
             with ``SamplingParams.stop`` the host looks every step.
+        prefix_cache: keep each finished sample's keys/values in its slot until the slot is needed, and
+            compute a later prompt that starts with at least half of one of them (and ``MIN_CACHED_PREFIX``
+            tokens) from there: an endpoint agent's next call, which repeats its whole conversation, computes
+            only the new turn. The cache is dropped by `update_weights` and `release`, and is off for a model
+            passed in (its weights can change where the engine cannot see) and in partial rollouts.
 
     Weight contract for the hybrid engine (`update_weights`):
         * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
@@ -140,6 +165,7 @@ class NativeEngine:
         cpu_prepack: bool = True,
         check_every: int | None = None,
         compile: bool = False,
+        prefix_cache: bool = True,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -183,6 +209,8 @@ class NativeEngine:
         packable = self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype)
         if cpu_prepack and not compile and packable:
             self.prepacked = PrepackedLinears(model, free_plain=True)
+        self.prefix_cache = prefix_cache and self.owns_weights
+        self.cached_prefixes: dict[int, list[int]] = {}  # free slot -> the tokens whose keys/values it holds
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._allocate_cache()
@@ -215,6 +243,7 @@ class NativeEngine:
         after. Unknown names and shape mismatches raise ValueError naming the parameter.
         """
         params = self._params()
+        self.cached_prefixes = {}  # computed with the old weights
         for name, tensor in named_tensors:
             if name == "lm_head.weight" and self._tied:
                 name = "model.embed_tokens.weight"
@@ -236,6 +265,7 @@ class NativeEngine:
     def _allocate_cache(self) -> None:
         d = self.dims
         shape = (d.num_layers, self.max_batch_size, self.max_seq_len, d.num_kv_heads, d.head_dim)
+        self.cached_prefixes = {}
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
@@ -253,6 +283,7 @@ class NativeEngine:
         `update_weights` before `generate`.
         """
         self.k_cache = self.v_cache = None
+        self.cached_prefixes = {}
         self._graphed = None  # captured on the addresses being freed
         if self.prepacked is not None:
             self.prepacked.clear()
@@ -366,6 +397,10 @@ class _Run:
     only the observation is prefilled into the slot (`CachedDecoder.extend`) and decoding goes on; the
     model-token counter (``step``) runs over all turns, so the sampling uniforms and the log-probs of one
     trajectory are one sequence.
+
+    Slots that hold no sample take the scratch position ``max_seq_len - 1`` in decode steps (a free row's
+    keys/values are written somewhere): never a position of a cached prefix, which holds at most
+    ``max_seq_len - 1`` tokens.
     """
 
     def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits,
@@ -375,6 +410,13 @@ class _Run:
         self.decode = engine.decode_fn()
         self.seeds, self.sessions = seeds, sessions
         dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
+        self.scratch = engine.max_seq_len - 1
+        # The prefix cache (free slot -> tokens it holds), taken from the engine and given back by `run`; with
+        # weights that may change between steps it is neither used nor filled.
+        use_cache = engine.prefix_cache and between_steps is None
+        self.cached: dict[int, list[int]] = engine.cached_prefixes if use_cache else {}
+        engine.cached_prefixes = {}
+        self.record = use_cache and sessions is None  # an agent's slot also holds observations: not recorded
         total = len(prompt_tokens) * params.n
         if sessions is None:
             self.prompt_tokens = prompt_tokens
@@ -387,9 +429,10 @@ class _Run:
             self.prompt_of = [unique.setdefault(tuple(s.prompt_tokens), len(unique)) for s in sessions]
             self.prompt_tokens = [torch.tensor(t, dtype=torch.long) for t in unique]
             self.limits = [s.turn_budget() for s in sessions]
+        self.prompt_lists = [t.tolist() for t in self.prompt_tokens]
         # Per-slot decode state, pre-allocated; rows of free slots hold junk that no one reads.
         self.cur = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.full((slots,), self.scratch, dtype=torch.long, device=dev)
         self.step = torch.zeros(slots, dtype=torch.long, device=dev)
         self.live = torch.zeros(slots, dtype=torch.long, device=dev)
         self.limit = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -411,7 +454,7 @@ class _Run:
         # Python-side bookkeeping. A session that is already done (its environment failed to reset, no
         # budget left) takes no slot.
         self.waiting = deque(sid for sid in range(total) if sessions is None or self.limits[sid] > 0)
-        self.free = list(range(slots))
+        self.free = set(range(slots))
         self.slot_sample = [-1] * slots
         self.slot_pos = [0] * slots  # position the slot's next token goes to
         self.slot_turn: dict[int, int] = {}  # agents: the model-token index the slot's current turn started at
@@ -429,38 +472,54 @@ class _Run:
     def _admit(self) -> None:
         e, n = self.e, self.p.n
         taken = []
+        computed: dict[int, int] = {}  # prompt -> the slot it is computed into now
+        prefill, extend = [], []  # prompts computed whole; (prompt, tokens already cached in its slot)
+        reuse, copies = [], []  # (dst, src, length) cached-prefix copies; (dst, src, prompt) prompt shares
         while self.waiting and self.free:
-            taken.append((self.waiting.popleft(), heapq.heappop(self.free)))
-        prefill, copies = {}, []  # prompt -> slot it prefills into; (dst, src) prefix copies
-        for sid, slot in taken:
+            sid = self.waiting.popleft()
             p = self.prompt_of[sid]
             live = self.prompt_slots.get(p)
-            if live:
-                copies.append((slot, next(iter(live)), p))
-            elif p in prefill:
-                copies.append((slot, prefill[p], p))
+            if live or p in computed:
+                slot = self._take()
+                copies.append((slot, next(iter(live)) if live else computed[p], p))
             else:
-                prefill[p] = slot
+                slot, cached = self._place(p, reuse)
+                computed[p] = slot
+                if cached:
+                    extend.append((p, cached))
+                else:
+                    prefill.append(p)
+            taken.append((sid, slot))
+        if reuse:  # before anything is written: a source may be taken by a later prompt of this admission
+            dst = torch.tensor([d for d, _, _ in reuse], device=e.device)
+            src = torch.tensor([s for _, s, _ in reuse], device=e.device)
+            span = max(length for _, _, length in reuse)
+            e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
+            e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
         if prefill:
-            plist = list(prefill)
-            lens = [len(self.prompt_tokens[p]) for p in plist]
-            toks = torch.zeros(len(plist), max(lens), dtype=torch.long)
-            for row, p in enumerate(plist):
+            lens = [len(self.prompt_lists[p]) for p in prefill]
+            toks = torch.zeros(len(prefill), max(lens), dtype=torch.long)
+            for row, p in enumerate(prefill):
                 toks[row, : lens[row]] = self.prompt_tokens[p]
-            logits = e.decoder.prefill(
-                toks.to(e.device),
-                torch.tensor(lens, device=e.device),
-                torch.tensor([prefill[p] for p in plist], device=e.device),
-                e.k_cache,
-                e.v_cache,
-            )
-            for row, p in enumerate(plist):
-                self.prompt_logits[p] = logits[row]
-                self.prompt_version[p] = self.version
+            logits = e.decoder.prefill(toks.to(e.device), torch.tensor(lens, device=e.device),
+                                       torch.tensor([computed[p] for p in prefill], device=e.device),
+                                       e.k_cache, e.v_cache)
+            self._keep_prompt_logits(prefill, logits)
+        if extend:  # only the tokens after the cached prefix
+            rows = [self.prompt_lists[p][cached:] for p, cached in extend]
+            lens = [len(r) for r in rows]
+            toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
+            for row, r in enumerate(rows):
+                toks[row, : lens[row]] = torch.tensor(r)
+            logits = e.decoder.extend(toks.to(e.device), torch.tensor([c for _, c in extend], device=e.device),
+                                      torch.tensor(lens, device=e.device),
+                                      torch.tensor([computed[p] for p, _ in extend], device=e.device),
+                                      e.k_cache, e.v_cache)
+            self._keep_prompt_logits([p for p, _ in extend], logits)
         if copies:
             dst = torch.tensor([d for d, _, _ in copies], device=e.device)
             src = torch.tensor([s for _, s, _ in copies], device=e.device)
-            span = max(len(self.prompt_tokens[p]) for _, _, p in copies)
+            span = max(len(self.prompt_lists[p]) for _, _, p in copies)
             e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
             e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
 
@@ -493,6 +552,41 @@ class _Run:
             if self.to_admit[p] == 0:
                 del self.prompt_logits[p]
         self._end_on_device(slot_t, tok, lp)
+
+    def _keep_prompt_logits(self, prompts: list[int], logits: torch.Tensor) -> None:
+        for row, p in enumerate(prompts):
+            self.prompt_logits[p] = logits[row]
+            self.prompt_version[p] = self.version
+
+    def _take(self) -> int:
+        """The lowest free slot that holds no cached prefix, else the lowest free one (its prefix dropped)."""
+        plain = [s for s in self.free if s not in self.cached]
+        slot = min(plain) if plain else min(self.free)
+        self.free.discard(slot)
+        self.cached.pop(slot, None)
+        return slot
+
+    def _place(self, p: int, reuse: list[tuple[int, int, int]]) -> tuple[int, int]:
+        """A slot for prompt ``p``'s computation and how many of its first tokens the slot will already hold:
+        the slot of the longest cached prefix the prompt continues, or a fresh one with the longest shared
+        prefix copied in (appended to ``reuse``), when that prefix is worth a forward call of its own (at
+        least half the prompt and `MIN_CACHED_PREFIX` tokens); else a fresh slot and 0."""
+        tokens = self.prompt_lists[p]
+        best, length = -1, 0
+        for slot, cached in self.cached.items():
+            shared = min(_shared_prefix_len(cached, tokens), len(tokens) - 1)  # the last token gives the logits
+            if shared > length:
+                best, length = slot, shared
+        if length < MIN_CACHED_PREFIX or 2 * length < len(tokens):
+            return self._take(), 0
+        if length == len(self.cached[best]):  # the prompt continues all the slot holds: compute it there
+            self.free.discard(best)
+            del self.cached[best]
+            return best, length
+        slot = self._take()
+        if slot != best:
+            reuse.append((slot, best, length))
+        return slot, length
 
     # ---------------------------------------------------------------- finishing
     def _end_on_device(self, slot_t: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
@@ -565,17 +659,20 @@ class _Run:
         self.res_ver[sid_t] = self.out_ver[slot_t].cpu()
         self.res_len[sid_t] = self.step[slot_t].cpu()
         self.live[slot_t] = 0
-        self.pos[slot_t] = 0
+        self.pos[slot_t] = self.scratch
         self.step[slot_t] = 0
         self.ended_by_stop[slot_t] = False
         for s, sid, reason in zip(slots, sids, reasons):
             self.reasons[sid] = reason
-            self.prompt_slots[self.prompt_of[sid]].discard(s)
+            p = self.prompt_of[sid]
+            self.prompt_slots[p].discard(s)
+            if self.record:  # the slot holds the prompt and every sampled token but the last (never fed)
+                self.cached[s] = self.prompt_lists[p] + self.res_tok[sid, : int(self.res_len[sid]) - 1].tolist()
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
             self.slot_turn.pop(s, None)
             self.gen_text.pop(s, None)
-            heapq.heappush(self.free, s)
+            self.free.add(s)
 
     # ---------------------------------------------------------------- agent turns
     def _end_turns(self, ended: list[tuple[int, bool, int]]) -> None:
@@ -655,9 +752,10 @@ class _Run:
                   self.uni, self.ended_by_stop, self.nonfinite):
             t[dst] = t[src]
         self.live[src] = 0
-        self.pos[src] = 0
+        self.pos[src] = self.scratch
         self.step[src] = 0
         for d, s in zip(targets, movers):
+            self.cached.pop(d, None)
             sid = self.slot_sample[s]
             self.slot_sample[d], self.slot_sample[s] = sid, -1
             self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
@@ -667,8 +765,7 @@ class _Run:
             for per_slot in (self.gen_text, self.slot_turn, self.parked):
                 if s in per_slot:
                     per_slot[d] = per_slot.pop(s)
-        self.free = [s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0]
-        heapq.heapify(self.free)
+        self.free = {s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0}
 
     def _decode_step(self) -> None:
         e = self.e
@@ -723,4 +820,5 @@ class _Run:
                 continue
             if decoding:
                 self._decode_step()
+        self.e.cached_prefixes = self.cached
         return self.res_tok, self.res_lp, self.res_len, self.reasons
