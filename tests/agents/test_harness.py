@@ -19,7 +19,7 @@ from torchrlhf.agents import build_agent
 from torchrlhf.agents.harness import HarnessRunner, split_tool_calls
 from torchrlhf.config import ConfigError
 from torchrlhf.generation import NativeEngine, SamplingParams
-from torchrlhf.generation.base import sample_single_turns
+from torchrlhf.generation.base import sample_sessions
 from torchrlhf.models import load_tokenizer, save_tiny_model
 
 pytest.importorskip("openai")
@@ -117,8 +117,7 @@ def _run(engine, tiny_dir, harness_module, name, rows=ROWS, **spec):
                         max_trajectory_tokens=256)
     runner = HarnessRunner(agent, agent.spec.load_harness())
     try:
-        return tok, runner.run(rows, [7 + i for i in range(len(rows))], functools.partial(sample_single_turns, engine.generate, PARAMS,
-                                                                                   tok.eos_token_id))
+        return tok, runner.run(rows, [7 + i for i in range(len(rows))], functools.partial(sample_sessions, engine.generate, PARAMS))
     finally:
         runner.close()
 
@@ -128,9 +127,47 @@ def _template(tok, messages) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_calls_are_one_token_exact_trajectory_with_the_engines_log_probs(engine, tiny_dir, harness_module):
+def test_calls_are_one_token_exact_trajectory_with_the_engines_log_probs(engine, tiny_dir, harness_module,
+                                                                        monkeypatch):
+    """The native engine parks each trajectory's slot between its calls: the second call's new tokens are
+    computed after the first's cached keys/values, its prompt is not computed again."""
+    extended = []
+    extend = engine.decoder.extend
+
+    def spy(tokens, starts, lengths, *rest):
+        extended.extend(zip(starts.tolist(), lengths.tolist()))
+        return extend(tokens, starts, lengths, *rest)
+
+    monkeypatch.setattr(engine.decoder, "extend", spy)
     tok, (trajectories, logps) = _run(engine, tiny_dir, harness_module, "two_calls")
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    _check_two_calls(tiny_dir, tok, (trajectories, logps))
+    for traj in trajectories:
+        (_, first_end), (second_start, _) = traj.turn_spans
+        held = len(traj.prompt_tokens) + first_end - 1  # the first turn's last token is computed with the rest
+        assert (held, second_start - first_end + 1) in extended
+
+
+def test_a_round_based_engine_serves_the_harness_too(tmp_path, harness_module):
+    """vLLM runs the harness's sessions in rounds (every waiting call sampled together): the same token-exact
+    trajectories with the model's log-probs."""
+    from torchrlhf.generation import VLLMEngine, vllm_available
+
+    available, why = vllm_available()
+    if not available:
+        pytest.skip(f"vLLM is not importable here ({why})")
+    # vLLM's CPU attention needs head_dim >= 32: 4 heads of 32
+    model_dir = str(save_tiny_model(tmp_path / "wide", tokenizer_from="smollm2", initializer_range=1.0,
+                                    hidden_size=128, intermediate_size=192, head_dim=32))
+    engine = VLLMEngine(model_dir, max_batch_size=8, max_seq_len=256)
+    try:
+        _check_two_calls(model_dir, *_run(engine, model_dir, harness_module, "two_calls"))
+    finally:
+        engine.shutdown()
+
+
+def _check_two_calls(model_dir, tok, result) -> None:
+    trajectories, logps = result
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for row, traj, lp in zip(ROWS, trajectories, logps):
         assert not traj.error and traj.metrics == {"num_turns": 2.0, "harness_splits": 0.0}
         # the prompt is the chat template's render of the row (computed by HF, independently)

@@ -31,7 +31,7 @@ import torch
 
 from torchrlhf.agents import AgentSession, build_agent
 from torchrlhf.agents.harness import HarnessRunner
-from torchrlhf.generation.base import sample_single_turns
+from torchrlhf.generation.base import sample_sessions
 from torchrlhf.config import load_callable
 from torchrlhf.data import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine
@@ -79,7 +79,7 @@ def main() -> None:
 
     def run_harness() -> tuple[float, int, float]:
         start = time.perf_counter()
-        trajs, _ = runner.run(rows, list(range(len(rows))), functools.partial(sample_single_turns, engine.generate, params, pad))
+        trajs, _ = runner.run(rows, list(range(len(rows))), functools.partial(sample_sessions, engine.generate, params))
         seconds = time.perf_counter() - start
         return seconds, sum(sum(t.loss_mask) for t in trajs), statistics.mean(t.env_reward for t in trajs)
 

@@ -6,9 +6,13 @@ for ``openai.OpenAI(base_url=..., api_key="unused")``, ``row`` the data row, the
 (``reward: env``). The endpoint serves ``/chat/completions`` (tool calls parsed from the model's Hermes
 ``<tool_call>`` blocks into OpenAI's ``tool_calls``) and ``/completions``.
 
-Why a server per rollout worker and not per call: the requests of every live trajectory are collected and
-sampled together, one batched ``engine.generate`` (single turns, the same call `generate_in_rounds` makes),
-so any engine serves them, at the policy's current weights. The sampling parameters are the run's
+Why a server per rollout worker and not per call: the trajectories are sampled together, as the agent
+sessions of one ``engine.generate(..., sessions=)`` (`sample_sessions`), at the policy's current weights.
+Each trajectory's first call opens its session (a `_Segment`); a model turn answers the waiting call, and the
+trajectory's next call, which extends the conversation, is the session's observation. So the native engine
+keeps the trajectory's keys/values in its parked slot while the harness works and the other slots decode,
+and prefills only the new tokens; an engine that runs sessions in rounds (vLLM) samples every waiting call
+together, its prefix cache sparing the re-prefill. The sampling parameters are the run's
 (``rollout.temperature`` ...): a request's own ``temperature`` / ``top_p`` are ignored, so the recorded
 log-probs are the policy's; its ``max_tokens`` caps the call.
 
@@ -16,8 +20,9 @@ Every call is recorded by session as token ids and the engine's log-probs. A req
 start with the session's previous messages plus the answer it got is rendered as the chat template's
 *delta* after the sampled tokens (`ChatRenderer.delta_tokens`, as our own agent sessions do), so the
 trajectory stays token-exact even when the template would re-render the model's turn differently. A call
-whose prompt does not extend the previous call's tokens starts a new segment (counted: ``harness_splits``);
-the trajectory's sample is its last segment, the one that holds the final answer.
+whose prompt does not extend the previous call's tokens starts a new segment (counted: ``harness_splits``),
+sampled in the next ``generate`` once the current one ends (as is a trajectory's first call that comes after
+the others' have started); the trajectory's sample is its last segment, the one that holds the final answer.
 
 A harness that raises, or runs past ``harness_timeout_s``, gives an error sample (``agent_error``, scored
 ``on_error_score``); a timed-out thread cannot be killed and is left behind (a daemon), its later requests
@@ -34,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,15 +47,15 @@ from typing import Any
 
 from torchrlhf.agents.agent import Agent
 from torchrlhf.agents.render import ChatRenderer
-from torchrlhf.agents.session import Trajectory
+from torchrlhf.agents.session import Trajectory, TurnResult
 
 log = logging.getLogger(__name__)
 
 Harness = Callable[[str, dict[str, Any]], Any]
-# ``turns(contexts, budgets, seeds)``: one batched call sampling a turn after each token context, each with its own
-# budget and sample seed (`torchrlhf.generation.base.sample_single_turns` bound to an engine's generate and the run's
-# sampling); returns (tokens, log-probs, finish reason) per context.
-TurnGenerate = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float], str]]]
+# ``drive(sessions, seeds)``: one ``generate`` running agent sessions to their ends, each from its own sample seed
+# (`torchrlhf.generation.base.sample_sessions` bound to an engine's generate and the run's sampling); returns
+# each session's model-token log-probs.
+SessionGenerate = Callable[[list[Any], list[int]], list[list[float]]]
 
 
 @dataclass
@@ -161,13 +167,14 @@ class HarnessRunner:
         self.batch_wait_s = spec.harness_batch_wait_s
         self.server = HarnessServer(spec.harness_host, wait_s=spec.harness_timeout_s + 5.0)
         self._renderers: dict[str, ChatRenderer] = {}
+        self._lock = threading.Lock()  # a session's calls: written by the engine's thread and the router
 
     def close(self) -> None:
         self.server.close()
 
     # ------------------------------------------------------------------ the rollout
     def run(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int],
-            generate: TurnGenerate) -> tuple[list[Trajectory], list[list[float]]]:
+            drive: SessionGenerate) -> tuple[list[Trajectory], list[list[float]]]:
         """One trajectory per row (``seeds[i]`` seeds row i's calls); each with its model-token log-probs."""
         timeout = self.agent.spec.harness_timeout_s
         sessions = {uuid.uuid4().hex: _Session(dict(row), int(seed)) for row, seed in zip(rows, seeds, strict=True)}
@@ -176,16 +183,22 @@ class HarnessRunner:
             threading.Thread(target=self._call_harness, args=(sid, session), name=f"harness-{sid[:8]}",
                              daemon=True).start()
         pending: list[_Request] = []
-        last_at = 0.0
+        while (pending := self._gather(sessions, pending)) is not None:
+            pending = self._drive(pending, sessions, drive)
+        # requests from timed-out harnesses that arrive later are refused by the next run's dispatcher
+        results = [self._trajectory(s) for s in sessions.values()]
+        return [t for t, _ in results], [lp for _, lp in results]
+
+    def _gather(self, sessions: Mapping[str, _Session], pending: list[_Request]) -> list[_Request] | None:
+        """Collect requests until every live trajectory has one waiting, or none came for ``batch_wait_s``
+        (the other harnesses are busy); None when no trajectory is live and none waits."""
+        last_at = time.monotonic()
         while True:
-            now = time.monotonic()
-            for session in sessions.values():
-                if not session.done and now > session.deadline:
-                    session.done, session.error = True, "timeout"
+            self._expire(sessions)
             live = [s for s in sessions.values() if not s.done]
             pending = [r for r in pending if not self._refused(r, sessions)]
             if not live and not pending:
-                break
+                return None
             try:
                 request = self.server.requests.get(timeout=0.01)
                 if not self._refused(request, sessions):
@@ -193,15 +206,88 @@ class HarnessRunner:
                     last_at = time.monotonic()
             except queue.Empty:
                 pass
-            more_coming = len(pending) < len(live) and time.monotonic() - last_at < self.batch_wait_s
-            if pending and not more_coming:
-                self._serve(pending, sessions, generate)
-                pending = []
-        for request in pending:
-            self._answer(request, 410, _error("the trajectory ended"))
-        # requests from timed-out harnesses that arrive later are refused by the next run's dispatcher
-        results = [self._trajectory(s) for s in sessions.values()]
-        return [t for t, _ in results], [lp for _, lp in results]
+            if pending and not (len(pending) < len(live) and time.monotonic() - last_at < self.batch_wait_s):
+                return pending
+
+    def _drive(self, requests: list[_Request], sessions: Mapping[str, _Session],
+               drive: SessionGenerate) -> list[_Request]:
+        """Open a segment for each request and run them all in one ``drive``; while it runs, `_route` hands each
+        trajectory's next call to its segment. Returns the requests that belong to no open segment."""
+        segments: dict[str, _Segment] = {}
+        later: list[_Request] = []
+        for request in requests:
+            session = sessions[request.session]
+            try:
+                prompt, budget, _ = self._prepare(request, session)
+            except _BadRequest as e:
+                self._answer(request, 400, _error(str(e)))
+                continue
+            if budget <= 0:  # the trajectory's token budget is spent
+                self._reply(request, session, prompt, Call(prompt, [], [], "length"))
+            elif request.session in segments:  # a second call made while the first waits: after this drive
+                later.append(request)
+            else:
+                segments[request.session] = _Segment(self, session, request, prompt, budget)
+        if not segments:
+            return later
+        stop = threading.Event()
+        router = threading.Thread(target=self._route, args=(sessions, segments, stop, later), name="harness-router",
+                                  daemon=True)
+        router.start()
+        try:
+            order = list(segments.values())
+            logps = drive(order, [seg.seed for seg in order])
+        finally:
+            stop.set()
+            router.join()
+        for segment, values in zip(order, logps, strict=True):
+            segment.take_logps(values)
+        return later
+
+    def _route(self, sessions: Mapping[str, _Session], segments: Mapping[str, _Segment], stop: threading.Event,
+               later: list[_Request]) -> None:
+        """While a drive runs: give each call that extends its trajectory's open segment to it (the engine's
+        next turn), end the segments of trajectories whose harness is done or timed out, or whose call starts
+        over (that call goes to ``later``)."""
+        while not stop.is_set():
+            self._expire(sessions)
+            with self._lock:  # a turn's end may be making the segment's next future
+                for sid, segment in segments.items():
+                    if sessions[sid].done:
+                        segment.end()
+            try:
+                request = self.server.requests.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if self._refused(request, sessions):
+                continue
+            segment = segments.get(request.session)
+            session = sessions[request.session]
+            if segment is None or not segment.waiting:
+                if segment is not None:
+                    segment.end_after_turn()  # a second call while a turn is in flight: a new segment
+                later.append(request)
+                continue
+            with self._lock:
+                try:
+                    prompt, budget, _ = self._prepare(request, session)
+                except _BadRequest as e:
+                    self._answer(request, 400, _error(str(e)))
+                    continue
+                if not _extends(segment.calls[-1], prompt):
+                    segment.end()
+                    later.append(request)
+                elif budget <= 0:
+                    self._reply(request, session, prompt, Call(prompt, [], [], "length"))
+                    segment.end()
+                else:
+                    segment.go_on(request, prompt, budget)
+
+    def _expire(self, sessions: Mapping[str, _Session]) -> None:
+        now = time.monotonic()
+        for session in sessions.values():
+            if not session.done and now > session.deadline:
+                session.done, session.error = True, "timeout"
 
     def _call_harness(self, sid: str, session: _Session) -> None:
         try:
@@ -227,27 +313,6 @@ class HarnessRunner:
     def _answer(request: _Request, status: int, reply: dict[str, Any]) -> None:
         request.status, request.reply = status, reply
         request.ready.set()
-
-    # ------------------------------------------------------------------ serving a batch
-    def _serve(self, requests: list[_Request], sessions: Mapping[str, _Session], generate: TurnGenerate) -> None:
-        todo: list[tuple[_Request, list[int], int, dict[str, Any]]] = []
-        for request in requests:
-            try:
-                todo.append((request, *self._prepare(request, sessions[request.session])))
-            except _BadRequest as e:
-                self._answer(request, 400, _error(str(e)))
-        to_sample = [t for t in todo if t[2] > 0]
-        for request, prompt, _, _ in [t for t in todo if t[2] <= 0]:  # the trajectory's token budget is spent
-            self._reply(request, sessions[request.session], prompt, Call(prompt, [], [], "length"))
-        if not to_sample:
-            return
-        seeds = [sessions[r.session].seed + len(sessions[r.session].calls) for r, *_ in to_sample]
-        turns = generate([p for _, p, _, _ in to_sample], [b for _, _, b, _ in to_sample], seeds)
-        for (request, prompt, _, _), (tokens, logps, reason) in zip(to_sample, turns, strict=True):
-            session = sessions[request.session]
-            call = Call(prompt, list(tokens), list(logps), reason)
-            session.calls.append(call)
-            self._reply(request, session, prompt, call)
 
     def _prepare(self, request: _Request, session: _Session) -> tuple[list[int], int, dict[str, Any]]:
         """(prompt tokens, this call's token budget, the body) of a request."""
@@ -341,24 +406,92 @@ class HarnessRunner:
                               metrics=metrics)
             traj.turn_rewards = [session.reward]
             return traj, []
-        traj = Trajectory(prompt_tokens=list(segment[0].prompt))
-        logps: list[float] = []
-        for call in segment:
-            observation = call.prompt[len(traj.prompt_tokens) + len(traj.response_tokens):]
-            traj.response_tokens.extend(observation)
-            traj.loss_mask.extend([0] * len(observation))
-            start = len(traj.response_tokens)
-            traj.response_tokens.extend(call.completion)
-            traj.loss_mask.extend([1] * len(call.completion))
-            traj.turn_spans.append((start, start + len(call.completion)))
-            traj.turn_rewards.append(0.0)
-            logps.extend(call.logps)
+        traj, logps = _concatenate(segment)
         traj.turn_rewards[-1] = session.reward
         traj.final_text = self.agent.renderer.tokenizer.decode(segment[-1].completion, skip_special_tokens=True)
         traj.finish_reason = "error" if error else segment[-1].finish_reason
         traj.error = error
         traj.metrics = metrics
         return traj, logps
+
+
+class _Segment:
+    """A trajectory's calls that extend one another, as the agent session an engine's ``generate`` drives:
+    each model turn is the answer to the waiting call, and the trajectory's next call, when it extends the
+    conversation, gives the observation (the tokens its prompt adds) and the next turn's budget."""
+
+    def __init__(self, runner: HarnessRunner, session: _Session, request: _Request, prompt: list[int],
+                 budget: int) -> None:
+        self.runner, self.session = runner, session
+        self.seed = session.seed + len(session.calls)
+        self.prompt_tokens = list(prompt)
+        self.tokens = list(prompt)  # the whole context of the next turn (what a round-based engine samples after)
+        self.calls: list[Call] = []
+        self._request: _Request | None = request
+        self._budget = budget
+        self._future: Future | None = None
+        self._last_turn = False
+
+    def turn_budget(self) -> int:
+        return self._budget if self._request is not None else 0
+
+    @property
+    def waiting(self) -> bool:
+        """A turn was answered and the trajectory's next call has not come."""
+        return self._future is not None and not self._future.done()
+
+    def end_turn(self, tokens: Sequence[int], finish_reason: str) -> Future:
+        with self.runner._lock:
+            call = Call(self.tokens, list(tokens), [], finish_reason)
+            self.calls.append(call)
+            self.session.calls.append(call)
+            self._future = Future()
+            if self._last_turn:
+                self._future.set_result(TurnResult(None))
+            request, self._request = self._request, None
+            self.runner._reply(request, self.session, call.prompt, call)
+            return self._future
+
+    def go_on(self, request: _Request, prompt: list[int], budget: int) -> None:
+        """The next call extends the conversation: its new tokens are the observation."""
+        last = self.calls[-1]
+        self._request, self.tokens, self._budget = request, list(prompt), budget
+        self._future.set_result(TurnResult(prompt[len(last.prompt) + len(last.completion):]))
+
+    def end(self) -> None:
+        if self.waiting:
+            self._future.set_result(TurnResult(None))
+
+    def end_after_turn(self) -> None:
+        self._last_turn = True
+
+    def result(self) -> Trajectory:
+        return _concatenate(self.calls)[0]
+
+    def take_logps(self, values: list[float]) -> None:
+        """The engine's log-probs of this segment's model tokens, split over its calls."""
+        at = 0
+        for call in self.calls:
+            call.logps = list(values[at: at + len(call.completion)])
+            at += len(call.completion)
+
+
+def _concatenate(calls: Sequence[Call]) -> tuple[Trajectory, list[float]]:
+    """Calls that extend one another as one trajectory (the first call's prompt, then for each call the
+    tokens its prompt adds, not trained on, and its completion, trained on) and its log-probs."""
+    traj = Trajectory(prompt_tokens=list(calls[0].prompt))
+    logps: list[float] = []
+    for call in calls:
+        observation = call.prompt[len(traj.prompt_tokens) + len(traj.response_tokens):]
+        traj.response_tokens.extend(observation)
+        traj.loss_mask.extend([0] * len(observation))
+        start = len(traj.response_tokens)
+        traj.response_tokens.extend(call.completion)
+        traj.loss_mask.extend([1] * len(call.completion))
+        traj.turn_spans.append((start, start + len(call.completion)))
+        traj.turn_rewards.append(0.0)
+        logps.extend(call.logps)
+    return traj, logps
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:

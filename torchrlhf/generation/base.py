@@ -371,6 +371,21 @@ def sample_single_turns(generate: Callable[[Batch, SamplingParams], Batch], para
              out["finish_reason"][r]) for r, m in enumerate(lengths)]
 
 
+def sample_sessions(generate: Callable[..., Batch], params: SamplingParams, sessions: Sequence[Any],
+                    seeds: Sequence[int]) -> list[list[float]]:
+    """One ``generate(..., sessions=sessions)`` call (``n=1``), each agent session sampled from its own sample
+    seed (mapped through `prompt_seed_for`, as `sample_single_turns` does); returns each session's model-token
+    log-probs, in order (zeros without ``params.logprobs``): the OpenAI-endpoint harness's driver of its calls."""
+    ones = torch.ones(len(sessions), 1, dtype=torch.long)
+    batch = Batch({"input_ids": ones, "attention_mask": ones,
+                   "seed": torch.tensor([prompt_seed_for(s) for s in seeds], dtype=torch.long)})
+    out = generate(batch, dataclasses.replace(params, n=1), sessions=list(sessions))
+    model = out["response_mask"].bool()
+    if "rollout_log_probs" not in out:
+        return [[0.0] * int(row.sum()) for row in model]
+    return [out["rollout_log_probs"][r][model[r]].tolist() for r in range(len(sessions))]
+
+
 def generate_in_rounds(generate: Callable[[Batch, SamplingParams], Batch], prompts: Batch, params: SamplingParams,
                        sessions: Sequence[Any], pad_id: int, tp_mesh: Any = None) -> Batch:
     """``generate(prompts, params, sessions=sessions)`` for an engine whose ``generate`` samples single turns.

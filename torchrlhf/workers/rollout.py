@@ -41,7 +41,7 @@ from torchrlhf.agents.harness import HarnessRunner
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.generation.base import assemble_trajectories, concat_generations, prompt_seeds, sample_single_turns
+from torchrlhf.generation.base import assemble_trajectories, concat_generations, prompt_seeds, sample_sessions
 from torchrlhf.generation.sampling import sample_seed
 from torchrlhf.hybrid.adapters import AdapterMerger
 from torchrlhf.hybrid.broadcast import Manifest, receive_weights
@@ -161,15 +161,15 @@ class RolloutWorker(Worker):
         return [AgentSession(self.agent, row, messages[i]) for i, row in enumerate(self._rows(prompts)) for _ in range(n)]
 
     def _run_harness(self, prompts: Batch, sampling: SamplingParams, generate: Any) -> Batch:
-        """A harness per sample, its endpoint calls sampled in batches by ``generate`` (the engine's single-turn
-        generate); the trajectories in `assemble_trajectories`' columns."""
+        """A harness per sample, its endpoint calls sampled as agent sessions of ``generate`` (the engine's
+        generate, `HarnessRunner`); the trajectories in `assemble_trajectories`' columns."""
         tok = self.tokenizer
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         seeds = prompt_seeds(prompts, sampling, self.tp_mesh)
         messages = prompts.non_tensors["messages"]  # the harness gets the prompt as the chat the dataset rendered
         rows = [{**row, "prompt": messages[i]} for i, row in enumerate(self._rows(prompts)) for _ in range(sampling.n)]
         sample_seeds = [sample_seed(seeds[k // sampling.n], k % sampling.n) for k in range(len(rows))]
-        trajectories, logps = self.harness.run(rows, sample_seeds, functools.partial(sample_single_turns, generate, sampling, pad_id))
+        trajectories, logps = self.harness.run(rows, sample_seeds, functools.partial(sample_sessions, generate, sampling))
         table = torch.zeros(len(rows), max([1, *map(len, logps)]), dtype=torch.float32)
         for k, values in enumerate(logps):
             table[k, : len(values)] = torch.tensor(values, dtype=torch.float32)
@@ -213,7 +213,7 @@ class RolloutWorker(Worker):
             if partial:
                 extra["between_steps"] = self._load_newest
             if self.harness is not None:
-                out = self._run_harness(prompts, sampling, lambda b, p: self.engine.generate(b, p, **extra))
+                out = self._run_harness(prompts, sampling, lambda b, p, **kw: self.engine.generate(b, p, **extra, **kw))
             else:
                 out = self.engine.generate(prompts, sampling, **extra)
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
