@@ -6,22 +6,20 @@ The calculator task of ``recipes/configs/grpo_calculator_agent_cpu.yaml`` on Smo
 - ``native``: `NativeEngine.generate(..., sessions=...)` with the recipe's agent (``<calc>`` tags, the
   calculator tool in a worker process): slots keep their KV cache between turns.
 - ``harness``: ``recipes/harness/calculator_agent.py`` (an ``openai`` client loop, one thread per
-  trajectory) through `torchrlhf.agents.harness.HarnessRunner`: HTTP calls batched into the engine's
-  single-turn ``generate``; the engine's prefix cache holds what the trajectory's earlier calls computed, so
-  a call computes only its new tokens (``--engine vllm``: vLLM's prefix cache; the native side then runs its
-  sessions in rounds on vLLM too).
+  trajectory) through `torchrlhf.agents.harness.HarnessRunner`: each trajectory's calls are one agent session
+  of the engine's ``generate`` (its slot parked between calls, only the new tokens computed; ``--engine vllm``:
+  both sides run their sessions in rounds, vLLM's prefix cache sparing the re-prefill).
 
 Sides alternate, ``--repeats`` times each (medians printed), so both see the same load on a shared host.
 
-    python tools/bench/bench_harness.py --trajectories 16 --repeats 2
+    python tools/bench/bench_harness.py --trajectories 16 --repeats 4
     python tools/bench/bench_harness.py --trajectories 16 --repeats 2 --engine vllm
 """
 
 from __future__ import annotations
 
-import functools
-
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -64,7 +62,6 @@ def main() -> None:
     native = build_agent(NATIVE, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
     harness_agent = build_agent(HARNESS, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
     runner = HarnessRunner(harness_agent, load_callable(HARNESS["harness"]))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def run_native() -> tuple[float, int, float]:
         sessions = [AgentSession(native, row) for row in rows]

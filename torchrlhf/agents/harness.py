@@ -151,13 +151,14 @@ class HarnessServer:
 
 
 class HarnessRunner:
-    """Runs a harness per row, serves its calls in batches, and turns the recorded calls into trajectories.
+    """Runs a harness per row, serves its calls as the agent sessions of the engine's ``generate``, and turns
+    the recorded calls into trajectories.
 
     Args:
         agent: the run's `Agent`: its renderer, budgets, ``on_error`` and ``spec.harness_*`` settings. The
-            waiting requests are sampled together once every live trajectory has one waiting, or when none
-            has come for ``harness_batch_wait_s`` (the other harnesses are busy with their own work; 0.05 s
-            split a step's first calls, as 16 harness threads start, into batches of 1-2 and 14-15).
+            first calls are sampled together once every live trajectory has sent one, or when none has come
+            for ``harness_batch_wait_s`` (the other harnesses are busy with their own work; 0.05 s split a
+            step's first calls, as 16 harness threads start, into batches of 1-2 and 14-15).
         harness: ``run_agent(base_url, row) -> float``.
     """
 
