@@ -167,8 +167,10 @@ def main() -> None:
     sessions = lambda: [AgentSession(agent, r) for r in rows for _ in range(args.n)]  # noqa: E731
 
     sides: dict[str, Any] = {}
+    # No prefix cache: ``native-reprefill`` must compute every turn's whole conversation, and the repeats of
+    # ``native-single`` sample the same prompts (an RL step loads new weights first, so none carries over).
     native = NativeEngine(path, max_batch_size=args.trajectories, max_seq_len=seq, device=args.device,
-                          dtype=getattr(torch, args.dtype))
+                          dtype=getattr(torch, args.dtype), prefix_cache=False)
     sides["native"] = (True, lambda s: native.generate(_prompt_batch(rows), params, sessions=s))
     if not stops:  # re-prefilling is driven greedily: comparable only where greedy turns end by themselves
         sides["native-reprefill"] = (False, lambda s: reprefill_rounds(native, s, params))

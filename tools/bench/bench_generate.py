@@ -252,14 +252,17 @@ def main() -> None:
         # The engines load their own copy of the weights, as the actor's engine does (and as CPU prepacking needs).
         sizes = dict(max_batch_size=max(args.batch_sizes), max_seq_len=64 + args.max_new_tokens, device=device,
                      dtype=dtype)
-        engines = {"native": NativeEngine(path, tokenizer, **sizes, compile=args.compile)}
+        # Every repeat samples the same prompts. An RL step loads new weights before it samples, so no prompt's
+        # keys/values carry over from the last one: no prefix cache here either (native or vLLM).
+        native = dict(sizes, prefix_cache=False)
+        engines = {"native": NativeEngine(path, tokenizer, **native, compile=args.compile)}
         if args.compile:
-            engines["uncompiled"] = NativeEngine(path, tokenizer, **sizes)
+            engines["uncompiled"] = NativeEngine(path, tokenizer, **native)
         # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
         baseline = "eager" if cuda else "unpacked"
-        engines[baseline] = NativeEngine(path, tokenizer, **sizes, cuda_graphs=False, cpu_prepack=False)
+        engines[baseline] = NativeEngine(path, tokenizer, **native, cuda_graphs=False, cpu_prepack=False)
         if args.vllm:  # vLLM in this process, on the same weights and threads
-            engines["vllm"] = VLLMEngine(path, tokenizer, **sizes, in_process=True)
+            engines["vllm"] = VLLMEngine(path, tokenizer, **sizes, in_process=True, enable_prefix_caching=False)
             torch.set_num_threads(args.threads)  # vLLM's start lowers it for "serving"
     pad_id = 2 if tokenizer is None else (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)

@@ -459,6 +459,10 @@ class _Run:
         self.slot_pos = [0] * slots  # position the slot's next token goes to
         self.slot_turn: dict[int, int] = {}  # agents: the model-token index the slot's current turn started at
         self.parked: dict[int, Any] = {}  # agents: slot -> the future of its session's turn result
+        # agents: parked slots whose observation rides in the next decode step's forward (slot -> its tokens);
+        # only where decode steps run eagerly (a graphed or compiled step has a fixed shape)
+        self.ready: dict[int, list[int]] = {}
+        self.ride_along = sessions is not None and self.decode == engine.decoder.decode  # (bound methods: ==)
         self.prompt_slots: dict[int, set[int]] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.prompt_version: dict[int, int] = {}  # the weights each cached prefill's logits came from
@@ -684,40 +688,57 @@ class _Run:
             self.parked[s] = self.sessions[self.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
             self.gen_text.pop(s, None)
 
-    def _resume_ready(self, block: bool) -> bool:
+    def _resume_ready(self, block: bool, decoding: bool) -> bool:
         """Agents: finish the parked trajectories that are done, and continue those whose observation is
-        ready by prefilling only it. With ``block``, first wait for one (nothing else can run). Returns
+        ready by prefilling only it: in the next decode step's forward where it can (``ride_along``, while
+        other slots decode), else now. With ``block``, first wait for one (nothing else can run). Returns
         whether any slot changed."""
-        if not self.parked:
+        waiting = {s: f for s, f in self.parked.items() if s not in self.ready}
+        if not waiting:
             return False
         if block:
-            wait(list(self.parked.values()), return_when=FIRST_COMPLETED)
-        ready = [(s, f.result()) for s, f in self.parked.items() if f.done()]
-        if not ready:
+            wait(list(waiting.values()), return_when=FIRST_COMPLETED)
+        done = [(s, f.result()) for s, f in waiting.items() if f.done()]
+        if not done:
             return False
-        for s, _ in ready:
+        finished = [s for s, r in done if r.done]
+        for s in finished:
             del self.parked[s]
-        finished = [s for s, r in ready if r.done]
         if finished:
             self._finish(finished, [""] * len(finished))  # the session holds the reason
-        going = [(s, r.observation_tokens) for s, r in ready if not r.done]
-        if going:
-            self._observe(going)
+        going = [(s, r.observation_tokens) for s, r in done if not r.done]
+        if going and self.ride_along and decoding:
+            self.ready.update(going)  # they stay parked until that step
+        elif going:
+            for s, _ in going:
+                del self.parked[s]
+            self._observe(going, self._extend(going))
         return True
 
-    def _observe(self, going: list[tuple[int, list[int]]]) -> None:
-        """Prefill ``[last sampled token] + observation`` into each slot, then sample its next turn's first token."""
-        e = self.e
-        slots = [s for s, _ in going]
-        slot_t = torch.tensor(slots, device=e.device)
+    def _extension(self, going: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, ...]:
+        """The `CachedDecoder.extend` inputs that append ``[last sampled token] + observation`` to each slot:
+        right-padded tokens, start positions, lengths, slots."""
+        dev = self.e.device
         rows = [[int(t) for t in [self.cur[s].item(), *obs]] for s, obs in going]
         lens = [len(r) for r in rows]
         toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
         for i, r in enumerate(rows):
             toks[i, : lens[i]] = torch.tensor(r)
+        return (toks.to(dev), torch.tensor([self.slot_pos[s] for s, _ in going], device=dev),
+                torch.tensor(lens, device=dev), torch.tensor([s for s, _ in going], device=dev))
+
+    def _extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
+        e = self.e
+        return e.decoder.extend(*self._extension(going), e.k_cache, e.v_cache)
+
+    def _observe(self, going: list[tuple[int, list[int]]], logits: torch.Tensor) -> None:
+        """Each slot's observation has been prefilled (``logits`` at its last token): sample the slot's next
+        turn's first token and make it live."""
+        e = self.e
+        slots = [s for s, _ in going]
+        slot_t = torch.tensor(slots, device=e.device)
         starts = [self.slot_pos[s] for s in slots]
-        logits = e.decoder.extend(toks.to(e.device), torch.tensor(starts, device=e.device),
-                                  torch.tensor(lens, device=e.device), slot_t, e.k_cache, e.v_cache)
+        lens = [1 + len(obs) for _, obs in going]
         step = self.step[slot_t]
         tok, lp = sample_tokens(logits, self.uni[slot_t, step], self.p, check_finite=False)
         self.out_tok[slot_t, step] = tok
@@ -762,7 +783,7 @@ class _Run:
             slots = self.prompt_slots[self.prompt_of[sid]]
             slots.discard(s)
             slots.add(d)
-            for per_slot in (self.gen_text, self.slot_turn, self.parked):
+            for per_slot in (self.gen_text, self.slot_turn, self.parked, self.ready):
                 if s in per_slot:
                     per_slot[d] = per_slot.pop(s)
         self.free = {s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0}
@@ -776,7 +797,13 @@ class _Run:
             live = list(range(len(live)))
             span = len(live)
         kv_len = max(self.slot_pos[s] for s in live) + 1
-        logits = self.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
+        riding = list(self.ready.items())
+        self.ready = {}
+        if riding:
+            logits, riding_logits = e.decoder.decode_and_extend(self.cur[:span], self.pos[:span], span, kv_len,
+                                                                *self._extension(riding), e.k_cache, e.v_cache)
+        else:
+            logits = self.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
         rows = torch.arange(span, device=e.device)
         step = self.step[:span].clamp(max=self.p.max_tokens - 1)
         live_t = self.live[:span]
@@ -796,6 +823,10 @@ class _Run:
             if s not in self.parked:
                 self.slot_pos[s] += 1  # an upper bound until the next look: a slot may have ended since
         self._end_on_device(rows, tok, lp)
+        if riding:
+            for s, _ in riding:
+                del self.parked[s]
+            self._observe(riding, riding_logits)
         self.since_look += 1
         if self.since_look >= self.check_every:
             self._look()
@@ -813,7 +844,7 @@ class _Run:
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
             self._refresh()
             decoding = any(sid >= 0 and s not in self.parked for s, sid in enumerate(self.slot_sample))
-            if self._resume_ready(block=not decoding and not (self.waiting and self.free)):
+            if self._resume_ready(not decoding and not (self.waiting and self.free), decoding):
                 continue
             if self.waiting and self.free:
                 self._admit()
