@@ -195,6 +195,67 @@ def test_a_call_that_does_not_extend_the_trajectory_is_split_and_counted(engine,
         assert traj.prompt_tokens == restart and traj.env_reward == 1.0
 
 
+AGENTS_SDK_HARNESS = textwrap.dedent(
+    '''
+    import openai
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+
+    def run_agent(base_url, row):
+        """An OpenAI Agents SDK agent with one function tool, on the endpoint's chat completions."""
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        agent = Agent(name="adder", instructions="Add numbers with the add tool.", tools=[add],
+                      model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+        result = Runner.run_sync(agent, row["prompt"][-1]["content"], run_config=RunConfig(tracing_disabled=True))
+        return 1.0 if "5" in str(result.final_output) else 0.0
+    '''
+)
+
+
+def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir, tmp_path, monkeypatch):
+    """The Agents SDK (``openai-agents``) runs its own tool loop against the endpoint: the model's Hermes
+    tool call reaches it as OpenAI ``tool_calls``, it runs ``add`` and sends the result back as a ``tool``
+    message, which is appended as the chat template's delta. A random model never writes a tool call, so
+    the turns are scripted (a drive that answers each call with fixed tokens): the trajectory holds exactly
+    those tokens, the tool's result between them, and the SDK's final output is the second turn."""
+    pytest.importorskip("agents")
+    from torchrlhf.agents.rounds import run_rounds
+
+    (tmp_path / "sdk_harness.py").write_text(AGENTS_SDK_HARNESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = load_tokenizer(tiny_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turns = [tok('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+                 add_special_tokens=False)["input_ids"] + [end],
+             tok("The sum is 5.", add_special_tokens=False)["input_ids"] + [end]]
+
+    def scripted(segments, seeds):
+        return run_rounds(segments, lambda live, round_: [(turns[round_], [-0.5] * len(turns[round_]), "stop")
+                                                          for _ in live])
+
+    agent = build_agent({"harness": "sdk_harness:run_agent", "reward": "env"}, tok, max_tokens=64,
+                        max_trajectory_tokens=256)
+    runner = HarnessRunner(agent, agent.spec.load_harness())
+    try:
+        trajectories, logps = runner.run(ROWS[:2], [1, 2], scripted)
+    finally:
+        runner.close()
+    for traj, lp in zip(trajectories, logps):
+        assert not traj.error and traj.env_reward == 1.0
+        assert traj.metrics == {"num_turns": 2.0, "harness_splits": 0.0}
+        (s0, e0), (s1, e1) = traj.turn_spans
+        assert traj.response_tokens[s0:e0] == turns[0] and traj.response_tokens[s1:e1] == turns[1]
+        observation = tok.decode(traj.response_tokens[e0:s1])
+        assert "<|im_start|>tool\n5<|im_end|>" in observation.replace(" ", "")
+        assert lp == [-0.5] * (len(turns[0]) + len(turns[1]))
+
+
 def test_completions_endpoint(engine, tiny_dir, harness_module):
     tok, (trajectories, logps) = _run(engine, tiny_dir, harness_module, "completions", rows=ROWS[:1])
     assert trajectories[0].prompt_tokens == tok("Once upon a time")["input_ids"]
