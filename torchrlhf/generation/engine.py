@@ -394,9 +394,10 @@ class _Run:
     same tokens share one prefill (``prompt_of``: the prompt tokens each sample starts from). With agent
     ``sessions`` (one per sample) a sample is a multi-turn trajectory: when the model ends a turn its slot
     is *parked* (keeps its keys/values, skips decode steps) until the session's observation is ready, then
-    only the observation is prefilled into the slot (`CachedDecoder.extend`) and decoding goes on; the
-    model-token counter (``step``) runs over all turns, so the sampling uniforms and the log-probs of one
-    trajectory are one sequence.
+    only the observation is prefilled into the slot (in the next decode step's forward where that step
+    runs eagerly, `CachedDecoder.decode_and_extend`; else in one of its own, `CachedDecoder.extend`) and
+    decoding goes on; the model-token counter (``step``) runs over all turns, so the sampling uniforms and
+    the log-probs of one trajectory are one sequence.
 
     Slots that hold no sample take the scratch position ``max_seq_len - 1`` in decode steps (a free row's
     keys/values are written somewhere): never a position of a cached prefix, which holds at most
@@ -462,7 +463,8 @@ class _Run:
         # agents: parked slots whose observation rides in the next decode step's forward (slot -> its tokens);
         # only where decode steps run eagerly (a graphed or compiled step has a fixed shape)
         self.ready: dict[int, list[int]] = {}
-        self.ride_along = sessions is not None and self.decode == engine.decoder.decode  # (bound methods: ==)
+        # the plain eager step (each attribute access makes a new bound method, so compare with ==)
+        self.ride_along = sessions is not None and self.decode == engine.decoder.decode
         self.prompt_slots: dict[int, set[int]] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.prompt_version: dict[int, int] = {}  # the weights each cached prefill's logits came from
