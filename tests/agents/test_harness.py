@@ -57,6 +57,32 @@ HARNESSES = textwrap.dedent(
         return 1.0
 
 
+    def concurrent_calls(base_url, row):
+        """Two calls at once in one session, neither extending the other: both answered, a split counted."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        c = client(base_url)
+        ask = lambda _: c.chat.completions.create(model="policy", messages=list(row["prompt"]), max_tokens=4)
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(ask, range(2)))
+        return float(sum(r.choices[0].finish_reason in ("stop", "length") for r in replies))
+
+
+    def late_and_slow(base_url, row):
+        """Row 0 starts late (after the others' first calls are sampled) and every row works between its
+        calls: each trajectory is still one token-exact conversation of two turns."""
+        if row["index"] == 0:
+            time.sleep(1.0)
+        c = client(base_url)
+        messages = list(row["prompt"])
+        first = c.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        time.sleep(0.3 * row["index"])
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Result: 42"})
+        c.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+        return 1.0
+
+
     def completions(base_url, row):
         out = client(base_url).completions.create(model="policy", prompt="Once upon a time", max_tokens=5)
         return 0.5 if isinstance(out.choices[0].text, str) else 0.0
@@ -254,6 +280,24 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir
         observation = tok.decode(traj.response_tokens[e0:s1])
         assert "<|im_start|>tool\n5<|im_end|>" in observation.replace(" ", "")
         assert lp == [-0.5] * (len(turns[0]) + len(turns[1]))
+
+
+def test_concurrent_calls_of_one_trajectory_are_both_answered(engine, tiny_dir, harness_module):
+    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "concurrent_calls")
+    for traj in trajectories:
+        assert traj.env_reward == 2.0 and not traj.error
+        assert traj.metrics == {"num_turns": 1.0, "harness_splits": 1.0}
+
+
+def test_a_late_or_busy_harness_keeps_its_trajectory_whole(engine, tiny_dir, harness_module):
+    """A first call that comes after the others' are being sampled waits for the next ``generate``; a
+    harness busy between its calls keeps its slot parked. Either way the trajectory is one conversation."""
+    tok, (trajectories, logps) = _run(engine, tiny_dir, harness_module, "late_and_slow")
+    for row, traj, lp in zip(ROWS, trajectories, logps):
+        assert not traj.error and traj.env_reward == 1.0
+        assert traj.metrics == {"num_turns": 2.0, "harness_splits": 0.0}
+        assert traj.prompt_tokens == _template(tok, row["prompt"])
+        assert len(lp) == sum(traj.loss_mask)
 
 
 def test_completions_endpoint(engine, tiny_dir, harness_module):
