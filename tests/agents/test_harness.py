@@ -282,8 +282,24 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir
         assert lp == [-0.5] * (len(turns[0]) + len(turns[1]))
 
 
-def test_concurrent_calls_of_one_trajectory_are_both_answered(engine, tiny_dir, harness_module):
-    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "concurrent_calls")
+@pytest.mark.parametrize("together", [False, True])
+def test_concurrent_calls_of_one_trajectory_are_both_answered(engine, tiny_dir, harness_module, monkeypatch,
+                                                               together):
+    """Two calls at once in one trajectory: the first is sampled and the trajectory's session ends after
+    it, the second waits for the next ``generate`` (a new segment). ``together``: the first batch is held
+    until both calls of every trajectory wait, so that one ``generate`` opens the first call while the
+    second waits outside it (before the fix, that session waited for a next call that could not come)."""
+    if together:
+        gather, held = HarnessRunner._gather, []
+
+        def gather_both(self, sessions, pending):
+            while not held and len(pending) < 2 * len(sessions):
+                pending.append(self.server.requests.get(timeout=30))
+            held.append(True)
+            return gather(self, sessions, pending)
+
+        monkeypatch.setattr(HarnessRunner, "_gather", gather_both)  # (a call that never comes: queue.Empty)
+    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "concurrent_calls", harness_timeout_s=20.0)
     for traj in trajectories:
         assert traj.env_reward == 2.0 and not traj.error
         assert traj.metrics == {"num_turns": 1.0, "harness_splits": 1.0}

@@ -225,7 +225,8 @@ class HarnessRunner:
                 continue
             if budget <= 0:  # the trajectory's token budget is spent
                 self._reply(request, session, prompt, Call(prompt, [], [], "length"))
-            elif request.session in segments:  # a second call made while the first waits: after this drive
+            elif request.session in segments:  # a second call made while the first waits: after this drive,
+                segments[request.session].end_after_turn()  # which must not wait for the trajectory's next call
                 later.append(request)
             else:
                 segments[request.session] = _Segment(self, session, request, prompt, budget)
