@@ -62,6 +62,15 @@ def _shared_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _right_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one right-padded [b, T] tensor and their lengths [b], on ``device``."""
+    lens = [len(r) for r in rows]
+    toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
+    for i, r in enumerate(rows):
+        toks[i, : lens[i]] = torch.tensor(r, dtype=torch.long)
+    return toks.to(device), torch.tensor(lens, device=device)
+
+
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
     with quiet_weight_loading():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
@@ -503,22 +512,13 @@ class _Run:
             e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
             e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
         if prefill:
-            lens = [len(self.prompt_lists[p]) for p in prefill]
-            toks = torch.zeros(len(prefill), max(lens), dtype=torch.long)
-            for row, p in enumerate(prefill):
-                toks[row, : lens[row]] = self.prompt_tokens[p]
-            logits = e.decoder.prefill(toks.to(e.device), torch.tensor(lens, device=e.device),
-                                       torch.tensor([computed[p] for p in prefill], device=e.device),
+            toks, lens = _right_padded([self.prompt_lists[p] for p in prefill], e.device)
+            logits = e.decoder.prefill(toks, lens, torch.tensor([computed[p] for p in prefill], device=e.device),
                                        e.k_cache, e.v_cache)
             self._keep_prompt_logits(prefill, logits)
         if extend:  # only the tokens after the cached prefix
-            rows = [self.prompt_lists[p][cached:] for p, cached in extend]
-            lens = [len(r) for r in rows]
-            toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
-            for row, r in enumerate(rows):
-                toks[row, : lens[row]] = torch.tensor(r)
-            logits = e.decoder.extend(toks.to(e.device), torch.tensor([c for _, c in extend], device=e.device),
-                                      torch.tensor(lens, device=e.device),
+            toks, lens = _right_padded([self.prompt_lists[p][cached:] for p, cached in extend], e.device)
+            logits = e.decoder.extend(toks, torch.tensor([c for _, c in extend], device=e.device), lens,
                                       torch.tensor([computed[p] for p, _ in extend], device=e.device),
                                       e.k_cache, e.v_cache)
             self._keep_prompt_logits([p for p, _ in extend], logits)
@@ -721,13 +721,9 @@ class _Run:
         """The `CachedDecoder.extend` inputs that append ``[last sampled token] + observation`` to each slot:
         right-padded tokens, start positions, lengths, slots."""
         dev = self.e.device
-        rows = [[int(t) for t in [self.cur[s].item(), *obs]] for s, obs in going]
-        lens = [len(r) for r in rows]
-        toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
-        for i, r in enumerate(rows):
-            toks[i, : lens[i]] = torch.tensor(r)
-        return (toks.to(dev), torch.tensor([self.slot_pos[s] for s, _ in going], device=dev),
-                torch.tensor(lens, device=dev), torch.tensor([s for s, _ in going], device=dev))
+        toks, lens = _right_padded([[int(self.cur[s].item()), *obs] for s, obs in going], dev)
+        return (toks, torch.tensor([self.slot_pos[s] for s, _ in going], device=dev), lens,
+                torch.tensor([s for s, _ in going], device=dev))
 
     def _extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
         e = self.e
