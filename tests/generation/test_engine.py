@@ -114,14 +114,17 @@ def test_looking_every_k_steps_changes_no_sample(check_every):
 
 def test_compiled_decode_samples_what_the_eager_step_does():
     """``compile=True`` runs the decode step through torch.compile (the KV write stays in place): greedy
-    tokens are transformers' own, and seeded sampling with stops and refills is the eager engine's."""
+    tokens are transformers' own, and seeded sampling with stops and refills is the eager engine's. One
+    compilation serves every span: the greedy run steps 3 slots, then 1 (the fourth prompt alone), and the
+    sampled one every span from 1 to 3 without compiling again."""
     model = tiny_model()
     batch = prompt_batch([4, 8, 3, 6])
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     compiled = NativeEngine(model, max_batch_size=3, max_seq_len=64, compile=True)
     assert torch.equal(compiled.generate(batch, greedy)["responses"], hf_greedy(model, batch, 10))
     params = SamplingParams(n=2, temperature=0.8, max_tokens=12, stop_token_ids=[61, 33, 43, 91], seed=5)
-    a = compiled.generate(batch, params)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        a = compiled.generate(batch, params)
     b = NativeEngine(model, max_batch_size=3, max_seq_len=64).generate(batch, params)
     assert "stop" in a["finish_reason"] and a["finish_reason"] == b["finish_reason"]
     assert torch.equal(a["responses"], b["responses"])

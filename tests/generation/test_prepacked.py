@@ -120,3 +120,19 @@ def test_owned_weights_are_packed_instead_of_copied(tmp_path):
     # Then everything: update_weights writes into the freed projections and generation repacks them.
     engine.update_weights((name, p.detach()) for name, p in model_b.named_parameters())
     assert torch.equal(engine.generate(prompts(), GREEDY)["responses"], hf_greedy(model_b, prompts(), 10))
+
+
+def test_a_compiled_engine_fuses_around_the_packed_products_and_new_weights_need_no_recompile(tmp_path):
+    """``compile=True`` keeps the packed products (an opaque op in the compiled step; the plain weights are
+    freed, so an unpacked product could not give transformers' tokens), and `update_weights` repacks without
+    recompiling: the op reads the packed weight at run time."""
+    model_a, model_b = tiny_model(seed=0), tiny_model(seed=1)
+    model_a.save_pretrained(tmp_path)
+    engine = NativeEngine(tmp_path, max_batch_size=4, max_seq_len=64, compile=True)
+    assert engine.prepacked is not None
+    assert torch.equal(engine.generate(prompts(), GREEDY)["responses"], hf_greedy(model_a, prompts(), 10))
+    assert engine.model.model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() == 0
+    engine.update_weights((name, p.detach()) for name, p in model_b.named_parameters())
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate(prompts(), GREEDY)
+    assert torch.equal(out["responses"], hf_greedy(model_b, prompts(), 10))

@@ -50,6 +50,19 @@ from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 MIN_CACHED_PREFIX = 16
 
 
+def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``decode`` through ``torch.compile``, traced once for every span >= 2 (the engine never steps fewer
+    slots when compiled): without duck sizing a span equal to the cache's slot count is no special case,
+    which would cost another compilation (tens of seconds) the first time the span differs."""
+    compiled = torch.compile(decode, dynamic=True)
+
+    def step(*args: Any) -> torch.Tensor:
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return step
+
+
 def _shared_prefix_len(a: list[int], b: list[int]) -> int:
     """How many first tokens ``a`` and ``b`` share (a binary search over list-slice compares, done in C)."""
     lo, hi = 0, min(len(a), len(b))
@@ -132,8 +145,8 @@ class NativeEngine:
             engine owns its weights (loaded from a path), run the projections through oneDNN with each
             weight packed once (`PrepackedLinears`) instead of the plain one, which is freed: faster, same
             memory. `update_weights` invalidates the packed copy of every weight it writes.
-            A model passed in is never packed, so writes to it by any means are seen. Off with ``compile``
-            (the packed weights are opaque to it).
+            A model passed in is never packed, so writes to it by any means are seen. With ``compile`` the
+            packed products stay oneDNN's (an opaque op in the compiled step) and the rest of the step fuses.
         check_every: decode steps between two looks of the host at the slots (default: 8 on CUDA, 1 on
             CPU). Stop tokens, length limits and non-finite log-probs are detected on the device; a slot
             that ends stops advancing there, and the host frees it (continuous batching refills it, an
@@ -212,11 +225,13 @@ class NativeEngine:
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
         self._missing: set[str] = set()
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.tp_size == 1
-        self.decode_step = torch.compile(self.decoder.decode, dynamic=True) if compile else self.decoder.decode
+        self.decode_step = _compiled_decode(self.decoder.decode) if compile else self.decoder.decode
+        # a compiled step would specialise on a span of 1 (one more compilation): pad it with a free row
+        self.min_decode_span = min(2, max_batch_size) if compile else 1
         self._graphed: GraphedDecode | None = None
         self.prepacked: PrepackedLinears | None = None
         packable = self.owns_weights and self.tp_size == 1 and prepack_supported(self.device, self.dtype)
-        if cpu_prepack and not compile and packable:
+        if cpu_prepack and packable:
             self.prepacked = PrepackedLinears(model, free_plain=True)
         self.prefix_cache = prefix_cache and self.owns_weights
         self.cached_prefixes: dict[int, list[int]] = {}  # free slot -> the tokens whose keys/values it holds
@@ -794,6 +809,7 @@ class _Run:
             self._compact(live)
             live = list(range(len(live)))
             span = len(live)
+        span = max(span, e.min_decode_span)
         kv_len = max(self.slot_pos[s] for s in live) + 1
         riding = list(self.ready.items())
         self.ready = {}
