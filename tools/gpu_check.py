@@ -5,7 +5,8 @@
 
 Checks (each a subprocess, so one failing or hanging does not stop the others):
 
-- ``cuda-tests``: the test files that need a CUDA device (CUDA-graph decode against eager decode and HF).
+- ``cuda-tests``: the test files that need a CUDA device (CUDA-graph decode against eager decode and HF;
+  the optimizer state offloaded during generation, or kept with ``rollout.offload_optimizer: false``).
 - ``generate``: the native engine's decode with CUDA graphs against HF ``generate`` and against itself
   without graphs (``tools/bench/bench_generate.py``, SmolLM2-shaped random weights, bf16).
 - ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
@@ -48,7 +49,7 @@ from torchrlhf.generation import vllm_available
 
 ROOT = Path(__file__).resolve().parents[1]
 # Test files with tests that skip without CUDA (tests/tools/test_gpu_check.py keeps this list complete).
-CUDA_TESTS = ["tests/generation/test_cuda_graphs.py"]
+CUDA_TESTS = ["tests/generation/test_cuda_graphs.py", "tests/hybrid/test_mode_cuda.py"]
 BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "smol",
          "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
 # issue 38's target row: the 1.07 B shape's decode at batch 128, 256 tokens, against the memory bound

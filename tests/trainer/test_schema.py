@@ -77,6 +77,7 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine", "kv_cache_gib": "lots"}}},
      "rollout.engine.kv_cache_gib: expected float, got 'lots'"),
     ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
+    ({"rollout": {"offload_optimizer": "sometimes"}}, "rollout.offload_optimizer: expected bool, got 'sometimes'"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
       "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4}}}, "placement.critic: ranks [0, 5]"),
@@ -211,6 +212,16 @@ def test_placement_colocates_by_default_and_splits_on_request(tmp_path):
     assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [0, 1], "critic": [2, 3]}
     cfg = _check(tmp_path, world=4, placement={"actor": [0, 1], "rollout": [2, 3]}, actor=actor)
     assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [2, 3]}
+
+
+def test_the_optimizer_offload_setting_reaches_the_colocated_rollout_worker(tmp_path):
+    """``rollout.offload_optimizer`` is the rollout worker's constructor argument (what it does on a GPU:
+    tests/hybrid/test_mode_cuda.py)."""
+    from torchrlhf.trainer.build import role_specs
+
+    assert role_specs(_check(tmp_path), 1)["rollout"][2]["offload_optimizer"] is True
+    kept = role_specs(_check(tmp_path, rollout={"offload_optimizer": False}), 1)["rollout"]
+    assert kept[2]["offload_optimizer"] is False and kept[2]["actor_group"] == "actor"
 
 
 def test_cli_bad_key_exits_2_before_any_work(tmp_path):

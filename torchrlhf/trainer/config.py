@@ -64,6 +64,10 @@ class RolloutConfig(SamplingParams):
     The sampling keys are `SamplingParams`' own fields, validated by it with the config; `sampling` and
     `val_sampling` give the typed object that travels unchanged to the engine. The engine itself is the
     ``rollout.engine`` sub-section (its ``_component_`` and constructor arguments; see `trainer.schema`).
+    ``offload_optimizer``: colocated with the actor on an accelerator, the actor's optimizer state waits in
+    host memory while the engine generates (its device memory goes to the KV cache), at the cost of a copy
+    each way per rollout; ``false`` keeps it on the device when memory allows (verl's ``optimizer_offload``,
+    OpenRLHF's ``--adam_offload``, in spirit). No effect on CPU.
     ``tp_size`` is each engine's tensor-parallel size; ``weight_sync_bucket_mb`` bounds the buckets that
     carry new weights to rollout ranks of their own. Validation samples ``val_n`` responses at
     ``val_temperature`` (0: greedy). ``agent`` (`torchrlhf.agents.AgentSpec`) makes every rollout a
@@ -76,6 +80,7 @@ class RolloutConfig(SamplingParams):
     logprobs: bool = field(default=True, init=False)  # training reads the engine's log-probs
     tp_size: int = 1
     weight_sync_bucket_mb: int = 64
+    offload_optimizer: bool = True
     val_temperature: float = 0.0
     val_n: int = 1
     agent: AgentSpec | None = None

@@ -72,6 +72,8 @@ class RolloutWorker(Worker):
         agent: the ``rollout.agent`` section (`torchrlhf.agents.AgentSpec`): every sample becomes a
             multi-turn trajectory with tools or an environment, driven by the engine's own loop.
         max_tokens: the model tokens of a trajectory over all its turns (``rollout.max_tokens``; agents).
+        offload_optimizer: colocated on an accelerator, move the actor's optimizer state to host memory
+            while generating (`hybrid.generation_mode`'s ``offload``).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class RolloutWorker(Worker):
         lora: LoRAConfig | dict | None = None,
         agent: dict[str, Any] | None = None,
         max_tokens: int = 64,
+        offload_optimizer: bool = True,
     ) -> None:
         super().__init__(tp_size=tp_size, actor_group=actor_group)
         self.lora = LoRAConfig.of(lora)
@@ -98,6 +101,7 @@ class RolloutWorker(Worker):
         self.engine = None
         self.tokenizer = None
         self.agent_spec, self.max_tokens = agent, max_tokens
+        self.offload_optimizer = offload_optimizer
         self.agent = None  # built with the engine (it needs the tokenizer and the engine's sequence length)
         self.harness: HarnessRunner | None = None  # rollout.agent.harness: its OpenAI-compatible endpoint
         self.weight_version = 0
@@ -203,7 +207,8 @@ class RolloutWorker(Worker):
             harness = None if self.harness is None else functools.partial(self._run_harness,
                                                                           generate=self.engine.generate)
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
-                                                       optimizer=actor.optimizer, generate=harness, **extra)
+                                                       optimizer=actor.optimizer, offload=self.offload_optimizer,
+                                                       generate=harness, **extra)
             version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
             if version is not None:
