@@ -41,13 +41,9 @@ from torchrlhf.generation.cuda_graphs import GraphedDecode
 from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
+from torchrlhf.generation.slots import SlotPool
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
-
-
-# The shortest cached prefix a prompt is computed from (vLLM's KV block size): below it the saved compute
-# does not pay for a forward call of its own.
-MIN_CACHED_PREFIX = 16
 
 
 def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -61,18 +57,6 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
             return compiled(*args)
 
     return step
-
-
-def _shared_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many first tokens ``a`` and ``b`` share (a binary search over list-slice compares, done in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _right_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +139,7 @@ class NativeEngine:
             ended slot. The sampled tokens do not depend on it. Stop strings need the text of every token:
             with ``SamplingParams.stop`` the host looks every step.
         prefix_cache: keep each finished sample's keys/values in its slot until the slot is needed, and
-            compute a later prompt that starts with at least half of one of them (and ``MIN_CACHED_PREFIX``
+            compute a later prompt that starts with at least half of one of them (and ``slots.MIN_CACHED_PREFIX``
             tokens) from there: an endpoint agent's next call, which repeats its whole conversation, computes
             only the new turn. The cache is dropped by `update_weights` and `release`, and is off for a model
             passed in (its weights can change where the engine cannot see) and in partial rollouts.
@@ -439,7 +423,7 @@ class _Run:
         # The prefix cache (free slot -> tokens it holds), taken from the engine and given back by `run`; with
         # weights that may change between steps it is neither used nor filled.
         use_cache = engine.prefix_cache and between_steps is None
-        self.cached: dict[int, list[int]] = engine.cached_prefixes if use_cache else {}
+        self.slots = SlotPool(slots, engine.cached_prefixes if use_cache else {})
         engine.cached_prefixes = {}
         self.record = use_cache and sessions is None  # an agent's slot also holds observations: not recorded
         total = len(prompt_tokens) * params.n
@@ -479,7 +463,6 @@ class _Run:
         # Python-side bookkeeping. A session that is already done (its environment failed to reset, no
         # budget left) takes no slot.
         self.waiting = deque(sid for sid in range(total) if sessions is None or self.limits[sid] > 0)
-        self.free = set(range(slots))
         self.slot_sample = [-1] * slots
         self.slot_pos = [0] * slots  # position the slot's next token goes to
         self.slot_turn: dict[int, int] = {}  # agents: the model-token index the slot's current turn started at
@@ -505,15 +488,17 @@ class _Run:
         computed: dict[int, int] = {}  # prompt -> the slot it is computed into now
         prefill, extend = [], []  # prompts computed whole; (prompt, tokens already cached in its slot)
         reuse, copies = [], []  # (dst, src, length) cached-prefix copies; (dst, src, prompt) prompt shares
-        while self.waiting and self.free:
+        while self.waiting and self.slots.free:
             sid = self.waiting.popleft()
             p = self.prompt_of[sid]
             live = self.prompt_slots.get(p)
             if live or p in computed:
-                slot = self._take()
+                slot = self.slots.take()
                 copies.append((slot, next(iter(live)) if live else computed[p], p))
             else:
-                slot, cached = self._place(p, reuse)
+                slot, cached, source = self.slots.place(self.prompt_lists[p])
+                if source is not None:
+                    reuse.append((slot, source, cached))
                 computed[p] = slot
                 if cached:
                     extend.append((p, cached))
@@ -578,36 +563,6 @@ class _Run:
         for row, p in enumerate(prompts):
             self.prompt_logits[p] = logits[row]
             self.prompt_version[p] = self.version
-
-    def _take(self) -> int:
-        """The lowest free slot that holds no cached prefix, else the lowest free one (its prefix dropped)."""
-        plain = [s for s in self.free if s not in self.cached]
-        slot = min(plain) if plain else min(self.free)
-        self.free.discard(slot)
-        self.cached.pop(slot, None)
-        return slot
-
-    def _place(self, p: int, reuse: list[tuple[int, int, int]]) -> tuple[int, int]:
-        """A slot for prompt ``p``'s computation and how many of its first tokens the slot will already hold:
-        the slot of the longest cached prefix the prompt continues, or a fresh one with the longest shared
-        prefix copied in (appended to ``reuse``), when that prefix is worth a forward call of its own (at
-        least half the prompt and `MIN_CACHED_PREFIX` tokens); else a fresh slot and 0."""
-        tokens = self.prompt_lists[p]
-        best, length = -1, 0
-        for slot, cached in self.cached.items():
-            shared = min(_shared_prefix_len(cached, tokens), len(tokens) - 1)  # the last token gives the logits
-            if shared > length:
-                best, length = slot, shared
-        if length < MIN_CACHED_PREFIX or 2 * length < len(tokens):
-            return self._take(), 0
-        if length == len(self.cached[best]):  # the prompt continues all the slot holds: compute it there
-            self.free.discard(best)
-            del self.cached[best]
-            return best, length
-        slot = self._take()
-        if slot != best:
-            reuse.append((slot, best, length))
-        return slot, length
 
     # ---------------------------------------------------------------- finishing
     def _end_on_device(self, slot_t: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
@@ -687,13 +642,14 @@ class _Run:
             self.reasons[sid] = reason
             p = self.prompt_of[sid]
             self.prompt_slots[p].discard(s)
+            holds = None
             if self.record:  # the slot holds the prompt and every sampled token but the last (never fed)
-                self.cached[s] = self.prompt_lists[p] + self.res_tok[sid, : int(self.res_len[sid]) - 1].tolist()
+                holds = self.prompt_lists[p] + self.res_tok[sid, : int(self.res_len[sid]) - 1].tolist()
+            self.slots.give_back(s, holds)
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
             self.slot_turn.pop(s, None)
             self.gen_text.pop(s, None)
-            self.free.add(s)
 
     # ---------------------------------------------------------------- agent turns
     def _end_turns(self, ended: list[tuple[int, bool, int]]) -> None:
@@ -789,7 +745,7 @@ class _Run:
         self.pos[src] = self.scratch
         self.step[src] = 0
         for d, s in zip(targets, movers):
-            self.cached.pop(d, None)
+            self.slots.move(d, s)
             sid = self.slot_sample[s]
             self.slot_sample[d], self.slot_sample[s] = sid, -1
             self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
@@ -799,7 +755,6 @@ class _Run:
             for per_slot in (self.gen_text, self.slot_turn, self.parked, self.ready):
                 if s in per_slot:
                     per_slot[d] = per_slot.pop(s)
-        self.free = {s for s in range(len(self.slot_sample)) if self.slot_sample[s] < 0}
 
     def _decode_step(self) -> None:
         e = self.e
@@ -858,12 +813,12 @@ class _Run:
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
             self._refresh()
             decoding = any(sid >= 0 and s not in self.parked for s, sid in enumerate(self.slot_sample))
-            if self._resume_ready(not decoding and not (self.waiting and self.free), decoding):
+            if self._resume_ready(not decoding and not (self.waiting and self.slots.free), decoding):
                 continue
-            if self.waiting and self.free:
+            if self.waiting and self.slots.free:
                 self._admit()
                 continue
             if decoding:
                 self._decode_step()
-        self.e.cached_prefixes = self.cached
+        self.e.cached_prefixes = self.slots.cached
         return self.res_tok, self.res_lp, self.res_len, self.reasons
