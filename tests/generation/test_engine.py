@@ -372,3 +372,25 @@ def test_no_prefix_cache_for_a_model_passed_in():
     engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=64)
     engine.generate(prompt_batch([20]), SamplingParams(temperature=0, max_tokens=8))
     assert not engine.prefix_cache and engine.cached_prefixes == {}
+
+
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_a_one_token_budget_runs_no_decode_step(check_every):
+    """A sample that ends at its first token is freed at admission: the prefill's logits give that token
+    (transformers' greedy one), and no decode step computes anything for nobody."""
+    model = tiny_model()
+    engine = NativeEngine(model, max_batch_size=4, max_seq_len=64, check_every=check_every)
+    steps = []
+    plain = engine.decode_step
+    engine.decode_step = lambda *args: steps.append(args[2]) or plain(*args)
+    batch = prompt_batch()
+    out = engine.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert torch.equal(out["responses"], hf_greedy(model, batch, 1))
+    assert out["finish_reason"] == ["length"] * len(batch) and steps == []
+    mixed = prompt_batch()
+    mixed["max_tokens"] = torch.tensor([1, 3] + [1] * (len(mixed) - 2))
+    out = engine.generate(mixed, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert out["response_mask"].sum(1).tolist() == [1, 3] + [1] * (len(mixed) - 2)
+    # the 3-token sample's two steps (over slots 0-1: it holds slot 1), or the steps until the host's next
+    # look; the one-token samples add none
+    assert steps == [2] * (2 if check_every == 1 else check_every)

@@ -558,6 +558,10 @@ class _Run:
             if self.to_admit[p] == 0:
                 del self.prompt_logits[p]
         self._end_on_device(slot_t, tok, lp)
+        # A sample that ends at its first token (a budget of one token, or a stop token where the host looks
+        # every step) is freed now, not after a decode step that would compute nothing for it.
+        if self.check_every == 1 or any(self.limits[sid] == 1 for sid, _ in taken):
+            self._look()
 
     def _keep_prompt_logits(self, prompts: list[int], logits: torch.Tensor) -> None:
         for row, p in enumerate(prompts):
