@@ -33,7 +33,7 @@ def test_cpu_engine_decodes_eagerly():
     engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=32, cuda_graphs=True)
     assert not engine.use_cuda_graphs and engine.decode_fn() == engine.decoder.decode
     with pytest.raises(ValueError, match="CUDA device"):
-        GraphedDecode(engine.decode_step, engine.k_cache, engine.v_cache)
+        GraphedDecode(engine.decode_step, engine.cache.k, engine.cache.v)
 
 
 @requires_cuda

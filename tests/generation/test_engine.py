@@ -222,11 +222,11 @@ def test_engine_shares_the_models_tensors():
 
 
 def test_tail_compaction_keeps_results(monkeypatch):
-    from torchrlhf.generation.engine import _Run
+    from torchrlhf.generation.scheduler import Scheduler
 
     calls = []
-    original = _Run._compact
-    monkeypatch.setattr(_Run, "_compact", lambda self, live: (calls.append(list(live)), original(self, live)))
+    original = Scheduler._compact
+    monkeypatch.setattr(Scheduler, "_compact", lambda self, live: (calls.append(list(live)), original(self, live)))
     model = tiny_model()
     lengths = [4, 8, 3, 10, 5, 7, 6, 9, 4, 6]
     params = SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[61, 33, 43, 91, 22])
@@ -326,7 +326,7 @@ def test_a_prompt_that_continues_a_finished_sample_computes_only_its_new_tokens(
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     first = engine.generate(prompt_batch([20, 24]), params)
     held = [20 + 20 - 1, 24 + 20 - 1]  # each prompt and every sampled token but the last, which was never fed
-    assert sorted(len(t) for t in engine.cached_prefixes.values()) == held
+    assert sorted(len(t) for t in engine.cache.prefixes.values()) == held
 
     between = engine.generate(prompt_batch([6, 9], seed=3), params)  # takes the two slots that hold nothing
     _check_against_transformers(model, between, prompt_batch([6, 9], seed=3), 20)
@@ -371,7 +371,7 @@ def test_no_prefix_cache_for_a_model_passed_in():
     """The engine cannot see a passed-in model's weights change (an optimizer step), so it keeps nothing."""
     engine = NativeEngine(tiny_model(), max_batch_size=2, max_seq_len=64)
     engine.generate(prompt_batch([20]), SamplingParams(temperature=0, max_tokens=8))
-    assert not engine.prefix_cache and engine.cached_prefixes == {}
+    assert not engine.prefix_cache and engine.cache.prefixes == {}
 
 
 @pytest.mark.parametrize("check_every", [1, 8])

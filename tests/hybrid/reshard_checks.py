@@ -260,7 +260,7 @@ def engine_checks(world, n: int) -> None:
             err = (out["rollout_log_probs"] - want).abs().max().item()
             check(f"engine_tp{t}/log_probs_match_current_weights", err < 1e-4, f"step {step}: max err {err}")
             outs.append(out)
-            check(f"engine_tp{t}/released", engine.k_cache is None)
+            check(f"engine_tp{t}/released", engine.cache is None)
             ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank() + 10 * t))
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()

@@ -121,7 +121,7 @@ def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(mod
     want = [awake.judge(b) for b in batches]
     asleep = JudgeWorker(model_dir, sleep=True, **kw)
     for batch, expected in zip(batches, want):
-        assert asleep.engine.k_cache is None
+        assert asleep.engine.cache is None
         assert all(p.untyped_storage().nbytes() == 0 for p in asleep.engine.model.parameters())
         got = asleep.judge(batch)
         for key in ("judge_scores", "judge_parse_failed"):
@@ -130,7 +130,7 @@ def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(mod
     asleep._wake()
     woken, kept = asleep.engine.model.state_dict(), awake.engine.model.state_dict()
     assert woken.keys() == kept.keys() and all(torch.equal(woken[k], kept[k]) for k in kept)
-    assert asleep.engine.k_cache is not None
+    assert asleep.engine.cache is not None
 
 
 TP_JUDGE = dict(engine={"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}, max_tokens=6,

@@ -95,7 +95,7 @@ def reprefill_rounds(engine: NativeEngine, sessions: list[Any], params: Sampling
         if not active:
             return
         width = max(len(s.tokens) for s in active)
-        ids = torch.full((len(active), width), engine._pad_id(), dtype=torch.long)
+        ids = torch.full((len(active), width), engine.pad_id(), dtype=torch.long)
         mask = torch.zeros(len(active), width, dtype=torch.long)
         for i, s in enumerate(active):
             ids[i, width - len(s.tokens):] = torch.tensor(s.tokens)
@@ -129,7 +129,7 @@ def _single_turn(engine: NativeEngine, agent: Any, rows: list[dict[str, Any]], n
     tokens per sample, EOS ignored."""
     ids = [AgentSession(agent, r).prompt_tokens for r in rows]
     width = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), width), engine._pad_id(), dtype=torch.long)
+    input_ids = torch.full((len(ids), width), engine.pad_id(), dtype=torch.long)
     mask = torch.zeros(len(ids), width, dtype=torch.long)
     for i, x in enumerate(ids):
         input_ids[i, width - len(x):] = torch.tensor(x)

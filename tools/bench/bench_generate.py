@@ -220,7 +220,7 @@ def bandwidth_bound(model, engine: NativeEngine, batch_size: int, prompt_len: in
     """
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
     d = engine.dims
-    kv_bytes_per_token = 2 * d.num_layers * d.num_kv_heads * d.head_dim * engine.k_cache.element_size()
+    kv_bytes_per_token = 2 * d.num_layers * d.num_kv_heads * d.head_dim * engine.cache.k.element_size()
     step_bytes = weight_bytes + batch_size * (prompt_len + new_tokens / 2) * kv_bytes_per_token
     return batch_size * bytes_per_s / step_bytes
 

@@ -2,21 +2,22 @@
 
 Requests are the ``n`` samples of every prompt. A fixed pool of ``max_batch_size``
 slots holds the live ones; each slot owns a row of the pre-allocated KV cache
-``[layers, slots, max_seq_len, kv_heads, head_dim]``. A finished sample frees its
-slot at once and the next waiting sample takes it (continuous batching), so a
-long sample never holds the others back. The samples of one prompt share its
-prefill: the prompt runs once and its KV prefix is copied into the siblings' slots.
+(`KVCache`). A finished sample frees its slot at once and the next waiting sample
+takes it (continuous batching, `Scheduler`), so a long sample never holds the others
+back. The samples of one prompt share its prefill: the prompt runs once and its KV
+prefix is copied into the siblings' slots.
 
 A finished sample's slot keeps its keys/values until the slot is needed again (the prefix cache,
 while the weights stay the same): a later prompt that continues it, as an OpenAI-endpoint agent's next
 call continues its last one, computes only its new tokens.
+
+This module owns the weights (loading, TP, packing, `update_weights`), the memory (`release`,
+`resume`) and `generate`; the scheduling of one call is `scheduler.py`.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,11 @@ from torchrlhf.generation.base import (
     validate_prompts,
 )
 from torchrlhf.generation.cuda_graphs import GraphedDecode
+from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
-from torchrlhf.generation.sampling import SamplingParams, request_uniforms, sample_tokens
-from torchrlhf.generation.slots import SlotPool
+from torchrlhf.generation.sampling import SamplingParams
+from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 
@@ -57,15 +59,6 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
             return compiled(*args)
 
     return step
-
-
-def _right_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows as one right-padded [b, T] tensor and their lengths [b], on ``device``."""
-    lens = [len(r) for r in rows]
-    toks = torch.zeros(len(rows), max(lens), dtype=torch.long)
-    for i, r in enumerate(rows):
-        toks[i, : lens[i]] = torch.tensor(r, dtype=torch.long)
-    return toks.to(device), torch.tensor(lens, device=device)
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
@@ -218,9 +211,7 @@ class NativeEngine:
         if cpu_prepack and packable:
             self.prepacked = PrepackedLinears(model, free_plain=True)
         self.prefix_cache = prefix_cache and self.owns_weights
-        self.cached_prefixes: dict[int, list[int]] = {}  # free slot -> the tokens whose keys/values it holds
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        self.cache: KVCache | None = None
         self._allocate_cache()
 
     # ------------------------------------------------------------------ weights
@@ -251,7 +242,8 @@ class NativeEngine:
         after. Unknown names and shape mismatches raise ValueError naming the parameter.
         """
         params = self._params()
-        self.cached_prefixes = {}  # computed with the old weights
+        if self.cache is not None:
+            self.cache.prefixes = {}  # computed with the old weights
         for name, tensor in named_tensors:
             if name == "lm_head.weight" and self._tied:
                 name = "model.embed_tokens.weight"
@@ -271,16 +263,10 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ memory
     def _allocate_cache(self) -> None:
-        d = self.dims
-        shape = (d.num_layers, self.max_batch_size, self.max_seq_len, d.num_kv_heads, d.head_dim)
-        self.cached_prefixes = {}
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.cache = KVCache(self.dims, self.max_batch_size, self.max_seq_len, self.device, self.dtype)
 
     def kv_cache_bytes(self) -> int:
-        if self.k_cache is None:
-            return 0
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return 0 if self.cache is None else self.cache.nbytes()
 
     @torch.no_grad()
     def release(self) -> None:
@@ -290,8 +276,7 @@ class NativeEngine:
         destroy that model). After `resume`, freed weights must be refilled with
         `update_weights` before `generate`.
         """
-        self.k_cache = self.v_cache = None
-        self.cached_prefixes = {}
+        self.cache = None
         self._graphed = None  # captured on the addresses being freed
         if self.prepacked is not None:
             self.prepacked.clear()
@@ -309,7 +294,7 @@ class NativeEngine:
         if "weights" in tags and self._missing:
             for p in self._params().values():
                 _ensure_storage(_local(p))
-        if "kv_cache" in tags and self.k_cache is None:
+        if "kv_cache" in tags and self.cache is None:
             self._allocate_cache()
 
     # ------------------------------------------------------------------ generate
@@ -319,11 +304,12 @@ class NativeEngine:
         if not self.use_cuda_graphs:
             return self.decode_step
         if self._graphed is None:
-            self._graphed = GraphedDecode(self.decode_step, self.k_cache, self.v_cache)
+            self._graphed = GraphedDecode(self.decode_step, self.cache.k, self.cache.v)
             self._graphed.capture_all()
         return self._graphed
 
-    def _stop_ids(self, params: SamplingParams) -> list[int]:
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """The token ids that end a response: ``params.stop_token_ids`` and, unless ``ignore_eos``, EOS."""
         ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             eos = [getattr(self.model.generation_config, "eos_token_id", None)]
@@ -333,12 +319,13 @@ class NativeEngine:
                 ids.extend(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
         return sorted(set(ids))
 
-    def _pad_id(self) -> int:
+    def pad_id(self) -> int:
+        """The id that pads responses: the tokenizer's, the generation config's or the model's, else a stop id."""
         for source in (self.tokenizer, self.model.generation_config, self.model.config):
             pid = getattr(source, "pad_token_id", None) if source is not None else None
             if pid is not None:
                 return int(pid)
-        stops = self._stop_ids(SamplingParams())
+        stops = self.stop_ids(SamplingParams())
         return stops[0] if stops else 0
 
     @torch.inference_mode()
@@ -364,7 +351,7 @@ class NativeEngine:
         `assemble_trajectories`' columns (observations inside the responses, 0 in ``response_mask``).
         """
         params = sampling or SamplingParams()
-        if self.k_cache is None or self._missing:
+        if self.cache is None or self._missing:
             missing = sorted(self._missing)[:5]
             raise RuntimeError(
                 "NativeEngine.generate after release(): call resume() and update_weights() first"
@@ -379,450 +366,23 @@ class NativeEngine:
         prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
-        run = _Run(self, params, prompt_tokens, prompt_seeds(prompts, params, self.tp_mesh),
-                   prompt_max_tokens(prompts, params), between_steps, sessions)
-        tokens, logps, resp_len, reasons = run.run()
-        if sessions is not None:
-            versions = run.res_ver if between_steps is not None else None
-            return assemble_trajectories(prompts, params, [s.result() for s in sessions], logps, self._pad_id(),
-                                         versions)
-        out = self._assemble(prompts, params, tokens, logps, resp_len, reasons)
-        if between_steps is not None:
-            out["token_weight_versions"] = (run.res_ver * out["response_mask"].cpu()).to(out["responses"].device)
-        return out
-
-    def _assemble(self, prompts: Batch, params: SamplingParams, tokens, logps, resp_len, reasons) -> Batch:
-        return assemble_generation(prompts, params, tokens, logps, resp_len, reasons, self._pad_id())
-
-
-class _Run:
-    """The scheduling state of one `generate` call.
-
-    Sample ``sid`` answers prompt ``sid // n`` (its ``sid % n``-th sample). Samples whose prompts have the
-    same tokens share one prefill (``prompt_of``: the prompt tokens each sample starts from). With agent
-    ``sessions`` (one per sample) a sample is a multi-turn trajectory: when the model ends a turn its slot
-    is *parked* (keeps its keys/values, skips decode steps) until the session's observation is ready, then
-    only the observation is prefilled into the slot (in the next decode step's forward where that step
-    runs eagerly, `CachedDecoder.decode_and_extend`; else in one of its own, `CachedDecoder.extend`) and
-    decoding goes on; the model-token counter (``step``) runs over all turns, so the sampling uniforms and
-    the log-probs of one trajectory are one sequence.
-
-    Slots that hold no sample take the scratch position ``max_seq_len - 1`` in decode steps (a free row's
-    keys/values are written somewhere): never a position of a cached prefix, which holds at most
-    ``max_seq_len - 1`` tokens.
-    """
-
-    def __init__(self, engine: NativeEngine, params: SamplingParams, prompt_tokens, seeds, limits,
-                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> None:
-        self.e, self.p = engine, params
-        self.between_steps, self.version = between_steps, 0  # the weight version the next step uses
-        self.decode = engine.decode_fn()
-        self.seeds, self.sessions = seeds, sessions
-        dev, slots, steps = engine.device, engine.max_batch_size, params.max_tokens
-        self.scratch = engine.max_seq_len - 1
-        # The prefix cache (free slot -> tokens it holds), taken from the engine and given back by `run`; with
-        # weights that may change between steps it is neither used nor filled.
-        use_cache = engine.prefix_cache and between_steps is None
-        self.slots = SlotPool(slots, engine.cached_prefixes if use_cache else {})
-        engine.cached_prefixes = {}
-        self.record = use_cache and sessions is None  # an agent's slot also holds observations: not recorded
-        total = len(prompt_tokens) * params.n
         if sessions is None:
-            self.prompt_tokens = prompt_tokens
-            self.prompt_of = [sid // params.n for sid in range(total)]
-            self.limits = [limits[sid // params.n] for sid in range(total)]  # tokens a response may have
-        else:  # each trajectory's own first context (an environment may write it); equal ones share a prefill
-            if len(sessions) != total:
-                raise ValueError(f"generate: {len(sessions)} agent sessions for {total} samples")
-            unique: dict[tuple[int, ...], int] = {}
-            self.prompt_of = [unique.setdefault(tuple(s.prompt_tokens), len(unique)) for s in sessions]
-            self.prompt_tokens = [torch.tensor(t, dtype=torch.long) for t in unique]
-            self.limits = [s.turn_budget() for s in sessions]
-        self.prompt_lists = [t.tolist() for t in self.prompt_tokens]
-        # Per-slot decode state, pre-allocated; rows of free slots hold junk that no one reads.
-        self.cur = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.pos = torch.full((slots,), self.scratch, dtype=torch.long, device=dev)
-        self.step = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.live = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.limit = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.out_tok = torch.zeros(slots, steps, dtype=torch.long, device=dev)
-        self.out_lp = torch.zeros(slots, steps, dtype=torch.float32, device=dev)
-        self.out_ver = torch.zeros(slots, steps, dtype=torch.long, device=dev)
-        self.uni = torch.zeros(slots, steps, dtype=torch.float64, device=dev)
-        self.stop_ids = torch.tensor(engine._stop_ids(params), dtype=torch.long, device=dev)
-        self.ended_by_stop = torch.zeros(slots, dtype=torch.bool, device=dev)  # the turn's last token is a stop id
-        self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=dev)  # a sampled log-prob was NaN or inf
-        self.check_every = 1 if params.stop else engine.check_every  # stop strings: the host reads every token
-        self.since_look = 0
-        # Results, by sample id (prompt i, sample j -> i * n + j): the model's tokens (all turns).
-        self.res_tok = torch.zeros(total, steps, dtype=torch.long)
-        self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
-        self.res_ver = torch.zeros(total, steps, dtype=torch.long)
-        self.res_len = torch.zeros(total, dtype=torch.long)
-        self.reasons: list[str] = [""] * total
-        # Python-side bookkeeping. A session that is already done (its environment failed to reset, no
-        # budget left) takes no slot.
-        self.waiting = deque(sid for sid in range(total) if sessions is None or self.limits[sid] > 0)
-        self.slot_sample = [-1] * slots
-        self.slot_pos = [0] * slots  # position the slot's next token goes to
-        self.slot_turn: dict[int, int] = {}  # agents: the model-token index the slot's current turn started at
-        self.parked: dict[int, Any] = {}  # agents: slot -> the future of its session's turn result
-        # agents: parked slots whose observation rides in the next decode step's forward (slot -> its tokens);
-        # only where decode steps run eagerly (a graphed or compiled step has a fixed shape)
-        self.ready: dict[int, list[int]] = {}
-        # the plain eager step (each attribute access makes a new bound method, so compare with ==)
-        self.ride_along = sessions is not None and self.decode == engine.decoder.decode
-        self.prompt_slots: dict[int, set[int]] = {}
-        self.prompt_logits: dict[int, torch.Tensor] = {}
-        self.prompt_version: dict[int, int] = {}  # the weights each cached prefill's logits came from
-        self.to_admit = {p: 0 for p in set(self.prompt_of)}
-        for sid in self.waiting:
-            self.to_admit[self.prompt_of[sid]] += 1
-        self.gen_text: dict[int, list[int]] = {}  # stop strings: the slot's turn's tokens the host has read
-        self.stop_window = max((len(s) for s in params.stop), default=0) + 4
-
-    # ---------------------------------------------------------------- admission
-    def _admit(self) -> None:
-        e, n = self.e, self.p.n
-        taken = []
-        computed: dict[int, int] = {}  # prompt -> the slot it is computed into now
-        prefill, extend = [], []  # prompts computed whole; (prompt, tokens already cached in its slot)
-        reuse, copies = [], []  # (dst, src, length) cached-prefix copies; (dst, src, prompt) prompt shares
-        while self.waiting and self.slots.free:
-            sid = self.waiting.popleft()
-            p = self.prompt_of[sid]
-            live = self.prompt_slots.get(p)
-            if live or p in computed:
-                slot = self.slots.take()
-                copies.append((slot, next(iter(live)) if live else computed[p], p))
-            else:
-                slot, cached, source = self.slots.place(self.prompt_lists[p])
-                if source is not None:
-                    reuse.append((slot, source, cached))
-                computed[p] = slot
-                if cached:
-                    extend.append((p, cached))
-                else:
-                    prefill.append(p)
-            taken.append((sid, slot))
-        if reuse:  # before anything is written: a source may be taken by a later prompt of this admission
-            dst = torch.tensor([d for d, _, _ in reuse], device=e.device)
-            src = torch.tensor([s for _, s, _ in reuse], device=e.device)
-            span = max(length for _, _, length in reuse)
-            e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
-            e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
-        if prefill:
-            toks, lens = _right_padded([self.prompt_lists[p] for p in prefill], e.device)
-            logits = e.decoder.prefill(toks, lens, torch.tensor([computed[p] for p in prefill], device=e.device),
-                                       e.k_cache, e.v_cache)
-            self._keep_prompt_logits(prefill, logits)
-        if extend:  # only the tokens after the cached prefix
-            toks, lens = _right_padded([self.prompt_lists[p][cached:] for p, cached in extend], e.device)
-            logits = e.decoder.extend(toks, torch.tensor([c for _, c in extend], device=e.device), lens,
-                                      torch.tensor([computed[p] for p, _ in extend], device=e.device),
-                                      e.k_cache, e.v_cache)
-            self._keep_prompt_logits([p for p, _ in extend], logits)
-        if copies:
-            dst = torch.tensor([d for d, _, _ in copies], device=e.device)
-            src = torch.tensor([s for _, s, _ in copies], device=e.device)
-            span = max(len(self.prompt_lists[p]) for _, _, p in copies)
-            e.k_cache[:, dst, :span] = e.k_cache[:, src, :span]
-            e.v_cache[:, dst, :span] = e.v_cache[:, src, :span]
-
-        slots = [slot for _, slot in taken]
-        slot_t = torch.tensor(slots, device=e.device)
-        logits = torch.stack([self.prompt_logits[self.prompt_of[sid]] for sid, _ in taken])
-        self.uni[slot_t] = torch.stack(
-            [request_uniforms(self.seeds[sid // n], sid % n, self.p.max_tokens) for sid, _ in taken]
-        ).to(e.device)
-        tok, lp = sample_tokens(logits, self.uni[slot_t, 0], self.p, check_finite=False)
-        self.out_tok[slot_t, 0] = tok
-        self.out_lp[slot_t, 0] = lp
-        if self.between_steps is not None:
-            self.out_ver[slot_t, 0] = torch.tensor([self.prompt_version[self.prompt_of[sid]] for sid, _ in taken],
-                                                   device=e.device)
-        self.cur[slot_t] = tok
-        lens = [len(self.prompt_tokens[self.prompt_of[sid]]) for sid, _ in taken]
-        self.pos[slot_t] = torch.tensor(lens, device=e.device)
-        self.step[slot_t] = 1
-        self.live[slot_t] = 1
-        self.ended_by_stop[slot_t] = False
-        self.limit[slot_t] = torch.tensor([self.limits[sid] for sid, _ in taken], device=e.device)
-        for (sid, slot), length in zip(taken, lens):
-            p = self.prompt_of[sid]
-            self.slot_sample[slot] = sid
-            self.slot_pos[slot] = length
-            self.slot_turn[slot] = 0
-            self.prompt_slots.setdefault(p, set()).add(slot)
-            self.to_admit[p] -= 1
-            if self.to_admit[p] == 0:
-                del self.prompt_logits[p]
-        self._end_on_device(slot_t, tok, lp)
-        # A sample that ends at its first token (a budget of one token, or a stop token where the host looks
-        # every step) is freed now, not after a decode step that would compute nothing for it.
-        if self.check_every == 1 or any(self.limits[sid] == 1 for sid, _ in taken):
-            self._look()
-
-    def _keep_prompt_logits(self, prompts: list[int], logits: torch.Tensor) -> None:
-        for row, p in enumerate(prompts):
-            self.prompt_logits[p] = logits[row]
-            self.prompt_version[p] = self.version
-
-    # ---------------------------------------------------------------- finishing
-    def _end_on_device(self, slot_t: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
-        """End, on the device and without a host synchronisation, the turn of each live slot of ``slot_t``
-        whose newest token ``tok`` is a stop id or reaches its limit: the slot stops advancing until the
-        host's next `_look` frees it. Free and parked slots (not live) are left alone."""
-        live = self.live[slot_t].bool()
-        hit = torch.isin(tok, self.stop_ids) & live
-        ended = hit | (live & (self.step[slot_t] >= self.limit[slot_t]))
-        self.ended_by_stop[slot_t] |= hit
-        self.nonfinite[slot_t] |= live & ~torch.isfinite(lp)
-        self.live[slot_t] = (live & ~ended).long()
-
-    def _look(self) -> None:
-        """The host's look at the decoding slots, one synchronisation: free those whose turn ended on the
-        device (an agent's turn goes to its session), catch up ``slot_pos``, check stop strings."""
-        self.since_look = 0
-        slots = [s for s, sid in enumerate(self.slot_sample) if sid >= 0 and s not in self.parked]
-        if not slots:
-            return
-        slot_t = torch.tensor(slots, device=self.e.device)
-        state = torch.stack([self.live[slot_t], self.ended_by_stop[slot_t].long(), self.pos[slot_t],
-                             self.step[slot_t], self.nonfinite[slot_t].long()])
-        live, stopped, pos, step, bad = state.tolist()
-        if any(bad):
-            sids = [self.slot_sample[s] for s, b in zip(slots, bad) if b]
-            raise FloatingPointError(
-                f"generate: the next-token distribution of samples {sids[:8]} is not finite (NaN or inf logits): "
-                "the model's weights or activations are not finite (a corrupt checkpoint, or an overflow in "
-                "float16/bfloat16)"
-            )
-        for s, p in zip(slots, pos):
-            self.slot_pos[s] = p
-        if self.p.stop:
-            self._check_stop_strings(slots, live, stopped, step)
-        ended = [(s, bool(st), n) for s, lv, st, n in zip(slots, live, stopped, step) if not lv]
-        if not ended:
-            return
-        if self.sessions is None:
-            self._finish([s for s, _, _ in ended], ["stop" if st else "length" for _, st, _ in ended])
+            policy = SingleTurn(prompt_tokens, prompt_max_tokens(prompts, params), params.n)
         else:
-            self._end_turns(ended)
-
-    def _check_stop_strings(self, slots: list[int], live: list[int], stopped: list[int], step: list[int]) -> None:
-        """End each live slot whose text now holds a stop string, at the token that completed it (``live``,
-        ``stopped`` and ``step`` are updated in place, and on the device)."""
-        rows = self.out_tok[torch.tensor(slots, device=self.e.device)].tolist()
-        tokenizer = self.e.tokenizer
-        for i, s in enumerate(slots):
-            if not live[i]:
-                continue
-            text_ids = self.gen_text.setdefault(s, [])
-            start = self.slot_turn.get(s, 0) + len(text_ids)
-            for j in range(start, step[i]):
-                text_ids.append(rows[i][j])
-                tail = tokenizer.decode(text_ids[-self.stop_window :], skip_special_tokens=False)
-                if any(stop in tail for stop in self.p.stop):  # tokens after j were sampled past the end
-                    back = step[i] - (j + 1)
-                    live[i], stopped[i], step[i] = 0, 1, j + 1
-                    self.slot_pos[s] -= back
-                    self.live[s], self.step[s], self.cur[s], self.pos[s] = 0, j + 1, rows[i][j], self.slot_pos[s]
-                    break
-
-    def _finish(self, slots: list[int], reasons: list[str]) -> None:
-        sids = [self.slot_sample[s] for s in slots]
-        slot_t = torch.tensor(slots, device=self.e.device)
-        sid_t = torch.tensor(sids)
-        self.res_tok[sid_t] = self.out_tok[slot_t].cpu()
-        self.res_lp[sid_t] = self.out_lp[slot_t].cpu()
-        self.res_ver[sid_t] = self.out_ver[slot_t].cpu()
-        self.res_len[sid_t] = self.step[slot_t].cpu()
-        self.live[slot_t] = 0
-        self.pos[slot_t] = self.scratch
-        self.step[slot_t] = 0
-        self.ended_by_stop[slot_t] = False
-        for s, sid, reason in zip(slots, sids, reasons):
-            self.reasons[sid] = reason
-            p = self.prompt_of[sid]
-            self.prompt_slots[p].discard(s)
-            holds = None
-            if self.record:  # the slot holds the prompt and every sampled token but the last (never fed)
-                holds = self.prompt_lists[p] + self.res_tok[sid, : int(self.res_len[sid]) - 1].tolist()
-            self.slots.give_back(s, holds)
-            self.slot_sample[s] = -1
-            self.slot_pos[s] = 0
-            self.slot_turn.pop(s, None)
-            self.gen_text.pop(s, None)
-
-    # ---------------------------------------------------------------- agent turns
-    def _end_turns(self, ended: list[tuple[int, bool, int]]) -> None:
-        """Agents: hand each ended turn (slot, ended by a stop, model tokens so far) to its session and
-        park the slot until the session answers."""
-        rows = self.out_tok[torch.tensor([s for s, _, _ in ended], device=self.e.device)].tolist()
-        for (s, stopped, step), row in zip(ended, rows):
-            turn = row[self.slot_turn[s] : step]
-            self.parked[s] = self.sessions[self.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
-            self.gen_text.pop(s, None)
-
-    def _resume_ready(self, block: bool, decoding: bool) -> bool:
-        """Agents: finish the parked trajectories that are done, and continue those whose observation is
-        ready by prefilling only it: in the next decode step's forward where it can (``ride_along``, while
-        other slots decode), else now. With ``block``, first wait for one (nothing else can run). Returns
-        whether any slot changed."""
-        waiting = {s: f for s, f in self.parked.items() if s not in self.ready}
-        if not waiting:
-            return False
-        if block:
-            wait(list(waiting.values()), return_when=FIRST_COMPLETED)
-        done = [(s, f.result()) for s, f in waiting.items() if f.done()]
-        if not done:
-            return False
-        finished = [s for s, r in done if r.done]
-        for s in finished:
-            del self.parked[s]
-        if finished:
-            self._finish(finished, [""] * len(finished))  # the session holds the reason
-        going = [(s, r.observation_tokens) for s, r in done if not r.done]
-        if going and self.ride_along and decoding:
-            self.ready.update(going)  # they stay parked until that step
-        elif going:
-            for s, _ in going:
-                del self.parked[s]
-            self._observe(going, self._extend(going))
-        return True
-
-    def _extension(self, going: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, ...]:
-        """The `CachedDecoder.extend` inputs that append ``[last sampled token] + observation`` to each slot:
-        right-padded tokens, start positions, lengths, slots."""
-        dev = self.e.device
-        toks, lens = _right_padded([[int(self.cur[s].item()), *obs] for s, obs in going], dev)
-        return (toks, torch.tensor([self.slot_pos[s] for s, _ in going], device=dev), lens,
-                torch.tensor([s for s, _ in going], device=dev))
-
-    def _extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
-        e = self.e
-        return e.decoder.extend(*self._extension(going), e.k_cache, e.v_cache)
-
-    def _observe(self, going: list[tuple[int, list[int]]], logits: torch.Tensor) -> None:
-        """Each slot's observation has been prefilled (``logits`` at its last token): sample the slot's next
-        turn's first token and make it live."""
-        e = self.e
-        slots = [s for s, _ in going]
-        slot_t = torch.tensor(slots, device=e.device)
-        starts = [self.slot_pos[s] for s in slots]
-        lens = [1 + len(obs) for _, obs in going]
-        step = self.step[slot_t]
-        tok, lp = sample_tokens(logits, self.uni[slot_t, step], self.p, check_finite=False)
-        self.out_tok[slot_t, step] = tok
-        self.out_lp[slot_t, step] = lp
-        if self.between_steps is not None:
-            self.out_ver[slot_t, step] = self.version
-        budgets = [self.sessions[self.slot_sample[s]].turn_budget() for s in slots]
-        self.limit[slot_t] = step + torch.tensor(budgets, device=e.device)
-        self.cur[slot_t] = tok
-        self.pos[slot_t] = torch.tensor([a + b for a, b in zip(starts, lens)], device=e.device)
-        self.step[slot_t] = step + 1
-        self.live[slot_t] = 1
-        self.ended_by_stop[slot_t] = False
-        for s, first, length in zip(slots, step.tolist(), lens):
-            self.slot_turn[s] = first
-            self.slot_pos[s] += length
-        self._end_on_device(slot_t, tok, lp)
-
-    # ---------------------------------------------------------------- decode
-    def _compact(self, live: list[int]) -> None:
-        """Move live samples into the lowest slots so decode runs over a short span."""
-        targets = [s for s in range(len(live)) if self.slot_sample[s] < 0]
-        movers = [s for s in live if s >= len(live)]
-        if not movers:
-            return
-        e = self.e
-        kv_len = max(self.slot_pos[s] for s in movers) + 1
-        dst, src = torch.tensor(targets, device=e.device), torch.tensor(movers, device=e.device)
-        e.k_cache[:, dst, :kv_len] = e.k_cache[:, src, :kv_len]
-        e.v_cache[:, dst, :kv_len] = e.v_cache[:, src, :kv_len]
-        for t in (self.cur, self.pos, self.step, self.live, self.limit, self.out_tok, self.out_lp, self.out_ver,
-                  self.uni, self.ended_by_stop, self.nonfinite):
-            t[dst] = t[src]
-        self.live[src] = 0
-        self.pos[src] = self.scratch
-        self.step[src] = 0
-        for d, s in zip(targets, movers):
-            self.slots.move(d, s)
-            sid = self.slot_sample[s]
-            self.slot_sample[d], self.slot_sample[s] = sid, -1
-            self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
-            slots = self.prompt_slots[self.prompt_of[sid]]
-            slots.discard(s)
-            slots.add(d)
-            for per_slot in (self.gen_text, self.slot_turn, self.parked, self.ready):
-                if s in per_slot:
-                    per_slot[d] = per_slot.pop(s)
-
-    def _decode_step(self) -> None:
-        e = self.e
-        live = [s for s, sid in enumerate(self.slot_sample) if sid >= 0]
-        span = live[-1] + 1
-        if not self.waiting and span >= 8 and len(live) <= span // 2:
-            self._compact(live)
-            live = list(range(len(live)))
-            span = len(live)
-        span = max(span, e.min_decode_span)
-        kv_len = max(self.slot_pos[s] for s in live) + 1
-        riding = list(self.ready.items())
-        self.ready = {}
-        if riding:
-            logits, riding_logits = e.decoder.decode_and_extend(self.cur[:span], self.pos[:span], span, kv_len,
-                                                                *self._extension(riding), e.k_cache, e.v_cache)
-        else:
-            logits = self.decode(self.cur[:span], self.pos[:span], span, kv_len, e.k_cache, e.v_cache)
-        rows = torch.arange(span, device=e.device)
-        step = self.step[:span].clamp(max=self.p.max_tokens - 1)
-        live_t = self.live[:span]
-        tok, lp = sample_tokens(logits, self.uni[rows, step], self.p, check_finite=False)
-        # Rows that are not live (free, parked, or ended since the host's last look) are junk: they keep
-        # their token and write nothing.
-        keep = live_t.bool()
-        tok = torch.where(keep, tok, self.cur[:span])
-        self.out_tok[rows, step] = torch.where(keep, tok, self.out_tok[rows, step])
-        self.out_lp[rows, step] = torch.where(keep, lp, self.out_lp[rows, step])
-        if self.between_steps is not None:
-            self.out_ver[rows, step] = torch.where(keep, self.version, self.out_ver[rows, step])
-        self.cur[:span] = tok
-        self.pos[:span] += live_t
-        self.step[:span] += live_t
-        for s in live:
-            if s not in self.parked:
-                self.slot_pos[s] += 1  # an upper bound until the next look: a slot may have ended since
-        self._end_on_device(rows, tok, lp)
-        if riding:
-            for s, _ in riding:
-                del self.parked[s]
-            self._observe(riding, riding_logits)
-        self.since_look += 1
-        if self.since_look >= self.check_every:
-            self._look()
-
-    def _refresh(self) -> None:
-        """Partial rollouts: let the caller swap weights in between two steps."""
-        if self.between_steps is None:
-            return
-        version = int(self.between_steps())
-        if version != self.version and self.e.prepacked is not None:
-            self.e.prepacked.refresh()  # repack what `update_weights` wrote
-        self.version = version
-
-    def run(self):
-        while self.waiting or any(sid >= 0 for sid in self.slot_sample):
-            self._refresh()
-            decoding = any(sid >= 0 and s not in self.parked for s, sid in enumerate(self.slot_sample))
-            if self._resume_ready(not decoding and not (self.waiting and self.slots.free), decoding):
-                continue
-            if self.waiting and self.slots.free:
-                self._admit()
-                continue
-            if decoding:
-                self._decode_step()
-        self.e.cached_prefixes = self.slots.cached
-        return self.res_tok, self.res_lp, self.res_len, self.reasons
+            if len(sessions) != len(prompt_tokens) * params.n:
+                raise ValueError(f"generate: {len(sessions)} agent sessions for {len(prompt_tokens) * params.n} samples")
+            policy = AgentTurns(sessions)
+        run = Scheduler(self.decoder, self.decode_fn(), self.cache, params, policy,
+                        prompt_seeds(prompts, params, self.tp_mesh), stop_ids=self.stop_ids(params),
+                        check_every=self.check_every, min_span=self.min_decode_span, tokenizer=self.tokenizer,
+                        use_prefix_cache=self.prefix_cache, between_steps=between_steps,
+                        repack=self.prepacked.refresh if self.prepacked is not None else None)
+        run.run()
+        versions = run.res_ver if between_steps is not None else None
+        if sessions is not None:
+            return assemble_trajectories(prompts, params, [s.result() for s in sessions], run.res_lp, self.pad_id(),
+                                         versions)
+        out = assemble_generation(prompts, params, run.res_tok, run.res_lp, run.res_len, run.reasons, self.pad_id())
+        if versions is not None:
+            out["token_weight_versions"] = (versions * out["response_mask"].cpu()).to(out["responses"].device)
+        return out

@@ -165,8 +165,8 @@ class DecodeAndExtend:
 class CachedDecoder:
     """Prefill and decode of an HF causal LM through its own layers, with the engine's KV cache.
 
-    The KV cache is two tensors ``[layers, slots, max_seq_len, kv_heads, head_dim]`` owned by the
-    engine; this class only reads and writes the slots it is given.
+    The KV cache is two tensors ``[layers, slots, max_seq_len, kv_heads, head_dim]`` (`KVCache.k`, ``.v``);
+    this class only reads and writes the slots it is given.
     """
 
     def __init__(self, model: nn.Module, max_seq_len: int, device, dtype) -> None:
