@@ -20,8 +20,10 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
 - ``train-1b``, ``train-3b``, ``train-1b-lora`` (with ``--models DIR`` holding random-weight models ``1b``
   and ``3b``, e.g. made by the GPU kit's ``mkmodels.py``): the GRPO recipe at world size 1, 16 prompts x 8
   samples of <= 64 prompt + 256 response tokens, bf16 actor and reference, LoRA rank 16 on the ``-lora`` row,
-  compiled blocks and decode step (``actor.compile``, ``rollout.engine.compile``) on the ``-compile`` row.
-  Figures: the last step's actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
+  compiled blocks and decode step (``actor.compile``, ``rollout.engine.compile``) on the ``-compile`` rows,
+  ``-compile-resident`` also with ``rollout.offload_optimizer: false`` (its step time against ``-compile``'s is
+  what moving the optimizer state to the host and back costs).
+  Figures: the last step's time and its actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
   memory against the dry run's estimate. ``--profile-dir DIR`` also records the step before the last with
   ``trainer.profile`` (``DIR/<check>/step_N/<role>_rank0.{json,txt}``).
 
@@ -63,6 +65,9 @@ RECIPE_STEPS = 3
 TRAIN_ROWS = {
     "train-1b": ("1b", 16, []),
     "train-1b-compile": ("1b", 16, ["actor.compile=true", "rollout.engine.compile=true"]),
+    # the same with the optimizer state kept on the GPU during generation: what offloading it costs a step
+    "train-1b-compile-resident": ("1b", 16, ["actor.compile=true", "rollout.engine.compile=true",
+                                             "rollout.offload_optimizer=false"]),
     "train-1b-lora": ("1b", 16, ["actor.lora.rank=16", "actor.lora.alpha=32"]),
     "train-3b": ("3b", 8, []),
 }
@@ -131,7 +136,7 @@ def _figure_of_training(output_dir: str, estimate_gib: float | None) -> str:
     if not path.is_file():
         return ""
     last = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][-1]
-    text = (f"update {last['timing_s/update_actor']:.2f} s, MFU actor {100 * last.get('perf/mfu/actor', 0):.1f} %, "
+    text = (f"step {last.get('timing_s/step', 0):.2f} s, update {last['timing_s/update_actor']:.2f} s, MFU actor {100 * last.get('perf/mfu/actor', 0):.1f} %, "
             f"ref {100 * last.get('perf/mfu/ref', 0):.1f} %, gen {last.get('timing_s/gen', 0):.2f} s, "
             f"peak {last.get('perf/max_memory_allocated_gb', 0):.1f} GiB")
     if estimate_gib is not None:
