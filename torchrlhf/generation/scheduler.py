@@ -149,7 +149,7 @@ class AgentTurns:
         elif going:
             for s, _ in going:
                 del self.parked[s]
-            run.observe(going, run.decoder.extend(*run.extension(going), run.cache.k, run.cache.v))
+            run.observe(going, run.extend(going))
         return True
 
     def riding(self) -> list[tuple[int, list[int]]]:
@@ -201,9 +201,9 @@ class Scheduler:
         self.slots = SlotPool(slots, cache.prefixes if use_cache else {})
         cache.prefixes = {}
         self.record = use_cache and policy.records
-        self.state = SlotState(slots, params.max_tokens, torch.tensor(list(stop_ids), dtype=torch.long,
-                                                                       device=self.device),
-                               cache.scratch, self.device, versions=between_steps is not None)
+        stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
+        self.state = SlotState(slots, params.max_tokens, stop_t, cache.scratch, self.device,
+                               versions=between_steps is not None)
         self.check_every = 1 if params.stop else check_every  # stop strings: the host reads every token
         self.since_look = 0
         # Results, by sample id (prompt i, sample j -> i * n + j): the model's tokens (all turns).
@@ -275,7 +275,7 @@ class Scheduler:
             slot_t, torch.stack([self.prompt_logits[p] for p in contexts]), self.p,
             pos=torch.tensor(lens, device=dev),
             budget=torch.tensor([self.policy.budgets[sid] for sid, _ in taken], device=dev),
-            version=torch.tensor([self.prompt_version[p] for p in contexts], device=dev))
+            version=torch.tensor([self.prompt_version[p] for p in contexts], device=dev) if self.state.versions else 0)
         for (sid, slot), p, length in zip(taken, contexts, lens):
             self.slot_sample[slot] = sid
             self.slot_pos[slot] = length
@@ -351,7 +351,6 @@ class Scheduler:
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
             self.slot_turn[s] = 0
-            self.gen_text.pop(s, None)
 
     # ---------------------------------------------------------------- agent turns
     def extension(self, going: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, ...]:
@@ -361,6 +360,11 @@ class Scheduler:
         toks, lens = right_padded([[int(self.state.cur[s].item()), *obs] for s, obs in going], dev)
         return (toks, torch.tensor([self.slot_pos[s] for s, _ in going], device=dev), lens,
                 torch.tensor([s for s, _ in going], device=dev))
+
+    def extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Prefill each slot's ``[last sampled token] + observation`` in a forward of its own; the logits [b, V]
+        at each last token."""
+        return self.decoder.extend(*self.extension(going), self.cache.k, self.cache.v)
 
     def observe(self, going: list[tuple[int, list[int]]], logits: torch.Tensor) -> None:
         """Each slot's observation has been prefilled (``logits`` at its last token): start the next turn."""
