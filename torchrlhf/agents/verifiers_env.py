@@ -1,4 +1,4 @@
-"""verifiers environments (PrimeIntellect's ``verifiers`` 0.1.x API) as a rollout source.
+"""verifiers environments (PrimeIntellect's ``verifiers`` 0.1.3 API) as a rollout source.
 
 Config (``rollout.agent``)::
 
