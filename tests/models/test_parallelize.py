@@ -16,6 +16,7 @@ from torchrlhf.models import (
     load_causal_lm,
     save_tiny_model,
 )
+from torchrlhf.models.parallelize import model_layout
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_dist_parallel.py")
@@ -119,3 +120,13 @@ def test_fsdp_two_ranks(tmp_path):
 def test_fsdp_x_tp_four_ranks(tmp_path):
     _run(4, 2, tmp_path / "w")
     _check_merged(tmp_path / "w", tmp_path)
+
+
+@pytest.mark.parametrize("ranks, dtype, trainable, lora, want", [
+    (1, torch.float32, True, False, "plain"), (1, torch.bfloat16, False, False, "plain"),
+    (1, torch.bfloat16, True, False, "copies"), (1, torch.bfloat16, True, True, "fsdp"),
+    (1, torch.float32, True, True, "plain"), (2, torch.float32, True, False, "fsdp"),
+    (2, torch.bfloat16, False, False, "fsdp")])
+def test_model_layout_is_fsdp2_wherever_there_is_more_than_one_rank_or_an_offload(ranks, dtype, trainable, lora, want):
+    assert model_layout(ranks, dtype, trainable=trainable, lora=lora) == want
+    assert model_layout(ranks, dtype, trainable=trainable, lora=lora, cpu_offload=True) == "fsdp"

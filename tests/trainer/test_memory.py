@@ -112,8 +112,14 @@ def test_lora_trace_holds_the_base_in_the_compute_dtype_and_adapter_states_only(
     full = trace_micro_batch(tiny_model_dir, dtype=torch.bfloat16, micro=2, prompt_len=4, response_len=4)
     assert traced["optimizer states"] < full["optimizer states"] / 20  # adapters only
     # sharded over 2 ranks, a LoRA base stays in bf16 and a full model's state becomes fp32 masters
-    held = as_held(traced, dtype=torch.bfloat16, shards=2, tp=1, sharded=True, lora=True)
+    held = as_held(traced, dtype=torch.bfloat16, shards=2, tp=1, layout="fsdp", lora=True)
     assert held["parameters"] == traced["parameters"] / 2
-    held_full = as_held(full, dtype=torch.bfloat16, shards=2, tp=1, sharded=True)
+    held_full = as_held(full, dtype=torch.bfloat16, shards=2, tp=1, layout="fsdp")
     assert held_full["parameters"] == full["parameters"] * 2 / 2
     assert held_full["activations"] == full["activations"]
+    # on one rank training in bf16: float32 weights, gradients and states, and the bf16 compute copies on top
+    held_one = as_held(full, dtype=torch.bfloat16, shards=1, tp=1, layout="copies")
+    assert held_one["parameters"] == full["parameters"] * (2 + 1)
+    assert held_one["optimizer states"] == full["optimizer states"] * 2
+    assert held_one["activations"] == full["activations"]
+

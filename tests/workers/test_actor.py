@@ -290,3 +290,51 @@ def test_seq_mean_modes_do_not_depend_on_micro_batching(model_dir, mode):
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def _bf16_on_one_rank(rank: int, world: int, model_dir: str, out: str) -> None:
+    """Two bf16 PPO steps on a one-rank group, with the compute copies and (forced) with FSDP2's mixed precision;
+    then each worker's log-probs, and a checkpoint of the copies' worker restored into a fresh one."""
+    torch.set_num_threads(1)
+    batch = rollout_batch(8, temperature=0.9)
+    results = {}
+    for layout in ("copies", "fsdp"):
+        if layout == "fsdp":
+            ActorWorker._layout = lambda self, *args: "fsdp"
+        actor = ActorWorker(model_dir, **grouped(ppo_micro_batch_size_per_device=2, dtype="bfloat16", **TRAIN_KW))
+        holds_copies = actor.compute_copies is not None
+        metrics = _train(actor, batch)
+        params = {k: v.detach().clone() for k, v in full_params(actor.model).items()}
+        lp = actor.compute_log_prob(batch, temperature=0.9)["old_log_probs"]
+        results[layout] = {"metrics": metrics, "params": params, "log_probs": lp, "copies": holds_copies,
+                           "dtypes": sorted({str(p.dtype) for p in params.values()})}
+        if layout == "copies":
+            actor.save_checkpoint(str(Path(out).parent / "ckpt"))
+            fresh = ActorWorker(model_dir, **grouped(ppo_micro_batch_size_per_device=2, dtype="bfloat16", **TRAIN_KW))
+            fresh.load_checkpoint(str(Path(out).parent / "ckpt"))
+            results["restored"] = {"log_probs": fresh.compute_log_prob(batch, temperature=0.9)["old_log_probs"],
+                                   "metrics": _train(fresh, batch, steps=1), "next": _train(actor, batch, steps=1)}
+    torch.save(results, out)
+
+
+def test_bf16_compute_copies_train_as_fsdp2_mixed_precision(model_dir, tmp_path):
+    """On one rank a bf16 actor keeps float32 weights and bf16 compute copies (`ComputeCopies`) instead of
+    FSDP2; FSDP2's own mixed precision (bf16 params, float32 gradient reduction) is the reference: two PPO steps
+    (2 mini-batches x 2 epochs, 2 micro-batches each) give its metrics, weights and log-probs. The copies follow
+    the optimizer's steps (fused AdamW does not bump a tensor's version, so they are cast anew on every use) and a
+    checkpoint load (the restored worker scores and steps as the original)."""
+    out = tmp_path / "bf16.pt"
+    run_ranks(_bf16_on_one_rank, 1, model_dir, str(out))
+    results = torch.load(out, weights_only=True)
+    copies, fsdp, restored = results["copies"], results["fsdp"], results["restored"]
+    assert copies["copies"] and not fsdp["copies"]
+    assert copies["dtypes"] == ["torch.float32"]  # the weights the optimizer steps and checkpoints save
+    for got, want in zip(copies["metrics"], fsdp["metrics"]):
+        for key in METRICS:
+            assert got[key] == want[key], key  # the same casts and float32 sums: bit for bit
+    for name, want in fsdp["params"].items():
+        torch.testing.assert_close(copies["params"][name], want, atol=0, rtol=0, msg=name)
+    torch.testing.assert_close(copies["log_probs"], fsdp["log_probs"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(restored["log_probs"], copies["log_probs"], atol=0, rtol=0)
+    for key in METRICS:
+        assert restored["metrics"][0][key] == pytest.approx(restored["next"][0][key], rel=1e-6, abs=1e-7), key

@@ -26,7 +26,7 @@ measured before and after the rows: the spread says how quiet the host was), MFU
 and its rise over the built model. With ``--baseline DIR`` (another checkout of the library, e.g. an
 export of an older commit) every row also runs that code, interleaved, and prints after/before:
 
-    python tools/bench/bench_train.py --mfu --threads 2 --baseline /tmp/base [--shapes learn gsm8k]
+    python tools/bench/bench_train.py --mfu --threads 2 --baseline /tmp/base [--shapes learn gsm8k] [--compile]
 """
 
 from __future__ import annotations
@@ -100,12 +100,14 @@ def one_rank_group() -> None:
 
 
 def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "float32", lora_rank: int = 0,
-               ) -> Callable[[], dict[str, float]]:
+               compile: bool = False) -> Callable[[], dict[str, float]]:
     """One `ActorWorker.update` over ``batch`` (one optimizer step, micro-batches of ``micro`` samples);
-    ``lora_rank`` > 0 trains all-linear LoRA adapters of that rank instead of every weight."""
+    ``lora_rank`` > 0 trains all-linear LoRA adapters of that rank instead of every weight; ``compile``
+    compiles each block (``actor.compile``)."""
     one_rank_group()
     lora = {"rank": lora_rank, "alpha": 2 * lora_rank} if lora_rank else None
     actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype, lora=lora,
+                        compile=compile,
                         batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
     return lambda: actor.update(batch, temperature=1.0)
 
@@ -164,9 +166,11 @@ def measure_mfu(shape_name: str, dtype: str, side: str, args: argparse.Namespace
     torch.set_num_threads(args.threads)
     shape = SHAPES[shape_name]
     batch = group_rollouts(**shape_batch(shape), vocab=49152)
-    step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=side == "shared", dtype=dtype)
+    step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=side == "shared", dtype=dtype,
+                      compile=args.compile)
     built = _rss_mb()
-    step()  # warm-up (also allocates the optimizer state)
+    for _ in range(2 if args.compile else 1):  # warm-up (also allocates the optimizer state; compiles)
+        step()
     wall, cpu = [], []
     for _ in range(args.steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -202,7 +206,7 @@ def mfu_main(args: argparse.Namespace) -> None:
     codes = [("before", args.baseline), ("after", None)] if args.baseline else [("after", None)]
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     peaks = {d: [matmul_peak(getattr(torch, d), torch.device("cpu"), min_seconds=1.0)] for d in args.dtypes}
-    print(f"actor update MFU: SmolLM2-135M, {args.threads} threads, {_host()}, torch {torch.__version__}, median of "
+    print(f"actor update MFU{' (blocks compiled)' if args.compile else ''}: SmolLM2-135M, {args.threads} threads, {_host()}, torch {torch.__version__}, median of "
           f"{args.steps} updates after a warm-up; matmul peak GFLOP/s (before the rows): "
           + ", ".join(f"{d} {v[0] / 1e9:.1f}" for d, v in peaks.items()))
     print(f"{'shape':<6} {'dtype':<9} {'side':<7} {'code':<7} {'s/update':>9} {'cpu s':>7} {'GFLOP':>7} "
@@ -216,7 +220,7 @@ def mfu_main(args: argparse.Namespace) -> None:
                     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
                            "PYTHONPATH": os.pathsep.join(filter(None, [path or here, os.environ.get("PYTHONPATH")]))}
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--threads", str(args.threads),
-                           "--mfu-one", shape_name, dtype, side]
+                           "--mfu-one", shape_name, dtype, side] + (["--compile"] if args.compile else [])
                     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     if proc.returncode != 0:
                         raise SystemExit(f"{shape_name} {dtype} {side} ({code}) failed:\n{proc.stderr[-3000:]}")
@@ -262,6 +266,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="with --mfu")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                     help="with --mfu")
+    ap.add_argument("--compile", action="store_true", help="with --mfu: each block compiled (actor.compile; two "
+                    "warm-up updates)")
     ap.add_argument("--baseline", help="with --mfu: a checkout of the library to run side by side ('before')")
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)  # child process
     ap.add_argument("--mfu-one", nargs=3, metavar=("SHAPE", "DTYPE", "SIDE"), help=argparse.SUPPRESS)  # child

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import SHAPES, actor_step, group_rollouts, shape_batch  # noqa: E402
 
 from torchrlhf.models import smollm2_model_dir  # noqa: E402
+from torchrlhf.runtime.launch import _tune_malloc  # noqa: E402
 
 GEMMS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
 CASTS = {"aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::contiguous"}
@@ -145,6 +146,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="unprofiled updates first (the last one is timed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run
     shape = SHAPES[args.shape]
     batch = group_rollouts(**shape_batch(shape), vocab=49152)
     step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=args.side == "shared", dtype=args.dtype,

@@ -150,6 +150,25 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
 
 
+def model_layout(ranks: int, dtype: torch.dtype, *, trainable: bool, cpu_offload: bool = False,
+                 lora: bool = False) -> str:
+    """How a role holds its model on a group of ``ranks`` (data-parallel × tensor-parallel) ranks computing
+    in ``dtype``; the one rule the workers build by and the dry run's memory estimate counts by:
+
+    - ``"plain"``: one rank with nothing to shard: the module as it is, in ``dtype`` (float32, or a frozen
+      model below it: nothing updates it, so it needs no float32 master);
+    - ``"copies"``: one rank training below float32: float32 parameters and their compute copies
+      (`models.compute_copies.ComputeCopies`, FSDP2's mixed-precision numerics without its buffers);
+    - ``"fsdp"``: FSDP2 (× TP), float32 master shards cast to ``dtype`` per use. Also on one rank with CPU
+      offload, or LoRA below float32 (its frozen base is held in ``dtype``, its adapters in float32).
+    """
+    if ranks > 1 or cpu_offload or (lora and trainable and dtype != torch.float32):
+        return "fsdp"
+    if dtype == torch.float32 or not trainable:
+        return "plain"
+    return "copies"
+
+
 def compile_blocks(model: nn.Module) -> None:
     """``torch.compile`` each transformer block's forward, as torchtitan does: RMSNorm, RoPE, SwiGLU and the
     residual adds fuse into a few kernels forward and backward, while FSDP2's hooks, activation

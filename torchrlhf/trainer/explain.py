@@ -32,6 +32,7 @@ import transformers
 
 from torchrlhf.config import get_component
 from torchrlhf.models.lora import inject_lora, is_adapter
+from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import as_held, trace_micro_batch
 from torchrlhf.trainer.schema import (
     RecipeConfig,
@@ -149,12 +150,14 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
         value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
         optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
          use_kl_loss=getattr(sec, "use_kl_loss", False))
-    sharded = dp * tp > 1 or dtype != torch.float32 or cpu_offload  # FSDP2 (`FSDPWorker._is_plain`)
-    memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, sharded=sharded, lora=lora is not None)
+    layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
+    memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
     lines.append(f"      memory traced: one micro-batch of {micro} × ({p_len} + {r_len}) tokens, "
                  + ("forward" if frozen else "forward + backward + optimizer step")
                  + f" on fake tensors, peak {_gib(sum(memory.values()))} per rank"
-                 + (" (parameters, gradients and optimizer states as FSDP2's float32 shards)" if sharded else ""))
+                 + {"fsdp": " (parameters, gradients and optimizer states as FSDP2's float32 shards)",
+                    "copies": " (parameters, gradients and optimizer states in float32, and the compute copies)",
+                    "plain": ""}[layout])
     return lines, memory
 
 

@@ -12,8 +12,8 @@ rank holds for that role at the worst moment of the step.
 
 What differs from a worker (said in the dry run's output too):
 - the trace runs unsharded in the compute dtype on one process: parameters, gradients and optimizer
-  states are then recounted as FSDP2 holds them (float32 master copies sharded over the role's ranks
-  when the role is sharded or computes below float32, as `FSDPWorker._shard` does) — exact arithmetic,
+  states are then recounted as the worker holds them (`as_held`: float32 master copies, sharded over the
+  role's ranks by FSDP2 or with compute copies on one rank, as `models.parallelize.model_layout` says) — exact arithmetic,
   not an approximation; activations and temporaries are the traced ones (divided by TP, whose split of
   the hidden units the trace does not run);
 - the micro-batch is the dense layout (prompt + response, padded); with ``shared_prefix`` a worker
@@ -171,19 +171,25 @@ def _actor_loss(model, input_ids, attention_mask, position_ids, response_len: in
     return loss
 
 
-def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: int, sharded: bool,
+def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: int, layout: str,
             lora: bool = False) -> dict[str, float]:
-    """The traced kinds as one rank of the role holds them. With FSDP2 (``sharded``) parameters, gradients
-    and optimizer states are split over ``shards`` ranks and, below float32, held as float32 master copies
-    (a LoRA model keeps its frozen base in ``dtype`` and its adapters in float32 already, as traced). The
-    micro-batch's activations and temporaries split over ``tp``."""
+    """The traced kinds as one rank of the role holds them (``layout``: `models.parallelize.model_layout`).
+    With ``"fsdp"`` parameters, gradients and optimizer states are split over ``shards`` ranks and, below
+    float32, held as float32 master copies (a LoRA model keeps its frozen base in ``dtype`` and its adapters
+    in float32 already, as traced). With ``"copies"`` they are float32 on the one rank, and the parameters'
+    compute copies in ``dtype`` come on top. ``"plain"`` holds them as traced. The micro-batch's activations
+    and temporaries split over ``tp``."""
     master = 1.0 if lora else 4 / dtype.itemsize
     held = {}
     for kind, n in traced.items():
-        if kind in STATE_KINDS:
-            held[kind] = n * master / shards if sharded else n
-        else:
+        if kind not in STATE_KINDS:
             held[kind] = n / tp
+        elif layout == "fsdp":
+            held[kind] = n * master / shards
+        elif layout == "copies":
+            held[kind] = n * (master + 1 if kind == "parameters" else master)
+        else:
+            held[kind] = n
     return held
 
 

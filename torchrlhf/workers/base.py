@@ -8,6 +8,7 @@ supplies only its forward and its loss (`FSDPWorker.micro_batch_loss`) and the n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -30,7 +31,8 @@ from torchrlhf.models import (
     load_value_weights,
 )
 from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_lora, lora_init_tensors
-from torchrlhf.models.parallelize import compile_blocks, enable_activation_checkpointing, parallelize
+from torchrlhf.models.compute_copies import ComputeCopies
+from torchrlhf.models.parallelize import compile_blocks, enable_activation_checkpointing, model_layout, parallelize
 from torchrlhf.models.sharded import load_weights
 from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
@@ -116,6 +118,7 @@ class FSDPWorker(Worker):
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.compute_dtype = torch.float32  # the dtype its matmuls run in (`_shard`), for the MFU's peak
+        self.compute_copies: ComputeCopies | None = None  # one rank training below float32 (`_shard`)
         self._flops_of: flops.TransformerFlops | None = None
         self._step_flops = 0  # model FLOPs of the `train` call in progress
 
@@ -124,16 +127,18 @@ class FSDPWorker(Worker):
         return self.parallel_dims.tp
 
     # ------------------------------------------------------------------ setup
-    def _is_plain(self, dtype: torch.dtype, cpu_offload: bool) -> bool:
-        """A one-rank fp32 group has nothing to shard, and FSDP2 there only adds DTensor dispatch and
-        all-gather copies (~15-20% of a CPU update step). CPU offload and a lower compute dtype (FSDP2's
-        mixed-precision policy, fp32 master weights) still need FSDP2."""
-        return self.dp_mesh is None or (self.group_size == 1 and not cpu_offload and dtype == torch.float32)
+    def _layout(self, dtype: torch.dtype, cpu_offload: bool, trainable: bool) -> str:
+        """How this group holds its model (`models.parallelize.model_layout`). A one-process worker (no
+        process group: unit tests, notebooks) holds it plain in float32."""
+        if self.dp_mesh is None:
+            return "plain"
+        return model_layout(self.group_size, dtype, trainable=trainable, cpu_offload=cpu_offload,
+                            lora=self.lora is not None)
 
-    def loads_sharded(self, model_path: str, dtype: torch.dtype, cpu_offload: bool) -> bool:
+    def loads_sharded(self, model_path: str, dtype: torch.dtype, cpu_offload: bool, trainable: bool = True) -> bool:
         """Whether the model is built on the meta device and each rank reads only its shards: whenever it
         is FSDP2-sharded and the weights are a safetensors directory (a GGUF file loads whole)."""
-        return not self._is_plain(dtype, cpu_offload) and Path(model_path).is_dir()
+        return self._layout(dtype, cpu_offload, trainable) == "fsdp" and Path(model_path).is_dir()
 
     def _build_model(
         self,
@@ -156,7 +161,7 @@ class FSDPWorker(Worker):
         only they train, and with a compute ``dtype`` below float32 the frozen base is held in it. With
         ``compile`` each transformer block's forward runs through ``torch.compile`` (`compile_blocks`).
         """
-        sharded = self.loads_sharded(model_path, dtype, cpu_offload)
+        sharded = self.loads_sharded(model_path, dtype, cpu_offload, trainable=not freeze)
         if value_head:
             model = build_meta_value_model(model_path) if sharded else load_value_model(
                 model_path, dtype=torch.float32, init_head_std=init_head_std, seed=self.seed)
@@ -171,7 +176,7 @@ class FSDPWorker(Worker):
                 init_lora(model, self.seed)
             if dtype.itemsize < 4:  # FSDP2 computes in ``dtype`` (a plain model is float32)
                 hold_frozen_in(model, dtype)
-        model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload)
+        model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload, trainable=not freeze)
         if compile:
             compile_blocks(model)
         if sharded and value_head:
@@ -182,23 +187,33 @@ class FSDPWorker(Worker):
             load_weights(model, model_path, device=self.device, cpu_offload=cpu_offload, extra=adapters)
         return model
 
-    def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool):
-        """FSDP2 (× TP) over the group's ranks (a meta-device model stays on meta); the plain module when
-        the group is one fp32 rank (see `_is_plain`)."""
+    def _shard(self, model: torch.nn.Module, dtype: torch.dtype, activation_checkpointing: bool, cpu_offload: bool,
+               trainable: bool = True):
+        """Hold the model as `_layout` says: FSDP2 (× TP) over the group's ranks (a meta-device model stays
+        on meta), or on one rank the plain module (in ``dtype`` when frozen), or float32 parameters with
+        compute copies in ``dtype`` (`self.compute_copies`)."""
         self.compute_dtype = dtype
-        if self._is_plain(dtype, cpu_offload):
-            if activation_checkpointing:
-                enable_activation_checkpointing(model)
+        layout = self._layout(dtype, cpu_offload, trainable)
+        if layout == "fsdp":
+            return parallelize(
+                model,
+                dp_mesh=self.dp_mesh,
+                tp_mesh=self.tp_mesh,
+                param_dtype=dtype,
+                reduce_dtype=torch.float32,
+                cpu_offload=cpu_offload,
+                activation_checkpointing=activation_checkpointing,
+            )
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if layout == "copies":
+            self.compute_copies = ComputeCopies(model, dtype)
             return model.to(self.device)
-        return parallelize(
-            model,
-            dp_mesh=self.dp_mesh,
-            tp_mesh=self.tp_mesh,
-            param_dtype=dtype,
-            reduce_dtype=torch.float32,
-            cpu_offload=cpu_offload,
-            activation_checkpointing=activation_checkpointing,
-        )
+        return model.to(self.device, dtype if self.dp_mesh is not None else torch.float32)
+
+    def computing(self) -> contextlib.AbstractContextManager:
+        """Where the model's forward and backward run: with the compute copies when it has them."""
+        return self.compute_copies.active() if self.compute_copies is not None else contextlib.nullcontext()
 
     def _init_training(self, *, optim: Mapping | None, batching: Batching | Mapping | None, rollout_n: int,
                        total_steps: int | None, grad_clip: float | None, loss_agg_mode: str) -> None:
@@ -297,12 +312,13 @@ class FSDPWorker(Worker):
         start = time.perf_counter()
         self.model.eval()
         plan = prefix = lengths = None
-        if self.shared_prefix:
-            with torch.no_grad():
-                plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
-        outs = self.map_micro_batches(batch, lambda mb, rows: fn(mb, rows, plan, prefix),
-                                      micro_batch_size=self.batching.log_prob_micro_batch_size,
-                                      max_tokens=self.batching.max_tokens, lengths=lengths)
+        with self.computing():
+            if self.shared_prefix:
+                with torch.no_grad():
+                    plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
+            outs = self.map_micro_batches(batch, lambda mb, rows: fn(mb, rows, plan, prefix),
+                                          micro_batch_size=self.batching.log_prob_micro_batch_size,
+                                          max_tokens=self.batching.max_tokens, lengths=lengths)
         seconds = time.perf_counter() - start
         model_flops = self.flops_of.forward(*forward_counts(batch, plan))
         return Batch(outs, meta={f"perf/mfu/{name}": self.mfu(model_flops, seconds)})
@@ -328,7 +344,8 @@ class FSDPWorker(Worker):
         skipped = 0
         for _ in range(self.batching.ppo_epochs):
             for mini in self.mini_batches(batch, num_mini):
-                stats = self._train_mini_batch(mini, loss_kwargs)
+                with self.computing():
+                    stats = self._train_mini_batch(mini, loss_kwargs)
                 grad_norm, skip = self.optimizer_step(self.grad_clip)
                 skipped += int(skip)
                 if not skip:
