@@ -65,6 +65,8 @@ class ComputeCopies:
 
 
 def _into_master(master: nn.Parameter):
+    """The hook that moves a copy's accumulated gradient into ``master.grad`` (float32), as FSDP2's reduction does."""
+
     def hook(copy: torch.Tensor) -> None:
         if master.grad is None:
             master.grad = copy.grad.to(torch.float32)

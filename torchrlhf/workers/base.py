@@ -207,8 +207,9 @@ class FSDPWorker(Worker):
         if activation_checkpointing:
             enable_activation_checkpointing(model)
         if layout == "copies":
+            model = model.to(self.device)
             self.compute_copies = ComputeCopies(model, dtype)
-            return model.to(self.device)
+            return model
         return model.to(self.device, dtype if self.dp_mesh is not None else torch.float32)
 
     def computing(self) -> contextlib.AbstractContextManager:
