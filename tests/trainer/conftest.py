@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,9 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "ppo.py"
 REWARD_FNS = Path(__file__).with_name("reward_fns.py")
+
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+from dist_helpers import free_port  # noqa: E402
 
 # A small GRPO run on the arithmetic prompts; tests override what they exercise.
 BASE: dict[str, Any] = {
@@ -80,25 +82,10 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
                           timeout=timeout, env=env, cwd=cwd)
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the process group's store and, without a torchrun agent, RPC's)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of ports")
-
-
 def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Each rank its own process with torchrun's variables set by hand, as ``srun`` (or one torchrun per node)
     starts them: no local agent stops the other ranks when one dies. One answer per rank."""
-    port = _free_port_pair()
+    port = free_port(span=2)  # the process group's store and, without a torchrun agent, RPC's
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     procs = []
     for rank in range(nproc):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, metrics_of, run_recipe, write_config
+from conftest import assert_ok, free_port, metrics_of, run_recipe, write_config
 
 from torchrlhf.generation import vllm_available
 
@@ -259,14 +259,6 @@ def test_default_config_one_step_on_smollm2(tmp_path):
     assert (out / "global_step_1" / "COMPLETE").is_file()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_agents_equal_one_node(tiny_model_dir, tmp_path):
     """The multi-node launch: two torchrun agents (``--nnodes 2 --node_rank 0/1 --rdzv_endpoint``), one rank
     each, run the FSDP2 + hybrid-engine recipe to the same numbers as one agent with two ranks."""
@@ -284,7 +276,7 @@ def test_two_torchrun_agents_equal_one_node(tiny_model_dir, tmp_path):
                             actor={"optim": {"lr": 3e-2}, "batching": {"ppo_micro_batch_size_per_device": 8}})
 
     assert_ok(run_recipe(config(one), nproc=2))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",

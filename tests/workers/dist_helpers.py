@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import sys
 import time
@@ -15,10 +17,26 @@ import torch.multiprocessing as mp
 from torchrlhf.data import Batch
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for the stores the tests start themselves, below the kernel's ephemeral range (32768-60999 on Linux),
+# where torchrun's own stores and every outgoing connection take theirs: a port picked by binding to 0 is free
+# only until the process that asked binds it seconds later, and a torchrun started meanwhile by a parallel test
+# could take it (seen once in CI: EADDRINUSE here, and the other run's store fed a stranger's bytes).
+TEST_PORTS = range(20000, 32000)
+
+
+def free_port(span: int = 1) -> int:
+    """A port p with p .. p + span - 1 free now, drawn at random from `TEST_PORTS`."""
+    rng = random.Random()  # not the tests' seeded global generator: parallel tests must draw differently
+    for _ in range(200):
+        port = rng.randrange(TEST_PORTS.start, TEST_PORTS.stop - span)
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(port, port + span):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {span} free consecutive ports in {TEST_PORTS}")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
