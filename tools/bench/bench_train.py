@@ -17,8 +17,8 @@ n(P+R) / (P+nR) (P, R: mean prompt and response tokens).
     python tools/bench/bench_train.py [--n 4 8 16 --prompts 2 --prompt-len 150 --response-len 48 --steps 3]
 
 ``--mfu``: the update's model FLOPs utilisation instead, dense and shared, for each of ``--shapes``
-(`SHAPES`: the learning config's update and a GSM8K-shaped one) and ``--dtypes`` (bf16: FSDP2 mixed
-precision with fp32 master weights, as a one-process recipe run). Per row: seconds per update (median of
+(`SHAPES`: the learning config's update and a GSM8K-shaped one) and ``--dtypes`` (bf16: fp32 master
+weights and bf16 compute, as a one-process recipe run holds them: `models.parallelize.model_layout`). Per row: seconds per update (median of
 ``--steps`` after one warm-up), the main thread's CPU seconds (close to the wall time when no other
 process took the cores), model FLOPs (`torchrlhf.utils.flops`: fwd + bwd of the tokens processed), the
 achieved GFLOP/s, the matmul peak of the dtype at ``--threads`` threads (`utils.flops.matmul_peak`,
@@ -93,8 +93,8 @@ def shape_batch(shape: dict) -> dict:
 
 
 def one_rank_group() -> None:
-    """A one-rank gloo process group, as a one-process recipe run has (with it a bf16 actor is FSDP2 with
-    mixed precision (fp32 master weights), as in training; an fp32 one stays a plain module)."""
+    """A one-rank gloo process group, as a one-process recipe run has (with it a bf16 actor holds fp32 master
+    weights and bf16 compute copies, as in training; an fp32 one stays a plain module)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 

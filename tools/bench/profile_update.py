@@ -1,8 +1,8 @@
 """Where an actor update's time goes: `torch.profiler` over one `ActorWorker.update`, summarised by kind.
 
 The update runs on synthetic GRPO rollouts of a named shape (`bench_train.SHAPES`: ``learn``, the learning
-config's; ``gsm8k``, a GSM8K-shaped batch), in ``--dtype`` (bf16 runs FSDP2 mixed precision on a one-rank
-process group, as a one-process recipe run does), dense or shared-prefix. After ``--warmup`` updates one
+config's; ``gsm8k``, a GSM8K-shaped batch), in ``--dtype`` (bf16 keeps fp32 master weights and computes
+with bf16 copies on a one-rank process group, as a one-process recipe run does), dense or shared-prefix. After ``--warmup`` updates one
 is profiled (CPU activities, shapes recorded) and every op's self time is put in one row:
 
 - GEMMs (``mm``/``addmm``/``bmm``...), with their FLOPs from the recorded shapes and the rate they ran at,
