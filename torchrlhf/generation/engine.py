@@ -46,6 +46,7 @@ from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
+from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
 
 def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -377,7 +378,7 @@ class NativeEngine:
                         check_every=self.check_every, min_span=self.min_decode_span, tokenizer=self.tokenizer,
                         use_prefix_cache=self.prefix_cache, between_steps=between_steps,
                         repack=self.prepacked.refresh if self.prepacked is not None else None)
-        run.run()
+        in_fresh_stack_chunk(run.run)  # a hot loop: no Python stack-chunk boundary inside it
         versions = run.res_ver if between_steps is not None else None
         if sessions is not None:
             return assemble_trajectories(prompts, params, [s.result() for s in sessions], run.res_lp, self.pad_id(),
