@@ -26,6 +26,7 @@ def test_prompt_seed_for_picks_the_seed_of_sample_0(seed):
 
 def test_greedy_is_argmax_with_untempered_logprob():
     logits = torch.randn(5, 11)
+    logits[1, 3] = logits[1, 8] = logits[1].max() + 1  # a tie: the first index, as argmax (and HF greedy)
     tok, lp = sample_tokens(logits, torch.rand(5, dtype=torch.float64), SamplingParams(temperature=0))
     assert torch.equal(tok, logits.argmax(-1))
     torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])

@@ -46,6 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams, VLLMEngine  # VLLMEngine imports vLLM when built
 from torchrlhf.models import load_causal_lm, load_tokenizer, smollm2_model_dir
+from torchrlhf.runtime.launch import _tune_malloc
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -242,6 +243,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="the native engine compiles its decode step; also time it uncompiled")
     args = parser.parse_args()
+    _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run (both engines run in this process)
     torch.set_num_threads(args.threads)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

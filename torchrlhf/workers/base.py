@@ -40,6 +40,7 @@ from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops
 from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.utils.optim import build_optimizer
+from torchrlhf.utils.pystack import in_fresh_stack_chunk
 from torchrlhf.workers.microbatch import Batching, micro_batch_groups, strided_mini_batches
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts, run_prefixes
 
@@ -317,9 +318,9 @@ class FSDPWorker(Worker):
             if self.shared_prefix:
                 with torch.no_grad():
                     plan, prefix, lengths = run_prefixes(self.model, batch, self.window, self.device)
-            outs = self.map_micro_batches(batch, lambda mb, rows: fn(mb, rows, plan, prefix),
-                                          micro_batch_size=self.batching.log_prob_micro_batch_size,
-                                          max_tokens=self.batching.max_tokens, lengths=lengths)
+            outs = in_fresh_stack_chunk(self.map_micro_batches, batch, lambda mb, rows: fn(mb, rows, plan, prefix),
+                                        micro_batch_size=self.batching.log_prob_micro_batch_size,
+                                        max_tokens=self.batching.max_tokens, lengths=lengths)
         seconds = time.perf_counter() - start
         model_flops = self.flops_of.forward(*forward_counts(batch, plan))
         return Batch(outs, meta={f"perf/mfu/{name}": self.mfu(model_flops, seconds)})
@@ -345,8 +346,8 @@ class FSDPWorker(Worker):
         skipped = 0
         for _ in range(self.batching.ppo_epochs):
             for mini in self.mini_batches(batch, num_mini):
-                with self.computing():
-                    stats = self._train_mini_batch(mini, loss_kwargs)
+                with self.computing():  # a hot loop: no Python stack-chunk boundary inside it
+                    stats = in_fresh_stack_chunk(self._train_mini_batch, mini, loss_kwargs)
                 grad_norm, skip = self.optimizer_step(self.grad_clip)
                 skipped += int(skip)
                 if not skip:
