@@ -136,7 +136,7 @@ def sample_tokens(
         top, tokens = logits.max(dim=-1)
         log_probs = -(logits - top[:, None]).exp_().sum(dim=-1).log()
         if check_finite:
-            _check_finite(log_probs)  # a row with a NaN or +inf logit has a NaN softmax
+            _check_finite(log_probs)  # a row with a NaN or +inf logit has a NaN log-prob (inf - inf)
         return tokens, log_probs
 
     full = torch.softmax(logits / params.temperature if params.temperature != 1 else logits, dim=-1)
