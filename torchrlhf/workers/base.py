@@ -211,7 +211,8 @@ class FSDPWorker(Worker):
             model = model.to(self.device)
             self.compute_copies = ComputeCopies(model, dtype)
             return model
-        return model.to(self.device, dtype if self.dp_mesh is not None else torch.float32)
+        one_process = self.dp_mesh is None  # `_layout`: a one-process worker holds its model plain in float32
+        return model.to(self.device, torch.float32 if one_process else dtype)
 
     def computing(self) -> contextlib.AbstractContextManager:
         """Where the model's forward and backward run: with the compute copies when it has them."""
@@ -346,7 +347,7 @@ class FSDPWorker(Worker):
         skipped = 0
         for _ in range(self.batching.ppo_epochs):
             for mini in self.mini_batches(batch, num_mini):
-                with self.computing():  # a hot loop: no Python stack-chunk boundary inside it
+                with self.computing():  # the micro-batch loop, a hot loop: no Python stack-chunk boundary inside it
                     stats = in_fresh_stack_chunk(self._train_mini_batch, mini, loss_kwargs)
                 grad_norm, skip = self.optimizer_step(self.grad_clip)
                 skipped += int(skip)
