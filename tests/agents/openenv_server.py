@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,13 +11,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+from dist_helpers import free_port  # noqa: E402, F401  (re-exported: the tests' one port picker)
+
 ECHO = Path(__file__).with_name("openenv_echo.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

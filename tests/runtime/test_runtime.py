@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+from dist_helpers import free_port  # noqa: E402
+
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 
 
@@ -74,12 +77,7 @@ def test_killed_worker_fails_controller_and_stops_the_rest() -> None:
 def test_a_lost_replica_is_dropped_and_the_rest_go_on(tmp_path: Path) -> None:
     """Each rank its own process (as srun starts them; one torchrun agent would stop all when one dies):
     rank 2 is killed, the controller drops its replica and goes on, and ranks 0 and 1 exit 0."""
-    import socket
-
-    with socket.socket() as a, socket.socket() as b:  # the process group's store port and RPC's (port + 1)
-        a.bind(("127.0.0.1", 0))
-        port = a.getsockname()[1]
-        b.bind(("127.0.0.1", port + 1))
+    port = free_port(span=2)  # the process group's store and RPC's (port + 1)
     procs = []
     for rank in range(3):
         env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
