@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import transformers
 from conftest import RECIPE, ROOT, write_config
 
 from torchrlhf.config import ConfigError, load_config
-from torchrlhf.trainer.explain import explain, model_shape
+from torchrlhf.trainer.explain import _rank_peak, explain, model_shape
 from torchrlhf.trainer.schema import load_recipe_config
 from torchrlhf.utils.flops import TransformerFlops
 
@@ -39,8 +40,65 @@ def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
     params = _hf_params(tiny_model_dir)
     weights_gib = params * 4 / 4 / 2**30  # fp32, sharded over 4 ranks
     assert f"actor parameters {weights_gib:.2f} GiB" in text
-    assert "one micro-batch of 2 × (64 + 8) tokens, forward + backward + optimizer step on fake tensors" in text
+    # shared prefix: a mini-batch's 4 prompts over 4 ranks = 1 prompt per rank (64 tokens) alive with one
+    # micro-batch of 2 x (1 + 8) suffix tokens: 82 tokens, 2 dense rows of 64 + 8
+    assert ("memory traced: 2 × (64 + 8) dense tokens, as many as a mini-batch's 1 prompt(s) and one micro-batch's "
+            "≤ 18 suffix tokens alive together, forward + backward + optimizer step on fake tensors") in text
     assert text.count("rank ") >= 4 and "rank 3:" in text
+
+
+def test_a_ranks_peak_is_what_it_holds_throughout_plus_its_largest_working_set():
+    gib = 2**30
+    items = {"actor parameters": 1 * gib, "actor optimizer states": 2 * gib, "actor activations": 3 * gib,
+             "ref parameters": 1 * gib, "ref activations": gib // 2, "rollout weights": 2 * gib,
+             "rollout KV cache": 2 * gib}
+    phase_of = {"actor activations": "actor", "ref activations": "ref", "rollout weights": "rollout",
+                "rollout KV cache": "rollout"}
+    # held throughout: 1 + 2 + 1 = 4; working sets: actor 3, ref 0.5, rollout 4 -> 4 + 4 = 8 (the sum would be 11.5)
+    assert _rank_peak(items, phase_of) == ("8.00 GiB, in the rollout's calls (held throughout 4.00 GiB; working "
+                                           "sets: actor 3.00, ref 0.50, rollout 4.00 GiB)")
+    assert _rank_peak(items, {}) == "11.50 GiB"  # nothing has a phase (async mode): everything adds up
+
+
+def test_a_colocated_engine_is_memory_of_its_phase_and_a_split_one_is_held(tiny_model_dir, tmp_path):
+    """K and V of 256 slots x 4096 tokens (fp32, every layer) dwarf the tiny model: colocated, the rank peaks in
+    the rollout's calls at the engine's memory plus what the actor holds; placed apart, the engine's rank holds
+    it throughout and the actor's rank peaks in the actor's calls."""
+    engine = {"max_batch_size": 256, "max_seq_len": 4096}
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    kv = 2 * config.num_hidden_layers * 256 * 4096 * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * 4
+    colocated = explain(load_recipe_config(load_config(write_config(tmp_path / "a.yaml", tiny_model_dir,
+                                                                    rollout={"engine": engine})), 1), 1)
+    line = next(x for x in colocated.splitlines() if x.startswith("  rank 0: "))
+    found = re.match(r"  rank 0: ([\d.]+) GiB, in the rollout's calls \(held throughout ([\d.]+) GiB; working sets: "
+                     r"actor ([\d.]+), rollout ([\d.]+) GiB\)", line)
+    assert found, line
+    total, held, actor, rollout = map(float, found.groups())
+    assert rollout >= round(kv / 2**30, 2) > actor  # the engine's working set is the larger one ...
+    assert abs(total - (held + rollout)) <= 0.011  # ... and what the rank holds comes on top of it, not the actor's
+    split = explain(load_recipe_config(load_config(write_config(
+        tmp_path / "b.yaml", tiny_model_dir, rollout={"engine": engine}, placement={"actor": [0], "rollout": [1]})),
+        2), 2)
+    actor_line = next(x for x in split.splitlines() if x.startswith("  rank 0: "))
+    assert "in the actor's calls" in actor_line and "rollout" not in actor_line, actor_line
+    assert re.search(rf"  rank 1: [\d.]+ GiB  \(rollout weights [\d.]+ GiB, rollout KV cache {kv / 2**30:.2f} GiB\)",
+                     split), split  # held throughout: no phase, the plain sum
+
+
+def test_a_shared_prefix_trace_holds_a_mini_batchs_prompts_and_one_micro_batch(tiny_model_dir, tmp_path):
+    # 8 prompts x 4, mini-batches of 4 prompts, micro-batches of 8 samples, one rank: the prefix pass of 4 prompts
+    # of 64 tokens (256) is alive with one micro-batch of 8 x (1 + 8) suffix tokens (72): 328 tokens, 5 dense rows
+    # of 64 + 8 (4.6 rounded up), not the 8 rows of a dense micro-batch.
+    batching = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 8}
+    shared = explain(load_recipe_config(load_config(write_config(
+        tmp_path / "a.yaml", tiny_model_dir, data={"train_batch_size": 8}, actor={"batching": batching})), 1), 1)
+    assert ("memory traced: 5 × (64 + 8) dense tokens, as many as a mini-batch's 4 prompt(s) and one micro-batch's "
+            "≤ 72 suffix tokens alive together, forward + backward + optimizer step") in shared
+    dense = explain(load_recipe_config(load_config(write_config(
+        tmp_path / "b.yaml", tiny_model_dir, data={"train_batch_size": 8},
+        actor={"batching": batching, "shared_prefix": False})), 1), 1)
+    assert "memory traced: one micro-batch of 8 × (64 + 8) tokens, forward + backward + optimizer step" in dense
 
 
 def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir, tmp_path):

@@ -16,6 +16,11 @@ through the role's model on fake tensors (`torchrlhf.trainer.memory`), and the p
 optimizer states recounted as FSDP2's float32 shards over the role's ranks. The rollout engine's weights
 (streamed in from training when colocated, a full TP shard of its own otherwise) and its KV cache are
 still counted from their formulas (slots × tokens × layers × KV heads × head dim), not traced.
+
+A rank's total is what it holds throughout a step (parameters, buffers and optimizer states; an engine on
+ranks of its own) plus the largest working set of one role's calls (gradients, activations, temporaries;
+a colocated engine's weights and KV cache, freed after generation): in sync mode the controller calls the
+roles one after another. In async mode every role's memory adds up.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
 GIB = 1 << 30
+WORKING_KINDS = ("gradients", "activations", "temporaries", "other")  # a training role's, during its calls only
 
 
 @dataclass
@@ -143,16 +149,25 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     # one micro-batch traced on fake tensors (`trainer.memory`): the longest prompts and responses, dense
     if batching.use_dynamic_bsz:
         micro = max(1, micro_tokens // (p_len + r_len))
+    rows, what = micro, f"one micro-batch of {micro} × ({p_len} + {r_len}) tokens"
+    if shared and not frozen:
+        # The prefix pass's graph is held until the mini-batch's last suffix backward: its prompts' tokens
+        # and one suffix micro-batch's are alive together. Traced as dense rows of as many tokens.
+        prompts_per_rank = math.ceil(batching.ppo_mini_batch_size / dp)
+        alive = prompts_per_rank * p_len + micro_tokens
+        rows = max(1, min(micro, math.ceil(alive / (p_len + r_len))))
+        what = (f"{rows} × ({p_len} + {r_len}) dense tokens, as many as a mini-batch's {prompts_per_rank} prompt(s) "
+                f"and one micro-batch's ≤ {micro_tokens} suffix tokens alive together")
     dtype = getattr(torch, sec.dtype)
     cpu_offload = getattr(sec, "cpu_offload", False)
     traced = trace_micro_batch(
-        model_path, dtype=dtype, micro=micro, prompt_len=p_len, response_len=r_len, train=not frozen,
+        model_path, dtype=dtype, micro=rows, prompt_len=p_len, response_len=r_len, train=not frozen,
         value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
         optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
          use_kl_loss=getattr(sec, "use_kl_loss", False))
     layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
     memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
-    lines.append(f"      memory traced: one micro-batch of {micro} × ({p_len} + {r_len}) tokens, "
+    lines.append(f"      memory traced: {what}, "
                  + ("forward" if frozen else "forward + backward + optimizer step")
                  + f" on fake tensors, peak {_gib(sum(memory.values()))} per rank"
                  + {"fsdp": " (parameters, gradients and optimizer states as FSDP2's float32 shards)",
@@ -224,17 +239,24 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                f"mode {cfg.trainer.mode}")
     out.append("roles:")
     per_rank: dict[int, dict[str, float]] = {r: {} for r in range(world_size)}
+    # Which phase of a step each item is working memory of (absent: held throughout the step). The
+    # controller calls the roles one after another, so in sync mode the roles' phases never overlap.
+    phase_of: dict[int, dict[str, str]] = {r: {} for r in range(world_size)}
+    sync = cfg.trainer.mode == "sync"
 
-    def add(role: str, role_ranks_: list[int], memory: dict[str, float]) -> None:
+    def add(role: str, role_ranks_: list[int], memory: dict[str, float], working: tuple[str, ...] = ()) -> None:
+        """``working``: the kinds ``role`` holds only during its own calls."""
         for r in role_ranks_:
             for k, v in memory.items():
                 per_rank[r][f"{role} {k}"] = v
+                if sync and k in working:
+                    phase_of[r][f"{role} {k}"] = role
 
     shapes = {"actor": shape}  # each role's, for the FLOPs per step
     lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape,
                                resolve_model_path(cfg.actor.model_path))
     out += lines
-    add("actor", ranks["actor"], mem)
+    add("actor", ranks["actor"], mem, working=WORKING_KINDS)
     if reference_is_actor(cfg):
         out.append("  ref       served by the actor: its base model with the adapters off (no second model)")
     elif needs_reference(cfg):
@@ -244,7 +266,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, resolve_model_path(ref.model_path),
                                    frozen=True)
         out += lines
-        add("ref", ranks["ref"], {} if ref.cpu_offload else mem)
+        add("ref", ranks["ref"], {} if ref.cpu_offload else mem, working=WORKING_KINDS)
     if distills(cfg):
         teacher = SimpleNamespace(**teacher_kwargs(cfg))
         teacher_path = resolve_model_path(teacher.model_path)
@@ -254,14 +276,14 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         d = cfg.algorithm.distill
         out += lines + [f"      distillation: A = {d.task_coef:g} × A_task + {d.coef:g} × (log p_teacher − log p_student) "
                         "per sampled token"]
-        add("teacher", ranks["teacher"], {} if teacher.cpu_offload else mem)
+        add("teacher", ranks["teacher"], {} if teacher.cpu_offload else mem, working=WORKING_KINDS)
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
         shapes["critic"] = critic_shape
         lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape,
                                    resolve_model_path(cfg.critic.model_path))
         out += lines
-        add("critic", ranks["critic"], mem)
+        add("critic", ranks["critic"], mem, working=WORKING_KINDS)
     colocated = ranks["rollout"] == ranks["actor"]
     tp = cfg.rollout.tp_size
     engine = cfg.rollout.engine
@@ -301,7 +323,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                    f"all turns, observations ≤ {agent.max_tool_response_tokens} tokens each"
                    + (f", whole trajectory ≤ {seq} tokens (rollout.engine.max_seq_len)" if seq else "")
                    + f"; reward: {agent.reward}")
-    add("rollout", ranks["rollout"], memory)
+    add("rollout", ranks["rollout"], memory, working=("weights", "KV cache") if colocated else ())  # released after
     for role in ("reward_model", "cost_model"):
         sec = getattr(cfg, role)
         if sec is not None:
@@ -325,16 +347,35 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         engines = f", {len(ranks['judge']) // tp} engine(s) of TP {tp}" if tp > 1 else ""
         out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{engines}{kv}; "
                    f"verdicts ≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
-        add("judge", ranks["judge"], memory)
+        add("judge", ranks["judge"], memory, working=("weights", "KV cache") if judge.sleep else ())
 
     out += _flops_lines(cfg, ranks, shapes)
-    out.append("memory per rank (estimate; colocated roles add up — the hybrid engine frees the actor's grads "
-               "during generation):")
+    if sync:
+        out.append("memory per rank (estimate: what the rank holds throughout a step, plus the largest working set "
+                   "of one role's calls: the roles run one after another, and a colocated engine's weights and KV "
+                   "cache are freed after generation):")
+    else:
+        out.append("memory per rank (estimate; in async mode every role's memory adds up):")
     for r in range(world_size):
         items = per_rank[r]
         detail = ", ".join(f"{k} {_gib(v)}" for k, v in items.items())
-        out.append(f"  rank {r}: {_gib(sum(items.values()))}  ({detail})")
+        out.append(f"  rank {r}: {_rank_peak(items, phase_of[r])}  ({detail})")
     return "\n".join(out)
+
+
+def _rank_peak(items: dict[str, float], phase_of: dict[str, str]) -> str:
+    """"2.93 GiB, in the actor's calls (held throughout 1.00 GiB; working sets: actor 1.93, ...)": the items
+    held throughout plus the largest phase's working set; the plain sum where no item has a phase."""
+    working: dict[str, float] = {}
+    for key, phase in phase_of.items():
+        working[phase] = working.get(phase, 0.0) + items[key]
+    held = sum(v for k, v in items.items() if k not in phase_of)
+    if not working:
+        return _gib(held)
+    top = max(working, key=working.__getitem__)
+    sets = ", ".join(f"{p} {working[p] / GIB:.2f}" for p in working)
+    return (f"{_gib(held + working[top])}, in the {top}'s calls (held throughout {_gib(held)}; working sets: "
+            f"{sets} GiB)")
 
 
 __all__ = ["explain", "model_shape", "ModelShape"]
