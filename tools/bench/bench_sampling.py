@@ -17,6 +17,7 @@ import time
 import torch
 
 from torchrlhf.generation import SamplingParams, sample_tokens
+from torchrlhf.runtime.launch import _tune_malloc
 
 
 def textbook_sample(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams):
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    _tune_malloc()  # as a run's ranks do: without it each call's [batch, vocab] buffers are fresh mmap pages
     torch.set_num_threads(args.threads)
     settings = {
         "temperature 1": SamplingParams(temperature=1.0),
