@@ -323,7 +323,8 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                    f"all turns, observations ≤ {agent.max_tool_response_tokens} tokens each"
                    + (f", whole trajectory ≤ {seq} tokens (rollout.engine.max_seq_len)" if seq else "")
                    + f"; reward: {agent.reward}")
-    add("rollout", ranks["rollout"], memory, working=("weights", "KV cache") if colocated else ())  # released after
+    # colocated, `generation_mode` frees the engine's weights and KV cache after generating
+    add("rollout", ranks["rollout"], memory, working=("weights", "KV cache") if colocated else ())
     for role in ("reward_model", "cost_model"):
         sec = getattr(cfg, role)
         if sec is not None:
