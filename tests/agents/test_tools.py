@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -58,11 +57,9 @@ def test_calculator_matches_python_arithmetic():
     ("1 +", "Error"),
     ("1" * 300, "longer than"),
 ])
-def test_calculator_rejects_unsafe_or_unbounded_input_quickly(expr, message):
-    start = time.perf_counter()
-    result = calculator(expr)
+def test_calculator_rejects_unsafe_or_unbounded_input_before_computing(expr, message):
+    result = calculator(expr)  # "9 ** 9 ** 9" computed would not return: the guard's message says what refused it
     assert result.startswith("Error:") and message in result
-    assert time.perf_counter() - start < 0.5
 
 
 def test_hermes_parallel_calls_and_errors(user_tools):

@@ -168,6 +168,7 @@ class Hang(Worker):
     def reduce_except_on(self, rank: int) -> float:
         if self.group_rank == rank:
             time.sleep(120)
+            print(f"rank {rank} woke from its sleep", flush=True)  # never, when the stall report ends the job
         t = torch.ones(1)
         dist.all_reduce(t, group=self.process_group)
         return t.item()

@@ -8,7 +8,6 @@ scenarios assert against hand-derived values on the controller and print
 from __future__ import annotations
 
 import os
-import time
 import re
 import subprocess
 import sys
@@ -101,7 +100,6 @@ def test_a_lost_replica_is_dropped_and_the_rest_go_on(tmp_path: Path) -> None:
 def test_stall_report_names_who_waits_on_whom_and_ends_the_job() -> None:
     """Rank 1 sleeps instead of joining the all-reduce ranks 0 and 2 wait in: 3 s into the call the controller
     prints each rank's call, the collective it is blocked in and its stack, then the job ends."""
-    start = time.monotonic()
     p = _torchrun(3, "stall", monitor_interval=5, timeout=90)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
@@ -110,7 +108,7 @@ def test_stall_report_names_who_waits_on_whom_and_ends_the_job() -> None:
     assert re.search(r"rank 1: hang.reduce_except_on for 3\.\d s, not in a collective", out), out
     assert "ranks [0, 2] wait in a collective that ranks [1] have not entered" in out, out
     assert "time.sleep(120)" in out  # rank 1's stack shows where it is
-    assert time.monotonic() - start < 60  # ended by the report, long before the sleep or any RPC timeout
+    assert "woke from its sleep" not in out  # ended by the report, before the sleep or any RPC timeout
 
 
 NOTEBOOK = """
