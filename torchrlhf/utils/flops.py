@@ -126,12 +126,18 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, size: int | None = Non
     """Best FLOP/s of a square GEMM in ``dtype``, over the three layouts a training step runs (forward
     ``x @ w.T``, activation gradient ``g @ w``, weight gradient ``g.T @ x``), each for ``min_seconds``.
 
-    Square and large (1024 on CPU, whose rate is flat from there on; 4096 on a GPU), so the best rate
-    the device's GEMMs reach; the best of several runs, so that another process's burst does not lower it.
-    On a CPU without bf16 instructions bf16 GEMMs differ by 10x between layouts: the best is the peak.
+    Square and large, so the best rate the device's GEMMs reach: 4096 on a GPU; on a CPU the best of 1024
+    and 2048 (``size``: that one only). A CPU's fp32 rate is flat from 1024 on, but AMX bf16 is not: on the
+    Intel host 1024 read 1560-1910 GFLOP/s and 2048 2560-2870, the rate the model's own GEMMs reach
+    (2470-2650 at 1888 x 576 x 1536). The best of several runs, so that another process's burst does not
+    lower it. On a CPU without bf16 instructions bf16 GEMMs differ by 10x between layouts: the best is the peak.
     """
     device = torch.device(device)
-    n = size or (1024 if device.type == "cpu" else 4096)
+    sizes = (size,) if size else ((1024, 2048) if device.type == "cpu" else (4096,))
+    return max(_square_gemm_rate(n, dtype, device, min_seconds) for n in sizes)
+
+
+def _square_gemm_rate(n: int, dtype: torch.dtype, device: torch.device, min_seconds: float) -> float:
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, generator=g, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
