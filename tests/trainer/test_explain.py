@@ -84,6 +84,12 @@ def test_a_colocated_engine_is_memory_of_its_phase_and_a_split_one_is_held(tiny_
     assert "in the actor's calls" in actor_line and "rollout" not in actor_line, actor_line
     assert re.search(rf"  rank 1: [\d.]+ GiB  \(rollout weights [\d.]+ GiB, rollout KV cache {kv / 2**30:.2f} GiB\)",
                      split), split  # held throughout: no phase, the plain sum
+    overlapping = explain(load_recipe_config(load_config(write_config(
+        tmp_path / "c.yaml", tiny_model_dir, rollout={"engine": engine}, placement={"actor": [0], "rollout": [1]},
+        trainer={"mode": "async"})), 2), 2)
+    assert "memory per rank (estimate; in async mode every role's memory adds up):" in overlapping
+    actor_line = next(x for x in overlapping.splitlines() if x.startswith("  rank 0: "))
+    assert re.match(r"  rank 0: [\d.]+ GiB  \(actor parameters", actor_line), actor_line  # a plain sum, no phase
 
 
 def test_a_shared_prefix_trace_holds_a_mini_batchs_prompts_and_one_micro_batch(tiny_model_dir, tmp_path):
