@@ -86,6 +86,23 @@ def test_log_prob_gradient_alone_when_the_entropy_is_unused():
         torch.testing.assert_close(got, want.float())
 
 
+def test_compiled_tiles_match_the_dense_computation():
+    # `compile=True` (actor.compile) runs each tile's arithmetic through torch.compile: same values and
+    # gradients, with ragged last tiles (13 = 5 + 5 + 3 vocabulary rows, 15 = 4 + 4 + 4 + 3 positions),
+    # the entropy's gradient used and unused, and a second batch of another length (dynamic shapes)
+    for seed, shape in ((3, (3, 5)), (9, (2, 7))):
+        hidden, weight, labels, w_lp, w_h = _inputs(seed, shape=shape)
+        ref_lp, ref_h = _dense(hidden, weight, labels, 0.7)
+        lp, h = log_probs_from_hidden(hidden, weight, labels, 0.7, chunk_size=4, vocab_chunk_size=5, compile=True)
+        torch.testing.assert_close(lp, ref_lp.float())
+        torch.testing.assert_close(h, ref_h.float())
+        for ref_loss, loss in (((ref_lp * w_lp + ref_h * w_h).sum(), (lp * w_lp + h * w_h).sum()),
+                               ((ref_lp * w_lp).sum(), (lp * w_lp).sum())):
+            grads = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+            for got, want in zip(grads, torch.autograd.grad(ref_loss, (hidden, weight), retain_graph=True)):
+                torch.testing.assert_close(got, want.float())
+
+
 def test_keeps_no_vocabulary_sized_tensor_for_backward():
     hidden, weight, labels, _, _ = _inputs(5, shape=(4, 8), vocab=64)
     lp, _ = log_probs_from_hidden(hidden, weight, labels, chunk_size=3, vocab_chunk_size=16)

@@ -214,8 +214,10 @@ def _assert_same_run(run, reference, model_dir):
 
 def test_compiled_blocks_train_as_eager_blocks(model_dir, single_process_run):
     """``compile=True`` (each block's forward through torch.compile, the packed shared-prefix attention eager
-    inside it): two PPO steps give the eager run's metrics and weights, within float rounding."""
+    inside it, and the head's tile arithmetic): two PPO steps give the eager run's metrics and weights, within
+    float rounding."""
     actor = ActorWorker(model_dir, **grouped(ppo_micro_batch_size_per_device=4, compile=True, **TRAIN_KW))
+    assert actor.lm_head.compile
     metrics = _train(actor, rollout_batch(8, temperature=0.9))
     ref_metrics, ref_params = single_process_run
     for got, want in zip(metrics, ref_metrics):

@@ -144,13 +144,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank (all-linear); 0 trains every weight")
     ap.add_argument("--warmup", type=int, default=2, help="unprofiled updates first (the last one is timed)")
+    ap.add_argument("--compile", action="store_true", help="compile each block (``actor.compile``)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run
     shape = SHAPES[args.shape]
     batch = group_rollouts(**shape_batch(shape), vocab=49152)
     step = actor_step(str(smollm2_model_dir()), batch, shape["micro"], shared=args.side == "shared", dtype=args.dtype,
-                      lora_rank=args.lora)
+                      lora_rank=args.lora, compile=args.compile)
     times = []
     for _ in range(args.warmup):
         start = time.perf_counter()
@@ -160,7 +161,8 @@ def main() -> None:
         start = time.perf_counter()
         step()
         wall = time.perf_counter() - start
-    print(f"profile_update: shape {args.shape} ({shape}), {args.dtype}, {args.side}, lora rank {args.lora}, {args.threads} threads, "
+    print(f"profile_update: shape {args.shape} ({shape}), {args.dtype}, {args.side}, lora rank {args.lora}, "
+          f"{'compiled' if args.compile else 'eager'}, {args.threads} threads, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(f"unprofiled update: {times[-1]:.2f} s (warm-up updates: {[round(t, 2) for t in times]}); "
           f"profiled: {wall:.2f} s; median of all: {statistics.median(times + [wall]):.2f} s")

@@ -16,6 +16,8 @@ so no rank ever holds full-vocabulary logits (Megatron's vocab-parallel cross-en
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -52,17 +54,65 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (hidden @ weight.t()).float()
-    return z.div_(temperature) if temperature != 1.0 else z
-
-
 def _rescaled(m: torch.Tensor, m_new: torch.Tensor, s: torch.Tensor, u: torch.Tensor, target: torch.Tensor):
     """A running fold (s = sum exp(z - m), u = sum exp(z - m) (z - m), target = z[label] - m) against a
     max ``m_new`` >= ``m``: exp(z - m_new) = exp(z - m) exp(m - m_new), and z - m_new = (z - m) + (m - m_new)."""
     shift = m - m_new
     scale = shift.exp()
     return scale * s, scale * (u + shift * s), target + shift
+
+
+def _fold_tile(product: torch.Tensor, temperature: float, state: tuple | None, labels: torch.Tensor,
+               start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward tile: the logits ``product`` / T (the tile's matmul, vocabulary columns ``start:``) folded
+    into the running ``state`` (m, s, u, target), None at a chunk's first tile. Returns the new state."""
+    z = product.float()  # in place from here: the product is this tile's own (a copy under torch.compile)
+    if temperature != 1.0:
+        z.div_(temperature)
+    m_tile = z.amax(-1)
+    if state is not None:
+        m_tile = torch.maximum(state[0], m_tile)
+    e = z.sub_(m_tile[:, None]).exp()  # z is now z - m_tile
+    s_tile, u_tile = e.sum(-1), torch.linalg.vecdot(e, z)
+    if state is None:
+        target = torch.zeros_like(s_tile)  # z[label] - m, on the rank that owns the label
+    else:  # the running sums, against the new max
+        s, u, target = _rescaled(state[0], m_tile, *state[1:])
+        s_tile, u_tile = s_tile + s, u_tile + u
+    in_tile, cols = _tile_labels(labels, start, z.shape[1])
+    target = torch.where(in_tile, z.gather(1, cols[:, None]).squeeze(1), target)
+    return m_tile, s_tile, u_tile, target
+
+
+def _grad_tile(product: torch.Tensor, temperature: float, lse: torch.Tensor, entropy: torch.Tensor,
+               grad_entropy: torch.Tensor | None, grad_log_probs: torch.Tensor, labels: torch.Tensor, start: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """One backward tile: dL/dz / T in ``dtype`` from the recomputed logits ``product`` / T (vocabulary columns
+    ``start:``), with p = softmax(z), log p = z - lse: dL/dz = a (onehot - p) - b p (log p + H)."""
+    log_p = product.float()  # in place from here, as in `_fold_tile`
+    if temperature != 1.0:
+        log_p.div_(temperature)
+    log_p.sub_(lse[:, None])
+    if grad_entropy is not None:  # -p (a + b (log p + H))
+        coeff = log_p.add(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_log_probs[:, None])
+        g = log_p.exp_().mul_(coeff).neg_()
+    else:
+        g = log_p.exp_().mul_(grad_log_probs.neg()[:, None])
+    in_tile, cols = _tile_labels(labels, start, g.shape[1])
+    g.scatter_add_(1, cols[:, None], torch.where(in_tile, grad_log_probs, 0.0)[:, None])
+    if temperature != 1.0:
+        g.div_(temperature)
+    return g.to(dtype)
+
+
+@functools.cache
+def _compiled_tiles() -> tuple:
+    """`_fold_tile` and `_grad_tile` through ``torch.compile``: each tile's elementwise passes (cast, max,
+    exp, sums, the gradient) fuse into a few kernels that read the tile once or twice, where eager runs about
+    ten passes over it (on a CPU 0.34 against 0.96 ms forward and 0.50 against 1.67 ms backward per
+    [256, 4096] tile; on a GPU ten kernel launches per tile become two). Dynamic shapes: the last chunk of
+    positions changes with every batch."""
+    return torch.compile(_fold_tile, dynamic=True), torch.compile(_grad_tile, dynamic=True)
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -82,32 +132,23 @@ class _FusedLogProb(torch.autograd.Function):
     Backward: with p = softmax(z), log p = z - lse, upstream grads a (log-prob) and b (entropy),
     dL/dz = a (onehot - p) - b p (log p + H), tile by tile; dL/dh = dL/dz W / T (all-reduced) and
     dL/dW = (dL/dz)^T h / T.
+
+    The tiles' elementwise work is `_fold_tile` / `_grad_tile`, compiled when ``compile`` is set.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, group, vocab_start):
+    def forward(ctx, hidden, weight, labels, temperature, chunk_size, vocab_chunk_size, group, vocab_start, compile):
         ctx.set_materialize_grads(False)
+        fold = _compiled_tiles()[0] if compile else _fold_tile
         n, local_vocab = len(hidden), weight.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(log_probs), torch.empty_like(log_probs)
         local = labels - vocab_start
         for c in _chunks(n, chunk_size):
-            m = s = u = None
-            target = torch.zeros_like(log_probs[c])  # z[label] - m, on the rank that owns the label
+            state = None
             for v in _chunks(local_vocab, vocab_chunk_size):
-                z = _logits(hidden[c], weight[v], temperature)
-                m_tile = z.amax(-1)
-                if m is not None:
-                    m_tile = torch.maximum(m, m_tile)
-                e = z.sub_(m_tile[:, None]).exp()  # z is now z - m_tile
-                s_tile, u_tile = e.sum(-1), torch.linalg.vecdot(e, z)
-                if m is not None:  # the running sums, against the new max
-                    s, u, target = _rescaled(m, m_tile, s, u, target)
-                    s_tile += s
-                    u_tile += u
-                in_tile, cols = _tile_labels(local[c], v.start, z.shape[1])
-                target = torch.where(in_tile, z.gather(1, cols[:, None]).squeeze(1), target)
-                m, s, u = m_tile, s_tile, u_tile
+                state = fold(hidden[c] @ weight[v].t(), temperature, state, local[c], v.start)
+            m, s, u, target = state
             if group is not None:  # the same fold across the ranks' vocabulary shards
                 m_all = _all_reduce(m.clone(), group, dist.ReduceOp.MAX)
                 s, u, target = _rescaled(m, m_all, s, u, target)
@@ -120,12 +161,13 @@ class _FusedLogProb(torch.autograd.Function):
             entropy[c] = log_s - u / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.group, ctx.vocab_start = temperature, group, vocab_start
-        ctx.chunk_size, ctx.vocab_chunk_size = chunk_size, vocab_chunk_size
+        ctx.chunk_size, ctx.vocab_chunk_size, ctx.compile = chunk_size, vocab_chunk_size, compile
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        grad = _compiled_tiles()[1] if ctx.compile else _grad_tile
         temperature, local_vocab = ctx.temperature, weight.shape[0]
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_hidden else None
@@ -133,19 +175,10 @@ class _FusedLogProb(torch.autograd.Function):
         a_all = grad_log_probs if grad_log_probs is not None else torch.zeros_like(lse)
         local = labels - ctx.vocab_start
         for c in _chunks(len(hidden), ctx.chunk_size):
-            a = a_all[c, None]
+            b = grad_entropy[c] if grad_entropy is not None else None
             for v in _chunks(local_vocab, ctx.vocab_chunk_size):
-                log_p = _logits(hidden[c], weight[v], temperature).sub_(lse[c, None])
-                if grad_entropy is not None:  # -p (a + b (log p + H))
-                    coeff = log_p.add(entropy[c, None]).mul_(grad_entropy[c, None]).add_(a)
-                    g = log_p.exp_().mul_(coeff).neg_()
-                else:
-                    g = log_p.exp_().mul_(a.neg())
-                in_tile, cols = _tile_labels(local[c], v.start, g.shape[1])
-                g.scatter_add_(1, cols[:, None], torch.where(in_tile, a_all[c], 0.0)[:, None])
-                if temperature != 1.0:
-                    g.div_(temperature)
-                g = g.to(weight.dtype)
+                g = grad(hidden[c] @ weight[v].t(), temperature, lse[c], entropy[c], b, a_all[c], local[c],
+                         v.start, weight.dtype)
                 if want_hidden:
                     _accumulate(grad_hidden[c], g, weight[v])
                 if want_weight:
@@ -154,7 +187,7 @@ class _FusedLogProb(torch.autograd.Function):
             grad_hidden = _all_reduce(grad_hidden, ctx.group).to(hidden.dtype)  # each rank holds its rows' share
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def log_probs_from_hidden(
@@ -167,13 +200,15 @@ def log_probs_from_hidden(
     vocab_chunk_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
+    compile: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log softmax(hidden @ weight^T / T)[labels], its entropy), both float32 with ``labels``' shape.
 
     ``hidden`` [..., D], ``weight`` [V, D] (this rank's vocabulary rows ``vocab_start:vocab_start + V``
     when ``group`` is a tensor-parallel group; every rank passes the same ``hidden`` and ``labels``),
     ``labels`` [...]. Gradients flow to ``hidden`` and ``weight``; an unused entropy costs no backward work.
-    Tiles default to `tile_sizes` of the device.
+    Tiles default to `tile_sizes` of the device. ``compile``: the tiles' elementwise work runs compiled
+    (`_compiled_tiles`).
     """
     default_chunk, default_vocab_chunk = tile_sizes(hidden.device)
     chunk_size = default_chunk if chunk_size is None else chunk_size
@@ -190,5 +225,5 @@ def log_probs_from_hidden(
         raise ValueError(f"log_probs_from_hidden: temperature must be > 0, got {temperature}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     log_probs, entropy = _FusedLogProb.apply(flat, weight, labels.reshape(-1).long(), float(temperature),
-                                             chunk_size, vocab_chunk_size, group, vocab_start)
+                                             chunk_size, vocab_chunk_size, group, vocab_start, compile)
     return log_probs.view(labels.shape), entropy.view(labels.shape)

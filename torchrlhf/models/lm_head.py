@@ -38,6 +38,7 @@ class LogProbHead(nn.Linear):
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self._request: _Request | None = None
+        self.compile = False  # scoring's tile arithmetic through torch.compile (`compile_blocks` sets it)
 
     @classmethod
     def install(cls, model: nn.Module) -> LogProbHead:
@@ -92,5 +93,5 @@ class LogProbHead(nn.Linear):
             return F.linear(hidden, self.weight).full_tensor()
         weight, group, vocab_start = self._local_weight()
         log_probs, entropy = log_probs_from_hidden(hidden, weight, request.labels, request.temperature,
-                                                   group=group, vocab_start=vocab_start)
+                                                   group=group, vocab_start=vocab_start, compile=self.compile)
         return torch.stack([log_probs, entropy if request.entropy_grad else entropy.detach()], dim=-1)

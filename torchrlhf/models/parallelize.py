@@ -176,9 +176,12 @@ def compile_blocks(model: nn.Module) -> None:
     parameters are its inputs), compiled with dynamic shapes at once: RL batches change length every
     micro-batch, and a first static compile would only be thrown away at the second length (on an H100 it
     cost a second 50 s step). Parameter names do not change (the module is not wrapped), so checkpoints
-    are the same."""
+    are the same. A `LogProbHead` compiles its tiles' arithmetic too (`algorithms.logprob._compiled_tiles`)."""
     for block in find_transformer_blocks(model):
         block.forward = torch.compile(block.forward, dynamic=True)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, LogProbHead):
+        head.compile = True
 
 
 def parallelize(
