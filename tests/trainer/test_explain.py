@@ -161,7 +161,11 @@ def test_dry_run_lists_the_distillation_teachers_memory_and_flops(tiny_model_dir
                             teacher={"model_path": teacher}, algorithm={"distill": {"coef": 0.5}})
     text = explain(load_recipe_config(load_config(cfg_path), 1), 1)
     params = _hf_params(teacher)
-    assert f"  teacher   ranks 0: FSDP2 over 1 × TP 1 (mesh dp_shard=1, tp=1), {params / 1e6:.1f} M parameters" in text
+    # one rank holds each model as the workers do (`model_layout`): no FSDP2 there
+    assert f"  teacher   ranks 0: one rank, the plain module (no FSDP2), {params / 1e6:.1f} M parameters" in text
+    assert "  actor     ranks 0: one rank, the plain module (no FSDP2)" in text
+    bf16 = explain(load_recipe_config(load_config(cfg_path, ["+actor.dtype=bfloat16"]), 1), 1)
+    assert "  actor     ranks 0: one rank, float32 weights and bfloat16 compute copies (no FSDP2)" in bf16
     assert "distillation: A = 1 × A_task + 0.5 × (log p_teacher − log p_student) per sampled token" in text
     assert f"teacher parameters {params * 4 / 2**30:.2f} GiB" in text
     b, p, r = 16, 64, 8
@@ -187,6 +191,7 @@ def test_dry_run_lists_the_judge_memory_per_rank(tiny_model_dir, tmp_path):
                             judge={"model_path": tiny_model_dir, "max_tokens": 4, "batch_size": 2,
                                    "engine": {"max_batch_size": 256, "max_seq_len": 4096}})
     text = explain(load_recipe_config(load_config(cfg_path), 2), 2)
+    assert "  actor     ranks 0,1: FSDP2 over 2 × TP 1 (mesh dp_shard=2, tp=1)" in text
     config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
     head_dim = config.hidden_size // config.num_attention_heads
     kv = 2 * config.num_hidden_layers * 256 * 4096 * config.num_key_value_heads * head_dim * 4

@@ -112,9 +112,14 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     dp = len(ranks) // tp
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     samples = prompts * n
-    lines = [f"  {role:<9} ranks {_ranks(ranks)}: FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}), "
-             f"{shape.params / 1e6:.1f} M parameters in {sec.dtype}"]
     lora = getattr(sec, "lora", None)
+    dtype = getattr(torch, sec.dtype)
+    cpu_offload = getattr(sec, "cpu_offload", False)
+    layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
+    held = {"fsdp": f"FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp})",
+            "copies": f"one rank, float32 weights and {sec.dtype} compute copies (no FSDP2)",
+            "plain": "one rank, the plain module (no FSDP2)"}[layout]
+    lines = [f"  {role:<9} ranks {_ranks(ranks)}: {held}, {shape.params / 1e6:.1f} M parameters, computing in {sec.dtype}"]
     if lora is not None:
         lines.append(f"      LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {lora.target_modules}: "
                      f"{shape.adapter_params / 1e6:.2f} M trainable float32 parameters "
@@ -143,8 +148,8 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     micro_tokens = batching.max_tokens
     if micro_tokens is None:
         micro_tokens = micro * (1 + r_len) if shared else micro * (p_len + r_len)
-    layout = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
-    lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({layout})")
+    rows_are = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
+    lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({rows_are})")
 
     # one micro-batch traced on fake tensors (`trainer.memory`): the longest prompts and responses, dense
     if batching.use_dynamic_bsz:
@@ -158,14 +163,11 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
         rows = max(1, min(micro, math.ceil(alive / (p_len + r_len))))
         what = (f"{rows} × ({p_len} + {r_len}) dense tokens, as many as a mini-batch's {prompts_per_rank} prompt(s) "
                 f"and one micro-batch's ≤ {micro_tokens} suffix tokens alive together")
-    dtype = getattr(torch, sec.dtype)
-    cpu_offload = getattr(sec, "cpu_offload", False)
     traced = trace_micro_batch(
         model_path, dtype=dtype, micro=rows, prompt_len=p_len, response_len=r_len, train=not frozen,
         value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
         optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
          use_kl_loss=getattr(sec, "use_kl_loss", False))
-    layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
     memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
     lines.append(f"      memory traced: {what}, "
                  + ("forward" if frozen else "forward + backward + optimizer step")
