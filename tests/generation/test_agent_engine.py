@@ -77,16 +77,19 @@ class Counting:
 
 
 # 2 slots: trajectories wait for slots, slots are reused; check_every 3: turns end on the device and reach
-# their sessions at the host's next look
-@pytest.mark.parametrize("max_batch_size, check_every", [(16, 1), (2, 1), (2, 3)])
+# their sessions at the host's next look; compiled: the decode step is compiled, observations still ride
+@pytest.mark.parametrize("max_batch_size, check_every, compiled", [(16, 1, False), (2, 1, False), (2, 3, False),
+                                                                   (16, 1, True)])
 def test_native_engine_turns_equal_a_full_reprefill_and_prefill_only_new_tokens(tiny_dir, env_module,
-                                                                                  max_batch_size, check_every):
+                                                                                  max_batch_size, check_every,
+                                                                                  compiled):
     tok = load_tokenizer(tiny_dir)
     stops = [IM_END] + list(range(0, tok.vocab_size, 7))  # frequent stops: a random model's turns end early
     spec = {"env": {"_component_": f"{env_module}.Counter"}, "reward": "env", "max_turns": 4}
     rows = _rows(3)
     n = 2
-    engine = NativeEngine(tiny_dir, max_batch_size=max_batch_size, max_seq_len=256, check_every=check_every)
+    engine = NativeEngine(tiny_dir, max_batch_size=max_batch_size, max_seq_len=256, check_every=check_every,
+                          compile=compiled)
     counting = Counting(engine)
     agent = build_agent(spec, tok, max_tokens=40, max_trajectory_tokens=256)
     sessions = [AgentSession(agent, row) for row in rows for _ in range(n)]
@@ -115,8 +118,8 @@ def test_native_engine_turns_equal_a_full_reprefill_and_prefill_only_new_tokens(
                    for a, b in zip(t.turn_spans, t.turn_spans[1:]))
     assert counting.extend_tokens == observed
     # With 16 slots others decode while a turn's observation comes (the environment answers inside end_turn,
-    # so this does not depend on timing): those observations ride in a decode step's forward, and the tokens
-    # above equal the reference's all the same.
+    # so this does not depend on timing): those observations ride in a decode step's forward (an eager one
+    # where the step is compiled), and the tokens above equal the reference's all the same.
     if max_batch_size == 16:
         assert counting.rides > 0
 

@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="an HF model dir with a tokenizer (default: SmolLM2-135M)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--compile", action="store_true", help="the native engine's compiled decode step")
     ap.add_argument("--stop-every", type=int, default=0,
                     help="random weights: every K-th token id ends a turn, sampled at temperature 1")
     args = ap.parse_args()
@@ -170,7 +171,7 @@ def main() -> None:
     # No prefix cache: ``native-reprefill`` must compute every turn's whole conversation, and the repeats of
     # ``native-single`` sample the same prompts (an RL step loads new weights first, so none carries over).
     native = NativeEngine(path, max_batch_size=args.trajectories, max_seq_len=seq, device=args.device,
-                          dtype=getattr(torch, args.dtype), prefix_cache=False)
+                          dtype=getattr(torch, args.dtype), prefix_cache=False, compile=args.compile)
     sides["native"] = (True, lambda s: native.generate(_prompt_batch(rows), params, sessions=s))
     if not stops:  # re-prefilling is driven greedily: comparable only where greedy turns end by themselves
         sides["native-reprefill"] = (False, lambda s: reprefill_rounds(native, s, params))

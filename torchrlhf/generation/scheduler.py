@@ -104,9 +104,10 @@ class AgentTurns:
 
     When the model ends a turn, the slot is *parked*: it keeps its keys/values and skips decode steps while
     its session runs the tools or the environment. When the observation is ready, only it is prefilled into
-    the slot (in the next decode step's forward where that step runs eagerly, `CachedDecoder.decode_and_extend`;
-    else in an extend forward of its own) and the next turn decodes. Trajectories that start from equal
-    contexts share one prefill.
+    the slot, in the next decode step's forward (`CachedDecoder.decode_and_extend`, eager even where the plain
+    decode step is compiled or graphed: one eager forward instead of an eager extend and a decode step), or in
+    an extend of its own when no slot is decoding. Then the next turn decodes. Trajectories that start from
+    equal contexts share one prefill.
     """
 
     records = False  # a slot also holds observations
@@ -191,9 +192,6 @@ class Scheduler:
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, seeds, tokenizer
         self.between_steps, self.version, self.repack = between_steps, 0, repack  # version: the next step's weights
         self.min_span = min_span
-        # observations ride in decode steps only where they run eagerly (a graphed or compiled step has a fixed
-        # shape); each attribute access makes a new bound method, so compare with ==
-        self.eager = decode == decoder.decode
         self.device, slots = cache.k.device, cache.k.shape[1]
         # The prefix cache, taken from the KV cache and given back by `run`; with weights that may change
         # between steps it is neither used nor filled.
@@ -447,7 +445,7 @@ class Scheduler:
             self._refresh()
             decoding = any(sid >= 0 and s not in parked for s, sid in enumerate(self.slot_sample))
             if self.policy.resume(self, block=not decoding and not (self.waiting and self.slots.free),
-                                  can_ride=decoding and self.eager):
+                                  can_ride=decoding):
                 continue
             if self.waiting and self.slots.free:
                 self.admit()
