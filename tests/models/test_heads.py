@@ -63,7 +63,9 @@ def test_multi_label_head_is_rejected(tmp_path):
 def test_value_model_trains(tiny_dir):
     model = load_value_model(tiny_dir)
     ids = torch.randint(0, 256, (2, 5))
-    loss = model(ids).pow(2).mean()
+    values = model(ids)
+    assert values.shape == (2, 5) and values._base is None  # not a view: FSDP2 warns when its root returns one
+    loss = values.pow(2).mean()
     loss.backward()
     assert model.score.weight.grad is not None
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None

@@ -90,6 +90,7 @@ def test_no_kept_position_backpropagates_into_the_blocks_but_not_the_head():
     model.model.layers[-1].register_full_backward_hook(lambda *_: reached.append(True))
     out = model(input_ids=ids, logits_to_keep=torch.zeros(0, dtype=torch.long)).logits
     assert out.shape == (1, 0, 64) and out.requires_grad
+    assert out._base is None  # not a view: FSDP2 warns when its root module returns one
     out.backward(torch.zeros_like(out))
     assert reached, "the gradient did not reach the last block"
     assert model.lm_head.weight.grad is None

@@ -37,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 TpDimFn = Callable[[str], "int | None"]
+# torch 2.13 renames all_gather_into_tensor (and warns on the old name); GPU images may have an older torch.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -145,7 +147,7 @@ class _Resharder:
         slot[: local.shape[0]].copy_(local)
         slot[local.shape[0] :].zero_()
         if g > 1:
-            dist.all_gather_into_tensor(out, slot, group=group)
+            _all_gather_single(out, slot, group=group)
         self.stats.bytes_received += (g - 1) * slot.nbytes
         return out
 
@@ -251,7 +253,7 @@ class _Resharder:
         del send
         if d > 1:
             flat = (-1, *piece_shape[1:])
-            dist.all_gather_into_tensor(out.view(flat), recv.view(flat), group=self.dp_group)
+            _all_gather_single(out.view(flat), recv.view(flat), group=self.dp_group)
         self.stats.bytes_received += (d - 1) * recv.nbytes
         blocks = out.view(d * t, -1)
         permute_blocks(blocks, [fsdp_ranks.index(r) for row in self.grid for r in row], self.stats)

@@ -54,7 +54,9 @@ class ValueModel(nn.Module):
         ).last_hidden_state
         if logits_to_keep is not None:
             hidden = hidden[:, logits_to_keep]
-        return self.score(hidden).squeeze(-1)
+        # A new tensor, not a view: FSDP2 hooks its backward on the root module's output and warns on views
+        # (an in-place op on a view would lose the hook); the copy is [B, T] scalars.
+        return self.score(hidden).squeeze(-1).clone()
 
 
 def score_at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -83,8 +83,9 @@ class LogProbHead(nn.Linear):
         if request is None and hidden.shape[-2] == 0:
             # No position kept (a shared-prefix pass wants only its keys/values). The empty output still
             # leads back to ``hidden``, so backward enters the blocks, but not through the weight, whose
-            # backward would allocate and add a zero [V, D] gradient.
-            return hidden[..., :1].expand(*hidden.shape[:-1], self.out_features)
+            # backward would allocate and add a zero [V, D] gradient. Cloned (it is empty): FSDP2 warns when a
+            # root module returns a view.
+            return hidden[..., :1].expand(*hidden.shape[:-1], self.out_features).clone()
         if request is None:
             if not isinstance(self.weight, DTensor):
                 return F.linear(hidden, self.weight)
