@@ -2,7 +2,7 @@
 
 Exactness (the deterministic schedule with no lag equals a synchronous run bit for bit; it reproduces
 itself across two runs and across a stop + resume), learning with stale rollouts, staleness bounds and
-versions in the logged metrics, and every algorithm on the one rollout path.
+versions in the logged metrics, every algorithm on the one rollout path, and a vLLM replica (2 ranks).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 from conftest import BASE, assert_ok, metrics_of, run_recipe, run_recipe_per_rank, write_config
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchrlhf.generation import vllm_available
 
 SPLIT = {"placement": {"actor": [0], "rollout": [1, 2]}, "actor": {"optim": {"lr": 3e-2}}}
 
@@ -284,3 +286,28 @@ def test_partial_rollouts_record_the_version_of_every_token(tiny_model_dir, tmp_
         assert 0.0 <= m["rollout/partial/mixed_version_frac"] <= 1.0
         assert 0.0 <= m["rollout/partial/token_staleness_mean"] <= 1.0 and m["rollout/staleness/max"] <= 1
     assert max(m["rollout/partial/mixed_version_frac"] for m in metrics) > 0  # weights did change mid-trajectory
+
+
+@pytest.mark.skipif(not vllm_available()[0], reason=f"vLLM is not importable here: {vllm_available()[1]}")
+def test_a_vllm_replica_samples_with_the_published_weights(tmp_path):
+    """A `VLLMEngine` replica (2 ranks: the actor on 0, vLLM on 1) under the deterministic schedule with no
+    lag: every step samples from the weights just published through the relay, so with two mini-batches
+    (the actor recomputes log-probs) vLLM's sampling probabilities equal the training forward's. A replica
+    that kept older weights would show as a gap from step 2 on."""
+    from torchrlhf.models import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "tiny32", initializer_range=1.0, hidden_size=128, head_dim=32))
+    out = tmp_path / "out"  # head_dim 32: vLLM's CPU attention needs >= 32
+    engine = {"_component_": "torchrlhf.generation.VLLMEngine", "max_batch_size": 16, "max_seq_len": 80,
+              "kv_cache_gib": 0.25}
+    cfg = write_config(tmp_path / "c.yaml", model_dir, placement={"actor": [0], "rollout": [1]},
+                       actor={"optim": {"lr": 3e-2}, "rollout_is": "token",
+                              "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
+                       async_training={"max_staleness": 0, "schedule": "deterministic"}, rollout={"engine": engine},
+                       trainer={"mode": "async", "total_steps": 3, "test_freq": 0, "output_dir": str(out),
+                                "loggers": ["jsonl"]})
+    assert_ok(run_recipe(cfg, nproc=2))
+    metrics = metrics_of(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
+    assert all(m["rollout/staleness/max"] == 0 for m in metrics), metrics
+    assert [m["training/rollout_probs_diff_max"] < 1e-3 for m in metrics] == [True] * 3, metrics

@@ -92,6 +92,7 @@ ALGORITHMS = {
     "dr_grpo_seq_mean": ({"algorithm": {"adv_estimator": "dr_grpo"},
                           "actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}, []),
     "gspo": ({"actor": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}}, []),
+    "cispo": ({"actor": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 4.0}}, []),
     "grpo_kl_loss": ({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl"}}, ["actor/kl_loss", "timing_s/ref"]),
     "ppo_kl_in_reward_rm": ({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl_type": "adaptive"},
                              "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4,
@@ -222,10 +223,12 @@ def test_split_placement_syncs_weights_and_resumes(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.skipif(not vllm_available()[0], reason=f"vLLM is not importable here: {vllm_available()[1]}")
-def test_vllm_rollouts_train_with_the_current_weights(tmp_path):
-    """The recipe with `VLLMEngine` rollouts (one process: vLLM in-process): two mini-batches make the actor
-    recompute log-probs, so every step compares vLLM's sampling probabilities with the training forward's;
-    weights that did not reach vLLM after an update would show as a gap."""
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "split"])
+def test_vllm_rollouts_train_with_the_current_weights(tmp_path, split):
+    """The recipe with `VLLMEngine` rollouts, colocated (one process: vLLM in-process) or on a rank of its own
+    (2 ranks: weights pushed by broadcast after each update): two mini-batches make the actor recompute
+    log-probs, so every step compares vLLM's sampling probabilities with the training forward's; weights
+    that did not reach vLLM after an update would show as a gap."""
     from torchrlhf.models import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "tiny32", initializer_range=1.0, hidden_size=128, head_dim=32))
@@ -234,12 +237,15 @@ def test_vllm_rollouts_train_with_the_current_weights(tmp_path):
                        actor={"optim": {"lr": 3e-2}, "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
                        rollout={"engine": {"_component_": "torchrlhf.generation.VLLMEngine", "max_batch_size": 16,
                                            "max_seq_len": 80, "kv_cache_gib": 0.25}},
-                       trainer={"total_steps": 3, "test_freq": 0, "output_dir": str(out), "loggers": ["jsonl"]})
-    assert_ok(run_recipe(cfg))
+                       trainer={"total_steps": 3, "test_freq": 0, "output_dir": str(out), "loggers": ["jsonl"]},
+                       **({"placement": {"actor": [0], "rollout": [1]}} if split else {}))
+    assert_ok(run_recipe(cfg, nproc=2 if split else 1))
     metrics = metrics_of(out)
     assert [m["training/global_step"] for m in metrics] == [1, 2, 3]
     assert [m["training/rollout_probs_diff_max"] < 1e-3 for m in metrics] == [True] * 3, metrics
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
+    if split:
+        assert all(m["weight_sync/buckets"] >= 1 for m in metrics), metrics
 
 
 def test_default_config_one_step_on_smollm2(tmp_path):
