@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 
 import pytest
 
 from torchrlhf.agents import AgentSession, AgentSpec, build_agent
+from torchrlhf.agents.env import call_with_timeout
 from torchrlhf.config import ConfigError
+from torchrlhf.utils.isolated import CallTimeout
 
 IM_END = 2  # SmolLM2's <|im_end|>
 QUESTION = [{"role": "user", "content": "Add 2, then 3."}]
@@ -288,3 +291,20 @@ def test_bad_env_classes_fail_at_config_time(envs):
     with pytest.raises(ConfigError, match="share the names"):
         AgentSpec.from_config({"env": {"_component_": f"{envs}:NoReward"}, "tools": [f"{envs}:act"]})
     assert spec("NoReward").env["_component_"].endswith(":NoReward")  # reward_fn needs no get_reward
+
+
+def test_call_with_timeout_tells_a_hang_from_the_functions_own_timeout_error():
+    """A call past its limit raises `CallTimeout`; a TimeoutError the function raises itself (a socket's) comes
+    through as it is, not as a hang of the call."""
+    gate = threading.Event()
+    with pytest.raises(CallTimeout, match="wait ran past 0.2s"):
+        call_with_timeout(gate.wait, 0.2)  # waits until the gate opens: a hang
+    gate.set()
+
+    def own_timeout() -> None:
+        raise TimeoutError("the socket timed out")
+
+    with pytest.raises(TimeoutError, match="the socket timed out") as raised:
+        call_with_timeout(own_timeout, 300)
+    assert not isinstance(raised.value, CallTimeout)
+    assert call_with_timeout(lambda x: x + 1, 300, 1) == 2

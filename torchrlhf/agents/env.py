@@ -36,6 +36,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
 
 from torchrlhf.agents.tools import Tool, load_tool
@@ -105,10 +106,9 @@ def env_tools(cls: type) -> dict[str, Tool]:
     return tools
 
 
-def call_in_thread(fn: Callable[..., Any], timeout_s: float, *args: Any, **kwargs: Any) -> Future:
-    """A future of ``fn(*args, **kwargs)`` run in a daemon thread; `CallTimeout` after ``timeout_s``.
-
-    A call past its limit cannot be stopped (Python threads cannot be killed): it is abandoned."""
+def _started(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """A future of ``fn(*args, **kwargs)`` run in a daemon thread (a result that comes after the future was
+    resolved otherwise, by a timeout, is dropped)."""
     future: Future = Future()
 
     def run() -> None:
@@ -121,14 +121,27 @@ def call_in_thread(fn: Callable[..., Any], timeout_s: float, *args: Any, **kwarg
         if not future.done():
             future.set_result(value)
 
+    threading.Thread(target=run, daemon=True, name="torchrlhf-env").start()
+    return future
+
+
+def _timeout_error(fn: Callable[..., Any], timeout_s: float) -> CallTimeout:
+    return CallTimeout(f"{getattr(fn, '__name__', fn)} ran past {timeout_s:g}s")
+
+
+def call_in_thread(fn: Callable[..., Any], timeout_s: float, *args: Any, **kwargs: Any) -> Future:
+    """A future of ``fn(*args, **kwargs)`` run in a daemon thread; `CallTimeout` after ``timeout_s``.
+
+    A call past its limit cannot be stopped (Python threads cannot be killed): it is abandoned."""
+    future = _started(fn, *args, **kwargs)
+
     def expire() -> None:
         if not future.done():
             try:
-                future.set_exception(CallTimeout(f"{getattr(fn, '__name__', fn)} ran past {timeout_s:g}s"))
+                future.set_exception(_timeout_error(fn, timeout_s))
             except Exception:  # noqa: BLE001 - finished in between
                 pass
 
-    threading.Thread(target=run, daemon=True, name="torchrlhf-env").start()
     timer = threading.Timer(timeout_s, expire)
     timer.daemon = True
     timer.start()
@@ -137,8 +150,16 @@ def call_in_thread(fn: Callable[..., Any], timeout_s: float, *args: Any, **kwarg
 
 
 def call_with_timeout(fn: Callable[..., Any], timeout_s: float, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, waited for at most ``timeout_s``; raises `CallTimeout` past it."""
-    return call_in_thread(fn, timeout_s, *args, **kwargs).result()
+    """``fn(*args, **kwargs)``, waited for at most ``timeout_s``; raises `CallTimeout` past it (the call is
+    abandoned, as in `call_in_thread`). The caller waits itself: one thread per call, no timer thread (an
+    environment's step is called at every turn)."""
+    future = _started(fn, *args, **kwargs)
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        if not future.done():
+            raise _timeout_error(fn, timeout_s) from None  # nobody reads the future after this
+        return future.result()  # ``fn``'s own TimeoutError, raised again, or a result that came just now
 
 
 def check_reset(result: Any, *, tool_env: bool) -> str | list[Message] | None:
