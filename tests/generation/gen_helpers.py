@@ -1,8 +1,10 @@
-"""Test helpers: tiny random HF models of every family the engine supports, prompts, a toy tokenizer."""
+"""Test helpers: tiny random HF models of every family the engine supports, prompts, a toy tokenizer, a counter
+of the host's reads from the device."""
 
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torchrlhf.data.batch import Batch
 
@@ -122,3 +124,17 @@ def saved_model_pair(path):
     model_a.save_pretrained(path)
     save_tokenizer(path)
     return model_a, path, tiny_model("llama", seed=1, **WIDE)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that make the host wait for a tensor's values (a device synchronisation on a GPU)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation import NativeEngine, SamplingParams
 
-from gen_helpers import LENGTHS, CharTokenizer, forward_logits, hf_greedy, left_padded, prompt_batch, tiny_model
+from gen_helpers import (LENGTHS, CharTokenizer, HostReads, forward_logits, hf_greedy, left_padded, prompt_batch,
+                         tiny_model)
 
 
 
@@ -131,20 +131,6 @@ def test_compiled_decode_samples_what_the_eager_step_does():
     torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=1e-5)
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the calls that make the host wait for a tensor's values (a device synchronisation on a GPU)."""
-
-    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("check_every, per_step", [(1, 1.0), (8, 1 / 8)])
 def test_steady_decode_reads_from_the_device_once_per_look(check_every, per_step):
     """Sampling, stop ids and length limits stay on the device: the steady decode loop reads values back
@@ -153,11 +139,49 @@ def test_steady_decode_reads_from_the_device_once_per_look(check_every, per_step
 
     def reads(max_tokens: int) -> int:
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
-        with _HostReads() as mode:
+        with HostReads() as mode:
             engine.generate(prompt_batch([4, 8, 3, 6]), params)
         return mode.count
 
     assert reads(128) - reads(64) == pytest.approx(64 * per_step, abs=1)
+
+
+def test_observations_ride_in_a_decode_step_reading_nothing_from_the_device():
+    """An agent's turn boundary: two slots append observations of different lengths (so one row is padded) in
+    the forward of a third slot's decode step. The forward reads no value back to the host (a GPU would wait
+    for it), and every logit equals HF's forward over the whole sequence, including the next decode step of
+    the padded row, which reads the positions its padding wrote."""
+    model = tiny_model()
+    engine = NativeEngine(model, max_batch_size=4, max_seq_len=64)
+    dec, k, v = engine.decoder, engine.cache.k, engine.cache.v
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (6, 9, 4)]
+    toks, lens = torch.zeros(3, 9, dtype=torch.long), torch.tensor([6, 9, 4])
+    for i, q in enumerate(seqs):
+        toks[i, : len(q)] = torch.tensor(q)
+    dec.prefill(toks, lens, torch.arange(3), k, v)
+    # slot 0 decodes its next token; slots 1 and 2 append 2 and 5 tokens after what they hold
+    nxt = torch.randint(3, 96, (1,), generator=g).tolist()
+    obs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (2, 5)]
+    ext = torch.zeros(2, 5, dtype=torch.long)
+    for i, o in enumerate(obs):
+        ext[i, : len(o)] = torch.tensor(o)
+    with HostReads() as reads:
+        logits, riding = dec.decode_and_extend(
+            torch.tensor(nxt + [0]), torch.tensor([6, 63]), 2, 7, ext, torch.tensor([9, 4]), torch.tensor([2, 5]),
+            torch.tensor([1, 2]), 11, k, v)
+    assert reads.count == 0
+    after = torch.randint(3, 96, (1,), generator=g).tolist()  # slot 1's next token, at position 11
+    step = dec.decode(torch.tensor([0, after[0]]), torch.tensor([63, 11]), 2, 12, k, v)
+
+    def hf_last(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+    torch.testing.assert_close(logits[0], hf_last(seqs[0] + nxt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(riding[0], hf_last(seqs[1] + obs[0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(riding[1], hf_last(seqs[2] + obs[1]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1], hf_last(seqs[1] + obs[0] + after), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("check_every", [1, 8])

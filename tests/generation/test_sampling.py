@@ -8,6 +8,8 @@ import torch
 from torchrlhf.generation import SamplingParams, sample_tokens
 from torchrlhf.generation.sampling import prompt_seed_for, request_uniforms, sample_seed
 
+from gen_helpers import HostReads
+
 
 def test_params_validation():
     for bad in (dict(n=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2), dict(max_tokens=0)):
@@ -118,6 +120,26 @@ def test_top_p_candidates_widen_to_match_a_full_sort(monkeypatch):
     u = torch.rand(100, generator=gen, dtype=torch.float64)
     tok, _ = sample_tokens(logits, u, SamplingParams(temperature=1.0, top_p=0.9))
     assert torch.equal(tok, _textbook_tokens(torch.softmax(logits, -1), u, top_p=0.9))
+
+
+def test_top_p_on_an_accelerator_sorts_every_token_and_reads_nothing_from_the_device(monkeypatch):
+    """The sort an accelerator takes (`sorts_whole_vocabulary`), here forced on a CPU: the same tokens as the
+    textbook nucleus, and no value read back (the candidate search reads one every step)."""
+    from torchrlhf.generation import sampling
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.cat([torch.randn(20, 3000, generator=gen) * 4, torch.randn(20, 3000, generator=gen) * 0.1])
+    u = torch.rand(40, generator=gen, dtype=torch.float64)
+    params = SamplingParams(temperature=0.9, top_p=0.8)
+    expected = _textbook_tokens(torch.softmax(logits / 0.9, -1), u, top_p=0.8)
+    reads = {}
+    for whole in (False, True):
+        monkeypatch.setattr(sampling, "sorts_whole_vocabulary", lambda device: whole)
+        with HostReads() as mode:
+            tok, _ = sample_tokens(logits, u, params, check_finite=False)
+        reads[whole] = mode.count
+        assert torch.equal(tok, expected), whole
+    assert reads == {False: 1, True: 0}
 
 
 @pytest.mark.parametrize("vocab", [40, 5000])  # one-level and two-level inverse CDF

@@ -87,6 +87,7 @@ def test_agent_turns_share_equal_contexts_and_park_ended_turns_until_their_obser
     policy.turns_ended(run, [(0, True, 3), (1, False, 4)])  # slot 0 runs sample 1, slot 1 sample 0
     assert sessions[1].turns == [([9, 8, 7], "stop")]
     assert sessions[0].turns == [([5, 6], "length")]  # slot 1's turn started at its token 2
+    assert run.slot_turn == [3, 4, 0]  # their next turns start where these ended (no read at the observation)
     assert set(policy.parked) == {0, 1}
     policy.move(2, 1)  # compaction: slot 1's sample moves to slot 2
     assert set(policy.parked) == {0, 2}

@@ -80,13 +80,16 @@ class CachedAttention:
     ``0..S-1`` and attended causally (padding writes junk that decode overwrites before it is read).
     Decode: one token per slot ``0..span-1`` at ``positions``; attention reads cache positions
     ``< kv_len`` through views, masked to each slot's own length, so nothing is gathered or copied.
-    Extend (``slots`` and ``positions`` [b, T]): T appended tokens per slot of ``slots`` (right-padded:
-    ``lengths`` real ones), written after what the slot holds and attending to it and causally to each
-    other: a multi-turn trajectory continues on its cached keys/values, only the new tokens computed.
+    Extend (``slots`` and ``positions`` [b, T]): T appended tokens per slot of ``slots``, written after what
+    the slot holds and attending to it and causally to each other: a multi-turn trajectory continues on its
+    cached keys/values, only the new tokens computed. Rows are right-padded; their padding writes junk after
+    the row's real tokens (at most at the scratch position ``max_seq_len - 1``), where the slot holds nothing
+    yet and decode overwrites it before it is read, as prefill's padding does. So the writes have a fixed
+    shape: no host synchronisation, and one compiled graph serves every extend.
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, kv_len: int = 0, lengths: torch.Tensor | None = None) -> None:
+                 positions: torch.Tensor | None = None, kv_len: int = 0) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slots, self.positions, self.kv_len = slots, positions, kv_len
         if positions is not None and positions.dim() == 1:  # decode
@@ -96,10 +99,10 @@ class CachedAttention:
             self.mask = (cols[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
         elif positions is not None:  # extend
             b, t = positions.shape
-            real = torch.arange(t, device=positions.device)[None, :] < lengths[:, None]  # [b, T]
             cols = torch.arange(kv_len, device=positions.device)
             self.mask = (cols[None, None, :] <= positions[:, :, None]).view(b, 1, t, kv_len)
-            self.write = real.nonzero(as_tuple=True)  # (row, token) of every real appended token
+            # (slot, position) of every appended token, padding included: [b, T] each
+            self.write = (slots[:, None].expand(b, t), positions.clamp(max=k_cache.shape[2] - 1))
 
     def attend(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [b, H, T, D], k/v [b, Hkv, T, D] (HF's layout after RoPE) -> [b, T, H, D] (``module``: the HF
@@ -112,10 +115,10 @@ class CachedAttention:
             out = sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
         if self.positions.dim() == 2:
-            rows, toks = self.write
-            slots, cols = self.slots[rows], self.positions[rows, toks]
-            self.k_cache[layer, slots, cols] = k.transpose(1, 2)[rows, toks]
-            self.v_cache[layer, slots, cols] = v.transpose(1, 2)[rows, toks]
+            slots, cols = self.write
+            at = (slots.new_full((1, 1), layer), slots, cols)  # one index_put on the whole cache (see below)
+            self.k_cache.index_put_(at, k.transpose(1, 2))
+            self.v_cache.index_put_(at, v.transpose(1, 2))
             kc = self.k_cache[layer, self.slots, : self.kv_len].transpose(1, 2)  # [b, Hkv, L, D] (gathered)
             vc = self.v_cache[layer, self.slots, : self.kv_len].transpose(1, 2)
             out = sdpa(q, kc, vc, attn_mask=self.mask, scale=scale, enable_gqa=True)
@@ -212,29 +215,28 @@ class CachedDecoder:
         return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
 
     def extend(self, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-               k_cache, v_cache) -> torch.Tensor:
+               kv_len: int, k_cache, v_cache) -> torch.Tensor:
         """Append right-padded ``tokens`` [b, T] (``lengths`` real) to cache ``slots`` [b], after the ``starts``
-        [b] positions each slot already holds. Returns the logits [b, V] at each row's last real token."""
+        [b] positions each slot already holds; ``kv_len``: the longest slot after it, ``max(starts + lengths)``
+        (the caller knows it without reading the device). Returns the logits [b, V] at each row's last real
+        token."""
         b, t = tokens.shape
         positions = starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
-        kv_len = int((starts + lengths).max())
-        plan = CachedAttention(k_cache, v_cache, slots=slots, positions=positions, kv_len=kv_len, lengths=lengths)
+        plan = CachedAttention(k_cache, v_cache, slots=slots, positions=positions, kv_len=kv_len)
         x = self._forward(tokens, positions.clamp(max=self.cos.shape[0] - 1), plan)
         return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
 
     def decode_and_extend(self, tokens: torch.Tensor, positions: torch.Tensor, span: int, kv_len: int,
                           ext_tokens: torch.Tensor, ext_starts: torch.Tensor, ext_lengths: torch.Tensor,
-                          ext_slots: torch.Tensor, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+                          ext_slots: torch.Tensor, ext_kv_len: int, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode` and `extend` in one forward: the projections and MLPs run once over all their tokens
         (on a CPU a small matmul costs about the same for 8 rows as for 30), attention per part. Returns the
         decode logits [span, V] and the logits at each appended row's last real token [rows, V]."""
         rows, t = ext_tokens.shape
         ext_positions = ext_starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
-        ext_kv_len = int((ext_starts + ext_lengths).max())
         plan = DecodeAndExtend(
             CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len),
-            CachedAttention(k_cache, v_cache, slots=ext_slots, positions=ext_positions, kv_len=ext_kv_len,
-                            lengths=ext_lengths),
+            CachedAttention(k_cache, v_cache, slots=ext_slots, positions=ext_positions, kv_len=ext_kv_len),
             span)
         flat_tokens = torch.cat([tokens, ext_tokens.reshape(-1)])[None]
         flat_positions = torch.cat([positions, ext_positions.reshape(-1).clamp(max=self.cos.shape[0] - 1)])[None]

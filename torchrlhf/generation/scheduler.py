@@ -55,7 +55,8 @@ def prefill(decoder: CachedDecoder, cache: KVCache, prompts: list[list[int]], sl
     if rest:
         toks, lens = right_padded([prompts[i][held[i]:] for i in rest], dev)
         out = decoder.extend(toks, torch.tensor([held[i] for i in rest], device=dev), lens,
-                             torch.tensor([slots[i] for i in rest], device=dev), cache.k, cache.v)
+                             torch.tensor([slots[i] for i in rest], device=dev),
+                             max(len(prompts[i]) for i in rest), cache.k, cache.v)
         for row, i in enumerate(rest):
             logits[i] = out[row]
     return torch.stack(logits)
@@ -125,6 +126,7 @@ class AgentTurns:
         rows = run.state.out_tok[torch.tensor([s for s, _, _ in ended], device=run.device)].tolist()
         for (s, stopped, step), row in zip(ended, rows):
             turn = row[run.slot_turn[s] : step]
+            run.slot_turn[s] = step  # the next turn's first model token (a parked slot samples none)
             self.parked[s] = self.sessions[run.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
 
     def resume(self, run: Scheduler, block: bool, can_ride: bool) -> bool:
@@ -187,7 +189,8 @@ class Scheduler:
                  use_prefix_cache: bool = True, between_steps: Callable[[], int] | None = None,
                  repack: Callable[[], None] | None = None) -> None:
         """``decode``: the decode step to run (``decoder.decode``, compiled or graphed); ``min_span``: the
-        fewest slots it steps; ``repack``: what makes weights written between steps take effect."""
+        fewest slots it steps; ``repack``: what makes weights written between steps take effect; ``ride``: the
+        decode step with observations riding in it (``decoder.decode_and_extend``, compiled or not)."""
         self.decoder, self.decode, self.cache = decoder, decode, cache
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, seeds, tokenizer
         self.between_steps, self.version, self.repack = between_steps, 0, repack  # version: the next step's weights
@@ -215,7 +218,7 @@ class Scheduler:
         self.waiting = deque(sid for sid in range(total) if policy.budgets[sid] > 0)
         self.slot_sample = [-1] * slots
         self.slot_pos = [0] * slots  # position the slot's next token goes to (an upper bound between looks)
-        self.slot_turn = [0] * slots  # the model-token index the slot's current turn started at
+        self.slot_turn = [0] * slots  # the model-token index the slot's current (parked: next) turn starts at
         self.prompt_slots: dict[int, set[int]] = {}  # context -> the slots of its samples now running
         self.prompt_logits: dict[int, torch.Tensor] = {}  # context -> its last position's logits, while needed
         self.prompt_version: dict[int, int] = {}  # the weights each context's logits came from
@@ -351,13 +354,15 @@ class Scheduler:
             self.slot_turn[s] = 0
 
     # ---------------------------------------------------------------- agent turns
-    def extension(self, going: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, ...]:
+    def extension(self, going: list[tuple[int, list[int]]]) -> tuple[Any, ...]:
         """The `CachedDecoder.extend` inputs that append ``[last sampled token] + observation`` to each slot:
-        right-padded tokens, start positions, lengths, slots."""
+        right-padded tokens, start positions, lengths, slots, and the longest slot after it."""
         dev = self.device
-        toks, lens = right_padded([[int(self.state.cur[s].item()), *obs] for s, obs in going], dev)
-        return (toks, torch.tensor([self.slot_pos[s] for s, _ in going], device=dev), lens,
-                torch.tensor([s for s, _ in going], device=dev))
+        slots = torch.tensor([s for s, _ in going], device=dev)
+        toks, lens = right_padded([[0, *obs] for _, obs in going], dev)
+        toks[:, 0] = self.state.cur[slots]  # on the device: the host never reads the sampled tokens here
+        return (toks, torch.tensor([self.slot_pos[s] for s, _ in going], device=dev), lens, slots,
+                max(self.slot_pos[s] + 1 + len(obs) for s, obs in going))
 
     def extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Prefill each slot's ``[last sampled token] + observation`` in a forward of its own; the logits [b, V]
@@ -369,14 +374,12 @@ class Scheduler:
         slots = [s for s, _ in going]
         slot_t = torch.tensor(slots, device=self.device)
         lens = [1 + len(obs) for _, obs in going]
-        firsts = self.state.step[slot_t].tolist()
         self.state.start_turn(
             slot_t, logits, self.p,
             pos=torch.tensor([self.slot_pos[s] + n for s, n in zip(slots, lens)], device=self.device),
             budget=torch.tensor([self.policy.budget(self.slot_sample[s]) for s in slots], device=self.device),
             version=self.version)
-        for s, first, length in zip(slots, firsts, lens):
-            self.slot_turn[s] = first
+        for s, length in zip(slots, lens):
             self.slot_pos[s] += length
 
     # ---------------------------------------------------------------- decode
