@@ -189,8 +189,7 @@ class Scheduler:
                  use_prefix_cache: bool = True, between_steps: Callable[[], int] | None = None,
                  repack: Callable[[], None] | None = None) -> None:
         """``decode``: the decode step to run (``decoder.decode``, compiled or graphed); ``min_span``: the
-        fewest slots it steps; ``repack``: what makes weights written between steps take effect; ``ride``: the
-        decode step with observations riding in it (``decoder.decode_and_extend``, compiled or not)."""
+        fewest slots it steps; ``repack``: what makes weights written between steps take effect."""
         self.decoder, self.decode, self.cache = decoder, decode, cache
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, seeds, tokenizer
         self.between_steps, self.version, self.repack = between_steps, 0, repack  # version: the next step's weights
