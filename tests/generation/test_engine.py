@@ -160,7 +160,9 @@ def test_observations_ride_in_a_decode_step_reading_nothing_from_the_device():
     for i, q in enumerate(seqs):
         toks[i, : len(q)] = torch.tensor(q)
     dec.prefill(toks, lens, torch.arange(3), k, v)
-    # slot 0 decodes its next token; slots 1 and 2 append 2 and 5 tokens after what they hold
+    # slot 0 decodes its next token; slots 1 and 2 append 2 and 5 tokens after what they hold. Slot 1 is in the
+    # decode span too, as a parked slot is: its row writes junk at position 9, which its first appended token
+    # must overwrite.
     nxt = torch.randint(3, 96, (1,), generator=g).tolist()
     obs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (2, 5)]
     ext = torch.zeros(2, 5, dtype=torch.long)
@@ -168,7 +170,7 @@ def test_observations_ride_in_a_decode_step_reading_nothing_from_the_device():
         ext[i, : len(o)] = torch.tensor(o)
     with HostReads() as reads:
         logits, riding = dec.decode_and_extend(
-            torch.tensor(nxt + [0]), torch.tensor([6, 63]), 2, 7, ext, torch.tensor([9, 4]), torch.tensor([2, 5]),
+            torch.tensor(nxt + [0]), torch.tensor([6, 9]), 2, 10, ext, torch.tensor([9, 4]), torch.tensor([2, 5]),
             torch.tensor([1, 2]), 11, k, v)
     assert reads.count == 0
     after = torch.randint(3, 96, (1,), generator=g).tolist()  # slot 1's next token, at position 11

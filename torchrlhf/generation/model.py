@@ -84,8 +84,8 @@ class CachedAttention:
     the slot holds and attending to it and causally to each other: a multi-turn trajectory continues on its
     cached keys/values, only the new tokens computed. Rows are right-padded; their padding writes junk after
     the row's real tokens (at most at the scratch position ``max_seq_len - 1``), where the slot holds nothing
-    yet and decode overwrites it before it is read, as prefill's padding does. So the writes have a fixed
-    shape: no host synchronisation, and one compiled graph serves every extend.
+    yet and decode overwrites it before it is read, as prefill's padding does. So the writes take the rows'
+    shape and read nothing back from the device (selecting the real tokens would wait for it).
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor | None = None,

@@ -125,7 +125,6 @@ def sorts_whole_vocabulary(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-
 def sample_tokens(
     logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
