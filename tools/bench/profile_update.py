@@ -10,6 +10,8 @@ is profiled (CPU activities, shapes recorded) and every op's self time is put in
 - attention kernels (SDPA forward/backward) and their number of calls;
 - the head's other ops (the tiled log-softmax), the optimizer, FSDP2's gathers/casts/reductions,
   dtype casts and copies elsewhere, the embedding's backward, other elementwise ops;
+- with ``--compile``, the compiled blocks' own code: inductor's fused kernels run inside the compiled graph's
+  call, not as ``aten`` ops;
 - autograd's own bookkeeping (self time of its nodes) and time in no op at all (Python, the profiler).
 
 Then the ten costliest GEMM shapes. Profiling adds overhead to every op: compare the profiled step time with
@@ -92,6 +94,8 @@ def category(event) -> str:
         return "casts and copies"
     if name.startswith("aten::"):
         return "other ops (norms, RoPE, SiLU, residuals, masks...)"
+    if "CompiledFxGraph" in name or name.startswith(("Torch-Compiled Region", "CompiledFunction")):
+        return "compiled blocks (inductor's fused kernels)"
     return "Python inside ranges"
 
 
