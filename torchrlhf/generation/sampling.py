@@ -152,8 +152,6 @@ def sample_tokens(
     probs, index = full, None
     if 0 < params.top_k < probs.shape[-1]:
         probs, index = probs.topk(params.top_k, dim=-1)  # sorted, most likely first
-    elif params.top_p < 1 and sorts_whole_vocabulary(probs.device):
-        probs, index = probs.sort(dim=-1, descending=True)
     elif params.top_p < 1:
         probs, index = _top_p_candidates(probs, params.top_p)
     if params.top_p < 1:
@@ -190,10 +188,11 @@ def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, 
 
     The nucleus is the sorted prefix whose mass before each token is below ``top_p``; when the
     top ``k`` hold at least ``top_p``, token ``k + 1`` and later are outside it, so sorting the
-    top ``k`` gives exactly what sorting the whole vocabulary would.
+    top ``k`` gives exactly what sorting the whole vocabulary would. Where `sorts_whole_vocabulary`, the
+    first try is the whole vocabulary, which needs no check (no read from the device).
     """
     vocab = probs.shape[-1]
-    k = min(TOP_P_CANDIDATES, vocab)
+    k = vocab if sorts_whole_vocabulary(probs.device) else min(TOP_P_CANDIDATES, vocab)
     while True:
         top, index = probs.topk(k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
         if k == vocab or bool((top.sum(dim=-1) >= top_p).all()):
