@@ -9,6 +9,7 @@ without it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -69,4 +70,14 @@ def test_verifiers_module_on_smollm2(tmp_path, monkeypatch):
     assert all(m["num_turns/max"] == 2 and 0.0 <= m["agent/env_reward/mean"] <= 1.0 for m in metrics)
     assert all(m["critic/score/mean"] == m["agent/env_reward/mean"] for m in metrics)  # reward: env is the rubric
     assert (out / "verifiers" / "train.jsonl").read_text().count("\n") == 4
-    assert 0.0 <= metrics[-1]["val/vf_word_env/acc"] <= 1.0  # the eval dataset validates, data_source = env name
+    # The eval dataset validates (data_source = the env's name). Each sample's score is the rubric's over its own
+    # row's word, recomputed here from the trajectory's model turns: a source that scored another row's answer, or
+    # skipped the rubric on a trajectory the token budget cut, would not give these numbers.
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and {s["data_source"] for s in samples} == {"vf_word_env"}  # val_max_samples rows
+    again = "<|im_start|>user\nSay it again.<|im_end|>\n<|im_start|>assistant\n"
+    for s in samples:
+        turns = [t for t in s["trajectory"].split(again) if t]
+        assert s["score"] == sum(s["ground_truth"] in t.lower() for t in turns) / len(turns)
+    assert any(s["score"] > 0 for s in samples)  # SmolLM2, greedy, says the word it is asked for
+    assert metrics[-1]["val/vf_word_env/acc"] == sum(s["score"] for s in samples) / 2

@@ -149,8 +149,9 @@ class AgentSpec:
         except (ValueError, ImportError, FileNotFoundError, ConnectionError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
         if self.verifiers:
-            from torchrlhf.agents.verifiers_env import VerifiersEnv
+            from torchrlhf.agents.verifiers_env import VerifiersEnv, import_verifiers
 
+            import_verifiers()  # a version outside the supported range fails here, even with the env loaded before
             env = functools.partial(VerifiersEnv, **self.verifiers)
             env.env_class = VerifiersEnv  # type: ignore[attr-defined]
             env()  # loads the environment now (once per process): a missing module fails before training

@@ -8,6 +8,9 @@ keys are constructor arguments. Two shapes of class are accepted, told apart by 
       first = env.reset(row)                      # str: a user turn after the row's prompt;
                                                   # a list of messages: the whole initial context; None: the prompt
       observation, reward, done = env.step(text)  # text: the model's turn, decoded without special tokens
+      reward = env.end_episode(text_or_none)      # optional: the session ended the episode before the env said
+                                                  # done (the token budget, max_turns); text: the cut last turn
+                                                  # that step never got, else None. Added to the last turn's reward
 
 - **tool environments** (TRL's ``environment_factory`` shape; ``reset`` takes keywords only, or nothing)::
 

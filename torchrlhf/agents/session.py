@@ -186,11 +186,11 @@ class AgentSession:
             self._last_turn = tokens
             future: Future = Future()
             if finish_reason != "stop":
-                return self._resolved(future, self._finish("length"))
+                return self._resolved(future, self._finish("length", unseen_turn=text))
             calls = self._agent.parser.parse(text) if self._agent.parser is not None else []
             if calls:
                 if len(traj.turn_spans) >= self._agent.spec.max_turns:
-                    return self._resolved(future, self._finish("max_turns"))
+                    return self._resolved(future, self._finish("max_turns", unseen_turn=text))
                 self._pending = future
                 self._run_tools(calls, future)
                 return future
@@ -333,19 +333,29 @@ class AgentSession:
         self.messages.extend(messages)
         return TurnResult(observation_tokens=delta, reward=reward)
 
-    def _finish(self, reason: str, reward: float = 0.0, *, error: bool = False) -> TurnResult:
+    def _finish(self, reason: str, reward: float = 0.0, *, error: bool = False,
+                unseen_turn: str | None = None) -> TurnResult:
+        """End the trajectory. The environment scores the episode once: a tool environment's ``get_reward``, or,
+        when the session ended a step environment's episode first (``length``, ``budget``, ``max_turns``), its
+        ``end_episode(unseen_turn)``, ``unseen_turn`` being the last model turn when ``step`` never got it."""
         self.done = True
         self._pending = None
         traj = self.trajectory
-        get_reward = getattr(self.env, "get_reward", None) if self._agent.tool_env else None
-        if get_reward is not None and not error:  # a tool environment scores the episode it ran, once
+        if self._agent.tool_env:
+            score, args = getattr(self.env, "get_reward", None), ()
+        elif reason in ("length", "budget", "max_turns"):
+            score, args = getattr(self.env, "end_episode", None), (unseen_turn,)
+        else:
+            score, args = None, ()
+        if score is not None and not error:
             try:
-                reward = check_reward(call_with_timeout(get_reward, self._agent.spec.timeout_s))
+                end_reward = check_reward(call_with_timeout(score, self._agent.spec.timeout_s, *args), score.__name__)
                 if traj.turn_rewards:  # with no model turn there is nothing to credit
-                    traj.turn_rewards[-1] += reward
+                    traj.turn_rewards[-1] += end_reward
+                reward = traj.turn_rewards[-1] if traj.turn_rewards else end_reward
             except Exception as e:  # noqa: BLE001 - counted; the trajectory scores on_error_score
                 self._counts["env_errors"] += 1
-                _log_failure("environment get_reward", e)
+                _log_failure(f"environment {score.__name__}", e)
                 reason, error = "error", True
         traj.finish_reason = reason
         traj.error = error

@@ -37,15 +37,32 @@ from torchrlhf.config import ConfigError, load_callable
 Message = dict[str, Any]
 
 
+SUPPORTED = (">=0.1.3", "<0.1.4")  # the 0.1.3 API; the extra `torchrlhf[verifiers]` pins the same range
+
+
+def import_verifiers() -> Any:
+    """The ``verifiers`` module, when its version is one this adapter speaks; ConfigError naming the range otherwise
+    (0.1.4-0.1.x changed ``is_completed`` and ``score_rollout``; 0.4 replaced the API with ``verifiers.v1``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        installed = version("verifiers")
+    except PackageNotFoundError:
+        raise ConfigError("rollout.agent.verifiers needs the verifiers package: pip install 'torchrlhf[verifiers]'") from None
+    low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED)
+    if not low <= Version(installed) < high:
+        raise ConfigError(f"rollout.agent.verifiers: verifiers {installed} is installed; this adapter supports "
+                          f"verifiers{','.join(SUPPORTED)} (its 0.1.3 API): pip install 'torchrlhf[verifiers]'")
+    import verifiers
+
+    return verifiers
+
+
 def load_verifiers_env(env: str, args: Mapping[str, Any] | None = None) -> Any:
     """``verifiers.load_environment(env, **args)``; ConfigError naming what is missing."""
-    try:
-        import verifiers as vf
-    except ImportError:
-        raise ConfigError("rollout.agent.verifiers needs the verifiers package: pip install 'torchrlhf[verifiers]'") from None
-    if not hasattr(vf, "MultiTurnEnv"):
-        raise ConfigError(f"rollout.agent.verifiers: verifiers {getattr(vf, '__version__', '?')} has no MultiTurnEnv; "
-                          "this adapter speaks the 0.1.x API (load_environment, MultiTurnEnv, Rubric)")
+    vf = import_verifiers()
     try:
         if env.endswith(".py"):  # a module file not installed as a package, e.g. one in the project's folder
             loaded = load_callable(f"{env}:load_environment", "verifiers environment")(**dict(args or {}))
@@ -63,14 +80,9 @@ def load_verifiers_env(env: str, args: Mapping[str, Any] | None = None) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_env(env: str, args_json: str) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """The loaded environment (once per process) and its rows by prompt, to find a row's ``info`` and ``task``."""
-    loaded = load_verifiers_env(env, json.loads(args_json))
-    rows = {}
-    for dataset in (loaded.dataset, loaded.eval_dataset):
-        for row in dataset or ():
-            rows.setdefault(_prompt_key(row["prompt"]), row)
-    return loaded, rows
+def _cached_env(env: str, args_json: str) -> Any:
+    """The loaded environment, once per process (its hooks and rubric; its rows travel in the data files)."""
+    return load_verifiers_env(env, json.loads(args_json))
 
 
 def env_name(env: str) -> str:
@@ -78,24 +90,30 @@ def env_name(env: str) -> str:
     return os.path.splitext(os.path.basename(env))[0] if env.endswith(".py") else env
 
 
-def _prompt_key(messages: Sequence[Mapping[str, Any]]) -> str:
-    return json.dumps([[m["role"], m["content"]] for m in messages])
-
-
 def verifiers_data_files(node: Mapping[str, Any], output_dir: str, val_files: Sequence[str]) -> tuple[list[str], list[str]]:
     """(train files, val files): the environment's dataset (and eval dataset, unless ``val_files`` are given)
     written as prompt files (``prompt`` messages, ``ground_truth`` = the row's answer, ``data_source`` = its task)."""
-    loaded = load_verifiers_env(node["env"], node.get("args"))
+    loaded = _cached_env(node["env"], json.dumps(dict(node.get("args") or {}), sort_keys=True))
     folder = os.path.join(output_dir, "verifiers")
     os.makedirs(folder, exist_ok=True)
 
     def write(dataset: Any, name: str) -> str:
         path = os.path.join(folder, name)
         with open(path, "w") as f:
-            for row in dataset:
-                f.write(json.dumps({"prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
-                                    "ground_truth": str(row.get("answer", "")),
-                                    "data_source": row.get("task") or env_name(node["env"])}) + "\n")
+            for i, row in enumerate(dataset):
+                try:
+                    line = json.dumps({
+                        "prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
+                        "ground_truth": str(row.get("answer", "")),
+                        "data_source": row.get("task") or env_name(node["env"]),
+                        # the row's own fields, read back by `VerifiersEnv.reset`: a sample carries its row, so rows
+                        # that share a prompt text keep their own answer and info
+                        "answer": row.get("answer", ""), "task": row.get("task") or "default",
+                        "info": row.get("info") or {}, "verifiers_index": i})
+                except TypeError as e:
+                    raise ConfigError(f"rollout.agent.verifiers.env={node['env']!r}: {name} row {i}'s fields must be "
+                                      f"JSON values (they travel in the data file): {e}") from e
+                f.write(line + "\n")
         return path
 
     if loaded.dataset is None:
@@ -134,24 +152,44 @@ class VerifiersEnv:
 
     def __init__(self, env: str, args: Mapping[str, Any] | None = None) -> None:
         self.name = env
-        self.vf_env, self._rows = _cached_env(env, json.dumps(dict(args or {}), sort_keys=True))
+        self.vf_env = _cached_env(env, json.dumps(dict(args or {}), sort_keys=True))
         self.messages: list[Message] = []
         self.completion: list[Message] = []
         self.state: dict[str, Any] = {}
 
     def reset(self, row: Mapping[str, Any]) -> None:
+        """Start the episode of ``row``: its own ``answer``, ``info`` and ``task`` (written into the data file by
+        `verifiers_data_files`; a user's own file gives ``answer`` or ``ground_truth``, and ``info`` if any)."""
         prompt = row.get("messages") or row.get("prompt") or []  # the rendered chat, or a data file's prompt
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        source = self._rows.get(_prompt_key(prompt), {})
-        info = dict(source.get("info") or {})
+        answer = row["answer"] if row.get("answer") is not None else row.get("ground_truth") or ""
         self.messages = list(prompt)
         self.completion = []
-        self.state = {"prompt": prompt, "completion": self.completion, "answer": source.get("answer", row.get("ground_truth") or ""),
-                      "task": source.get("task") or "default", "info": info, "responses": [], "turn": 0}
+        self.state = {"prompt": prompt, "completion": self.completion, "answer": answer,
+                      "task": row.get("task") or "default", "info": dict(row.get("info") or {}), "responses": [],
+                      "turn": 0}
         self.state = _Loop.run(self.vf_env.setup_state(self.state)) or self.state
         return None  # the row's prompt (the environment's own, with its system prompt) as is
 
     def step(self, text: str) -> tuple[str | None, float, bool]:
+        self._append_turn(text)
+        if _Loop.run(self.vf_env.is_completed(self.messages, self.state)) or self.state["turn"] >= self.vf_env.max_turns:
+            return None, self._score(), True
+        env_messages, self.state = _Loop.run(self.vf_env.env_response(self.messages, self.state))
+        if not isinstance(env_messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in env_messages):
+            raise TypeError(f"verifiers env {self.name!r}: env_response must return a list of messages, got {env_messages!r}")
+        self.messages.extend(env_messages)
+        self.completion.extend(env_messages)
+        return "\n".join(str(m["content"]) for m in env_messages), 0.0, False
+
+    def end_episode(self, text: str | None) -> float:
+        """The session ended the episode first (the token budget, or ``max_turns``): the rubric scores it as it
+        stands, with the cut turn's ``text`` as the last assistant message, as verifiers scores a truncated rollout."""
+        if text is not None:
+            self._append_turn(text)
+        return self._score()
+
+    def _append_turn(self, text: str) -> None:
         message: Message = {"role": "assistant", "content": text}
         if getattr(self.vf_env, "tool_map", None) is not None:
             calls = _hermes_tool_calls(text)
@@ -161,14 +199,6 @@ class VerifiersEnv:
         self.completion.append(message)
         self.state["responses"].append(text)
         self.state["turn"] += 1
-        if _Loop.run(self.vf_env.is_completed(self.messages, self.state)) or self.state["turn"] >= self.vf_env.max_turns:
-            return None, self._score(), True
-        env_messages, self.state = _Loop.run(self.vf_env.env_response(self.messages, self.state))
-        if not isinstance(env_messages, list) or not all(isinstance(m, Mapping) and "content" in m for m in env_messages):
-            raise TypeError(f"verifiers env {self.name!r}: env_response must return a list of messages, got {env_messages!r}")
-        self.messages.extend(env_messages)
-        self.completion.extend(env_messages)
-        return "\n".join(str(m["content"]) for m in env_messages), 0.0, False
 
     def _score(self) -> float:
         score = _Loop.run(self.vf_env.rubric.score_rollout(

@@ -270,7 +270,9 @@ class RLTrainer:
                 per_source.setdefault(data_source, []).append(score)
             if len(samples) < self.trainer_cfg.log_val_generations:
                 texts = self.train_prompts.decode(gen["responses"], gen["response_mask"])
-                rows = [{"prompt": str(p), "response": t, "score": s} for p, t, s in zip(gen["raw_prompt"], texts, seq_scores)]
+                rows = [{"prompt": str(p), "response": t, "score": s, "ground_truth": g, "data_source": d}
+                        for p, t, s, g, d in zip(gen["raw_prompt"], texts, seq_scores, gen["ground_truth"],
+                                                 gen["data_source"])]
                 if "num_turns" in gen:  # agents: the whole trajectory, with what the tools and environment returned
                     width = gen["responses"].shape[1]
                     whole = self.train_prompts.decode(gen["responses"], gen["attention_mask"][:, -width:],
