@@ -16,7 +16,7 @@ import os
 import sys
 
 from torchrlhf.config import ConfigError, parse_args
-from torchrlhf.runtime import launch
+from torchrlhf.runtime import exit_every_rank, launch
 from torchrlhf.trainer.explain import explain
 from torchrlhf.trainer.run import load, run
 
@@ -61,10 +61,8 @@ def cli(argv: list[str] | None = None) -> None:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         cfg, raw = load(path, overrides, world_size)  # the schema checks every key
-    except (ConfigError, FileNotFoundError) as e:
-        if rank == 0:
-            print(f"torchrlhf: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ConfigError, FileNotFoundError) as e:  # every rank finds it: printed once, whichever rank exits first
+        exit_every_rank(f"torchrlhf: config error: {e}", 2)
     if dry_run:
         if rank == 0:
             try:

@@ -3,7 +3,7 @@
 from torchrlhf.runtime.futures import GroupFuture, WorkerError, wait_all
 from torchrlhf.runtime.group import WorkerGroup, colocate, new_process_group
 from torchrlhf.runtime.registry import local_worker, process_group
-from torchrlhf.runtime.launch import init, launch, shutdown
+from torchrlhf.runtime.launch import exit_every_rank, init, launch, shutdown
 from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.stall import StallError, set_stall_timeout
 from torchrlhf.runtime.worker import Dispatch, Worker, WorkerContext, register
@@ -18,6 +18,7 @@ __all__ = [
     "WorkerError",
     "WorkerGroup",
     "colocate",
+    "exit_every_rank",
     "init",
     "launch",
     "local_worker",

@@ -51,11 +51,12 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlparse
 
 import torch
@@ -351,6 +352,24 @@ def _serve(heartbeat_s: float, shutdown_timeout: float) -> int:
     return _stop_code
 
 
+EVERY_RANK_WAIT_S = 30.0
+
+
+def exit_every_rank(message: str, code: int = 2, *, wait_s: float = EVERY_RANK_WAIT_S) -> NoReturn:
+    """Exit with an error that every rank finds before the runtime starts (a config error): printed once, by rank 0.
+
+    Under torchrun the first rank to exit gets the others killed (SIGTERM), so a rank that exits before rank 0
+    has printed loses the message (1 of 6 runs did). The other ranks therefore wait for rank 0 to end the job
+    (at most ``wait_s``); one still alive then saw an error rank 0 did not, and prints it, naming its rank.
+    """
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank != 0 and world > 1:
+        time.sleep(wait_s)  # ended here by torchrun once rank 0 has printed and exited
+        message = f"{message} (rank {rank})"
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 def launch(
     main: Callable[..., Any],
     *args: Any,
@@ -402,5 +421,5 @@ def launch(
     return result
 
 
-__all__ = ["init", "launch", "shutdown", "is_initialized", "interface_for", "worker_name", "mark_lost",
+__all__ = ["init", "launch", "exit_every_rank", "shutdown", "is_initialized", "interface_for", "worker_name", "mark_lost",
            "lost_ranks", "is_reachable"]
