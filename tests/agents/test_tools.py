@@ -86,6 +86,26 @@ def test_hermes_parallel_calls_and_errors(user_tools):
     assert parser.parse("The answer is 5.") == []
 
 
+def test_hermes_calls_as_openai_tool_calls():
+    """The endpoint's and the verifiers adapter's view of a turn: OpenAI ``tool_calls`` with JSON-string arguments,
+    the text around them as the content; a block that is no call (not JSON, not closed) stays in the content."""
+    import json
+
+    from torchrlhf.agents.parsing import openai_tool_calls
+
+    content, calls = openai_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                                       '<tool_call>{"name": "echo", "arguments": "{\\"text\\": \\"hi\\"}"}</tool_call> Done.')
+    assert content == "Let me add. Done." and [c["type"] for c in calls] == ["function", "function"]
+    assert [c["function"] for c in calls] == [{"name": "add", "arguments": json.dumps({"a": 1})},
+                                              {"name": "echo", "arguments": '{"text": "hi"}'}]
+    assert len({c["id"] for c in calls}) == 2
+    assert openai_tool_calls('<tool_call>{"name": "add", "arguments": {}}</tool_call>')[0] is None  # only a call
+    for text in ("<tool_call>not json</tool_call>", '<tool_call>{"name": "add"', "The answer is 5."):
+        assert openai_tool_calls(text) == (text, [])
+    content, calls = openai_tool_calls('<tool_call>[1]</tool_call>ok<tool_call>{"name": "a", "arguments": {}}</tool_call>')
+    assert content == "<tool_call>[1]</tool_call>ok" and len(calls) == 1
+
+
 def test_tag_calls(user_tools):
     tools = load_tools(["calculator", "agent_user_tools:echo"])
     parser = ToolCallParser(tools, "tags", {"calc": "calculator", "say": "echo"})

@@ -26,7 +26,7 @@ def turn(tok, text: str) -> list[int]:
 def first_row(tmp_path) -> dict:
     (train,), _ = verifiers_data_files(WORD_ENV, str(tmp_path), [])
     row = json.loads(open(train).readline())
-    return {**row, "messages": row["prompt"]}
+    return row
 
 
 def test_dataset_becomes_prompt_files(tmp_path):
@@ -115,12 +115,12 @@ def test_a_module_file_from_the_project_folder_runs_the_calculator_recipe_env(sm
     assert row["ground_truth"] == "16737024" and row["data_source"] == "vf_calculator"  # the file's stem names the metric
     agent = build_agent({"verifiers": calc, "reward": "env", "max_turns": 3, "check_tokens": "error"}, smollm2_tok,
                         max_tokens=60)
-    s = AgentSession(agent, {**row, "messages": row["prompt"]})
+    s = AgentSession(agent, row)
     r = s.end_turn(turn(smollm2_tok, "<calc>124 * 76 * 74 * 24</calc>"), "stop").result()
     assert smollm2_tok.decode(r.observation_tokens) == "\n<|im_start|>user\n16737024<|im_end|>\n<|im_start|>assistant\n"
     last = s.end_turn(turn(smollm2_tok, "The answer is 16737024."), "stop").result()
     assert last.done and last.reward == 1.0  # a turn without <calc> ends the episode; the rubric checks the answer
-    s = AgentSession(agent, {**row, "messages": row["prompt"]})
+    s = AgentSession(agent, row)
     assert s.end_turn(turn(smollm2_tok, "The answer is 16737."), "stop").result().reward == 0.0
 
 

@@ -179,7 +179,7 @@ def test_a_sleeping_vllm_judge_reads_its_weights_back_at_each_call(tmp_path):
     """``sleep`` with the vLLM engine: each call re-reads the judge's files into vLLM (fused q/k/v and gate/up
     loaded together), so a judge whose engine weights were overwritten between calls judges as before. On CPU
     vLLM's `release` frees nothing (no sleep mode there); what this checks is the wake's weight reload."""
-    from torchrlhf.generation import SamplingParams, vllm_available
+    from torchrlhf.generation import vllm_available
 
     available, why = vllm_available()
     if not available:

@@ -46,7 +46,8 @@ from typing import Any
 
 
 from torchrlhf.agents.agent import Agent
-from torchrlhf.agents.render import ChatRenderer
+from torchrlhf.agents.parsing import openai_tool_calls
+from torchrlhf.agents.render import ChatRenderer, row_messages
 from torchrlhf.agents.session import Trajectory, TurnResult
 
 log = logging.getLogger(__name__)
@@ -374,7 +375,7 @@ class HarnessRunner:
         if request.kind == "completions":
             return self._answer(request, 200, {**common, "object": "text_completion", "choices": [
                 {"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}]})
-        content, tool_calls = split_tool_calls(text)
+        content, tool_calls = openai_tool_calls(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -403,7 +404,7 @@ class HarnessRunner:
         error = session.error is not None
         metrics = {"num_turns": float(len(segment)), "harness_splits": float(splits)}
         if not segment:  # no call sampled anything: an empty response after the row's own prompt
-            prompt = self.agent.renderer.prompt_tokens(_row_messages(session.row))
+            prompt = self.agent.renderer.prompt_tokens(row_messages(session.row) or [{"role": "user", "content": ""}])
             traj = Trajectory(prompt_tokens=prompt, finish_reason="error" if error else "stop", error=error,
                               metrics=metrics)
             traj.turn_rewards = [session.reward]
@@ -496,28 +497,6 @@ def _concatenate(calls: Sequence[Call]) -> tuple[Trajectory, list[float]]:
     return traj, logps
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A model turn's text as OpenAI's ``content`` and ``tool_calls`` (from Hermes ``<tool_call>{json}</tool_call>``
-    blocks; one that is not valid JSON stays in the content, where the harness sees it)."""
-    calls, kept, last = [], [], 0
-    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
-        try:
-            payload = json.loads(m.group(1).strip())
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            continue
-        arguments = payload.get("arguments", {})
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                      "function": {"name": payload["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
-
-
 class _BadRequest(ValueError):
     pass
 
@@ -541,13 +520,6 @@ def _plain(message: Any) -> dict[str, Any]:
     if m.get("name"):
         out["name"] = m["name"]
     return out
-
-
-def _row_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    prompt = row.get("prompt")
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt or [{"role": "user", "content": ""}]]
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,29 +87,20 @@ class ToolCallParser:
 
     def _parse_hermes(self, text: str) -> list[ToolCall | CallError]:
         calls: list[ToolCall | CallError] = []
-        for m in re.finditer(r"<tool_call>(.*?)(</tool_call>|$)", text, re.DOTALL):
-            body = m.group(1).strip()
-            if not m.group(2):
-                calls.append(CallError(None, "<tool_call> is not closed with </tool_call>"))
+        for block in hermes_blocks(text):
+            if block.error is not None:
+                calls.append(CallError(block.name, block.error))
                 continue
-            try:
-                payload = json.loads(body)
-            except json.JSONDecodeError as e:
-                calls.append(CallError(None, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
-                continue
-            if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-                calls.append(CallError(None, 'a tool call must be a JSON object {"name": ..., "arguments": {...}}'))
-                continue
-            name, arguments = payload["name"], payload.get("arguments", {})
+            arguments = block.arguments
             if isinstance(arguments, str):  # some models encode the arguments object as a JSON string
                 try:
                     arguments = json.loads(arguments)
                 except json.JSONDecodeError:
                     pass
             if not isinstance(arguments, dict):
-                calls.append(CallError(name, f"the arguments of {name!r} must be a JSON object"))
+                calls.append(CallError(block.name, f"the arguments of {block.name!r} must be a JSON object"))
                 continue
-            calls.append(self._checked(name, arguments))
+            calls.append(self._checked(block.name, arguments))
         return calls
 
     def _checked(self, name: str, arguments: dict[str, Any]) -> ToolCall | CallError:
@@ -119,3 +111,56 @@ class ToolCallParser:
         if problem:
             return CallError(name, problem)
         return ToolCall(name, arguments)
+
+
+@dataclass(frozen=True)
+class HermesBlock:
+    """One ``<tool_call>...</tool_call>`` block of a model turn: its span, and its call or why it is not one."""
+
+    start: int
+    end: int
+    name: str | None = None
+    arguments: Any = None  # as the model wrote it: an object, or a JSON string
+    error: str | None = None  # not closed, not JSON, not {"name": ..., "arguments": ...}
+
+
+def hermes_blocks(text: str) -> list[HermesBlock]:
+    """The Hermes tool-call blocks of ``text`` in order (one not closed runs to the end): the one scanner that our
+    parser, the harness endpoint's OpenAI ``tool_calls`` and the verifiers adapter read."""
+    blocks = []
+    for m in re.finditer(r"<tool_call>(.*?)(</tool_call>|$)", text, re.DOTALL):
+        if not m.group(2):
+            blocks.append(HermesBlock(m.start(), m.end(), error="<tool_call> is not closed with </tool_call>"))
+            continue
+        try:
+            payload = json.loads(m.group(1).strip())
+        except json.JSONDecodeError as e:
+            blocks.append(HermesBlock(m.start(), m.end(),
+                                      error=f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            blocks.append(HermesBlock(m.start(), m.end(),
+                                      error='a tool call must be a JSON object {"name": ..., "arguments": {...}}'))
+            continue
+        blocks.append(HermesBlock(m.start(), m.end(), payload["name"], payload.get("arguments", {})))
+    return blocks
+
+
+def openai_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A model turn as OpenAI's ``content`` and ``tool_calls`` (``{"id", "type": "function", "function": {"name",
+    "arguments": <JSON string>}}``), as vLLM's hermes parser gives them. A block that is no call stays in the
+    content, where the reader sees it; with no call the content is the whole text."""
+    calls, kept, last = [], [], 0
+    for block in hermes_blocks(text):
+        if block.error is not None:
+            continue
+        kept.append(text[last:block.start])
+        last = block.end
+        arguments = block.arguments
+        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                      "function": {"name": block.name,
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}})
+    if not calls:
+        return text, []
+    kept.append(text[last:])
+    return "".join(kept).strip() or None, calls

@@ -25,6 +25,17 @@ _USER_STANDIN = "<<torchrlhf:user>>"
 _ASSISTANT_STANDIN = "<<torchrlhf:assistant>>"
 
 
+def row_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A data row's ``prompt`` as chat messages (copies): a string is one user turn; no prompt is no message
+    (each caller decides what an empty conversation becomes)."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        return []
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
 @dataclass(frozen=True)
 class TokenCheck:
     """Where a re-render of the conversation from text differs from the trajectory's tokens."""

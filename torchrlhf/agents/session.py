@@ -43,7 +43,7 @@ from torchrlhf.agents.env import (
     tool_env_observation,
 )
 from torchrlhf.agents.parsing import CallError, ToolCall
-from torchrlhf.agents.render import ChatRenderer, TokenCheck
+from torchrlhf.agents.render import ChatRenderer, TokenCheck, row_messages
 from torchrlhf.utils.isolated import CallTimeout
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class AgentSession:
         self.env: Environment | None = None
         self._counts = dict.fromkeys(COUNTS, 0)
         self.done = False
-        messages = [dict(m) for m in (prompt_messages if prompt_messages is not None else _row_messages(row))]
+        messages = [dict(m) for m in (prompt_messages if prompt_messages is not None else row_messages(row))]
         reset_error = None
         if agent.env_factory is not None:
             timeout = agent.spec.timeout_s
@@ -384,15 +384,6 @@ def agent_columns(trajectories: Sequence[Trajectory]) -> dict[str, torch.Tensor]
     as float columns, one row per trajectory."""
     values = [{**t.metrics, "env_reward": t.env_reward, "agent_error": float(t.error)} for t in trajectories]
     return {k: torch.tensor([v[k] for v in values], dtype=torch.float32) for k in AGENT_COLUMNS if k in values[0]}
-
-
-def _row_messages(row: Mapping[str, Any]) -> list[Message]:
-    prompt = row.get("prompt")
-    if prompt is None:
-        return []
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt]
 
 
 def _tool_outcome(name: str | None, outcome: Future | CallError, timeout_s: float) -> tuple[str, str | None]:

@@ -26,12 +26,12 @@ import asyncio
 import functools
 import json
 import os
-import re
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torchrlhf.agents.parsing import openai_tool_calls
+from torchrlhf.agents.render import row_messages
 from torchrlhf.config import ConfigError, load_callable
 
 Message = dict[str, Any]
@@ -160,8 +160,7 @@ class VerifiersEnv:
     def reset(self, row: Mapping[str, Any]) -> None:
         """Start the episode of ``row``: its own ``answer``, ``info`` and ``task`` (written into the data file by
         `verifiers_data_files`; a user's own file gives ``answer`` or ``ground_truth``, and ``info`` if any)."""
-        prompt = row.get("messages") or row.get("prompt") or []  # the rendered chat, or a data file's prompt
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        prompt = row_messages(row)  # the data file's prompt: the environment's own chat, its system prompt included
         answer = row["answer"] if row.get("answer") is not None else row.get("ground_truth") or ""
         self.messages = list(prompt)
         self.completion = []
@@ -208,21 +207,8 @@ class VerifiersEnv:
 
 
 def _hermes_tool_calls(text: str) -> list[Any]:
-    """The turn's ``<tool_call>`` blocks as the OpenAI tool-call objects a `vf.ToolEnv` reads (unparseable ones skipped:
-    the env then sees a turn without that call)."""
+    """The turn's tool calls as the OpenAI objects a `vf.ToolEnv` reads (blocks that are no call skipped: the env
+    then sees a turn without that call)."""
     from verifiers.types import ChatCompletionMessageToolCall
 
-    calls = []
-    for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
-        try:
-            payload = json.loads(body.strip())
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            continue
-        arguments = payload.get("arguments", {})
-        calls.append(ChatCompletionMessageToolCall(
-            id=f"call_{uuid.uuid4().hex[:8]}", type="function",
-            function={"name": payload["name"],
-                      "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}))
-    return calls
+    return [ChatCompletionMessageToolCall(**call) for call in openai_tool_calls(text)[1]]
