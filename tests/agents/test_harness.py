@@ -252,7 +252,7 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir
     the turns are scripted (a drive that answers each call with fixed tokens): the trajectory holds exactly
     those tokens, the tool's result between them, and the SDK's final output is the second turn."""
     pytest.importorskip("agents")
-    from torchrlhf.agents.rounds import run_rounds
+    from torchrlhf.generation.session import run_rounds
 
     (tmp_path / "sdk_harness.py").write_text(AGENTS_SDK_HARNESS)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import torch
 
-from torchrlhf.agents.session import TurnResult
+from torchrlhf.generation.session import TurnResult
 from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import CachedDecoder
 from torchrlhf.generation.scheduler import AgentTurns, SingleTurn, prefill, right_padded

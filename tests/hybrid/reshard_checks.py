@@ -182,7 +182,7 @@ class StandIn:
         self.weights: dict[str, torch.Tensor] = {}
         self.calls: list[str] = []
         self.fail = fail
-        self.tp_size = 1
+        self.tp_size, self.tp_mesh = 1, None
 
     def resume(self, tags=("weights", "kv_cache")) -> None:
         self.calls.extend(f"resume:{t}" for t in tags)
@@ -193,6 +193,9 @@ class StandIn:
     def update_weights(self, named_tensors) -> None:
         for name, tensor in named_tensors:
             self.weights[name] = tensor.clone()
+
+    def param_shard_dims(self) -> dict[str, int | None]:
+        return {}  # every tensor whole (TP 1)
 
 
 def mode_checks(world) -> None:

@@ -12,6 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 class _Engine:
+    tp_size, tp_mesh = 1, None
+
     def resume(self, tags=("weights", "kv_cache")):
         pass
 
@@ -21,6 +23,9 @@ class _Engine:
     def update_weights(self, named_tensors):
         for _ in named_tensors:
             pass
+
+    def param_shard_dims(self):
+        return {}
 
 
 @pytest.mark.parametrize("offload", [True, False])

@@ -131,6 +131,8 @@ def test_permute_blocks_in_place_with_one_block_of_scratch():
 
 
 class _Engine:
+    tp_size, tp_mesh = 1, None
+
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
@@ -144,6 +146,9 @@ class _Engine:
     def update_weights(self, named_tensors):
         self.calls.append("update_weights")
         self.weights = {k: v.clone() for k, v in named_tensors}
+
+    def param_shard_dims(self):
+        return {}
 
 
 def test_generation_mode_single_process_hands_over_plain_weights_and_releases_on_error():

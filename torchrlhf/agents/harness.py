@@ -48,7 +48,8 @@ from typing import Any
 from torchrlhf.agents.agent import Agent
 from torchrlhf.agents.parsing import openai_tool_calls
 from torchrlhf.agents.render import ChatRenderer, row_messages
-from torchrlhf.agents.session import Trajectory, TurnResult
+from torchrlhf.agents.session import Trajectory
+from torchrlhf.generation.session import TurnResult
 
 log = logging.getLogger(__name__)
 

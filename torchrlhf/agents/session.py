@@ -44,6 +44,7 @@ from torchrlhf.agents.env import (
 )
 from torchrlhf.agents.parsing import CallError, ToolCall
 from torchrlhf.agents.render import ChatRenderer, TokenCheck, row_messages
+from torchrlhf.generation.session import TurnResult
 from torchrlhf.utils.isolated import CallTimeout
 
 log = logging.getLogger(__name__)
@@ -59,18 +60,6 @@ AGENT_COLUMNS = ("num_turns", *COUNTS, "token_mismatches", "harness_splits", "en
 
 class TokenMismatchError(ValueError):
     """``check_tokens: error``: re-rendering the conversation from text gives other tokens."""
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """What follows a model turn: observation tokens to append, or None when the trajectory is done."""
-
-    observation_tokens: list[int] | None
-    reward: float = 0.0  # this turn's environment reward
-
-    @property
-    def done(self) -> bool:
-        return self.observation_tokens is None
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from torchrlhf.agents.rounds import Turn, run_rounds
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.sampling import SamplingParams, prompt_seed_for, sample_seed
+from torchrlhf.generation.session import Session, SessionTrajectory, Turn, run_rounds
 
 GENERATION_COLUMNS = (
     "prompts",
@@ -75,16 +75,18 @@ class RolloutEngine(Protocol):
     """What the rollout role needs from an engine (see the module docstring for the call order).
 
     ``tp_size``/``tp_mesh``: the engine's tensor-parallel group (1 / None without TP). Every rank of a TP
-    group calls `generate` with the same prompts and gets the same answer. ``capabilities``: the names of
-    the `CAPABILITIES` its `generate` implements (none when an engine does not say).
+    group calls `generate` with the same prompts and gets the same answer. ``max_seq_len``: the longest
+    prompt + response it holds (agents' trajectories and a judge's prompts are capped by it). ``capabilities``:
+    the names of the `CAPABILITIES` its `generate` implements (none when an engine does not say).
     """
 
     tp_size: int
     tp_mesh: object | None
+    max_seq_len: int
     capabilities: ClassVar[frozenset[str]]
 
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
-                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> Batch:
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Session] | None = None) -> Batch:
         """``sampling.n`` responses per prompt, samples of one prompt adjacent (see `assemble_generation`).
 
         A prompt's ``seed`` and ``max_tokens`` columns, when present, replace its seed and cap its response
@@ -103,6 +105,13 @@ class RolloutEngine(Protocol):
 
     def resume(self, tags: Sequence[str] = RESUME_TAGS) -> None:
         """Re-allocate what `release` freed: ``"weights"`` (then refilled by `update_weights`), ``"kv_cache"``."""
+
+    def load_groups(self) -> list[set[str]]:
+        """HF names `update_weights` must receive in one call (fused modules, as vLLM's q/k/v); [] when each
+        tensor loads on its own."""
+
+    def shutdown(self) -> None:
+        """Stop what the engine runs beside this process's tensors (vLLM's engine core) when its role closes."""
 
 
 ENGINE_METHODS = tuple(name for name, value in vars(RolloutEngine).items()
@@ -241,7 +250,7 @@ def validate_prompts(prompts: Batch, params: SamplingParams, max_seq_len: int) -
     return lengths
 
 
-def check_sessions(sessions: Sequence[Any], max_seq_len: int) -> None:
+def check_sessions(sessions: Sequence[Session], max_seq_len: int) -> None:
     """Agent sessions must start from a prompt that leaves room for a token; ValueError naming the first
     that does not (the session's own budgets keep every later turn within ``max_seq_len``)."""
     for i, session in enumerate(sessions):
@@ -313,7 +322,8 @@ def assemble_generation(
                              (logps * response_mask).float(), reasons)
 
 
-def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: Sequence[Any], logps: torch.Tensor,
+def assemble_trajectories(prompts: Batch, params: SamplingParams, trajectories: Sequence[SessionTrajectory],
+                          logps: torch.Tensor,
                           pad_id: int, versions: torch.Tensor | None = None) -> Batch:
     """The output Batch of an agent rollout (`torchrlhf.agents`), from finished trajectories, one per sample.
 
@@ -371,7 +381,7 @@ def sample_single_turns(generate: Callable[[Batch, SamplingParams], Batch], para
              out["finish_reason"][r]) for r, m in enumerate(lengths)]
 
 
-def sample_sessions(generate: Callable[..., Batch], params: SamplingParams, sessions: Sequence[Any],
+def sample_sessions(generate: Callable[..., Batch], params: SamplingParams, sessions: Sequence[Session],
                     seeds: Sequence[int]) -> list[list[float]]:
     """One ``generate(..., sessions=sessions)`` call (``n=1``), each agent session sampled from its own sample
     seed (mapped through `prompt_seed_for`, as `sample_single_turns` does); returns each session's model-token
@@ -387,10 +397,10 @@ def sample_sessions(generate: Callable[..., Batch], params: SamplingParams, sess
 
 
 def generate_in_rounds(generate: Callable[[Batch, SamplingParams], Batch], prompts: Batch, params: SamplingParams,
-                       sessions: Sequence[Any], pad_id: int, tp_mesh: Any = None) -> Batch:
+                       sessions: Sequence[Session], pad_id: int, tp_mesh: Any = None) -> Batch:
     """``generate(prompts, params, sessions=sessions)`` for an engine whose ``generate`` samples single turns.
 
-    The agent rounds of `torchrlhf.agents.rounds.run_rounds`: each round is one ``generate`` call with every
+    The rounds of `torchrlhf.generation.session.run_rounds`: each round is one ``generate`` call with every
     live trajectory's whole token sequence as a prompt (``n=1``; an engine with a prefix cache computes only
     the new tokens), its turn budget as the ``max_tokens`` column and its own seed: turn t of sample j of
     prompt i samples from ``sample_seed(seed_i, j) + t``. Returns `assemble_trajectories`' columns.

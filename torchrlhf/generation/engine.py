@@ -44,6 +44,7 @@ from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
+from torchrlhf.generation.session import Session
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
@@ -231,6 +232,13 @@ class NativeEngine:
             out[name] = dim if self.tp_size > 1 else None
         return out
 
+    def load_groups(self) -> list[set[str]]:
+        """None: each weight loads on its own (q/k/v are separate tensors here)."""
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process: the role's close frees the engine with it."""
+
     def param_local_shapes(self) -> dict[str, torch.Size]:
         """Name -> the shape of this rank's shard that `update_weights` expects."""
         return {name: _local(p).shape for name, p in self._params().items()}
@@ -331,7 +339,7 @@ class NativeEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
-                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Any] | None = None) -> Batch:
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Session] | None = None) -> Batch:
         """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
 
         Reads ``input_ids``/``attention_mask`` [B, P]. Returns B*n rows (samples of one

@@ -27,6 +27,7 @@ from torchrlhf.generation.model import CachedDecoder
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms
 from torchrlhf.generation.slot_state import SlotState
 from torchrlhf.generation.slots import SlotPool
+from torchrlhf.generation.session import Session
 
 
 def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +114,7 @@ class AgentTurns:
 
     records = False  # a slot also holds observations
 
-    def __init__(self, sessions: Sequence[Any]) -> None:
+    def __init__(self, sessions: Sequence[Session]) -> None:
         self.sessions = sessions
         unique: dict[tuple[int, ...], int] = {}
         self.prompt_of = [unique.setdefault(tuple(s.prompt_tokens), len(unique)) for s in sessions]

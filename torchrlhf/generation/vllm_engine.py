@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ from torchrlhf.generation.base import (
     validate_prompts,
 )
 from torchrlhf.generation.sampling import SamplingParams, sample_seed
+from torchrlhf.generation.session import Session
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 VLLM_TEMPERATURE_RANGE = (1e-2, 2.0)  # vLLM clamps smaller temperatures up and rejects larger ones
@@ -456,7 +456,7 @@ class VLLMEngine:
         )
 
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
-                 sessions: Sequence[Any] | None = None) -> Batch:
+                 sessions: Sequence[Session] | None = None) -> Batch:
         """Sample ``sampling.n`` responses per left-padded prompt: the columns of `assemble_generation`.
 
         The stop token (EOS or ``stop_token_ids``) ends the response and is kept in it; on a stop

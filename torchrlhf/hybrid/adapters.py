@@ -36,13 +36,11 @@ class AdapterMerger:
 
     def __init__(self, engine: Any, model_path: str | Path, scaling: float) -> None:
         self.engine, self.scaling = engine, scaling
-        self.tp_size = int(getattr(engine, "tp_size", 1))
-        self.tp_mesh = getattr(engine, "tp_mesh", None)
+        self.tp_size, self.tp_mesh = engine.tp_size, engine.tp_mesh
         self._weight_dims = engine.param_shard_dims()
         self._dims = adapter_shard_dims(self._weight_dims)
         self._base = SafetensorsReader(model_path)
-        groups = getattr(engine, "load_groups", None)
-        self._groups: list[set[str]] = groups() if groups is not None else []
+        self._groups: list[set[str]] = engine.load_groups()
 
     def param_shard_dims(self) -> dict[str, int | None]:
         """TP dims of every adapter factor the engine's weights could take."""

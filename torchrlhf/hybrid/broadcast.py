@@ -115,7 +115,7 @@ def send_weights(
 def local_shard(engine, name: str, full: torch.Tensor, dims: dict[str, int | None]) -> torch.Tensor:
     """This rank's part of a full tensor in ``engine``'s TP layout (``dims``: its `param_shard_dims`)."""
     dim = dims.get(name)
-    tp = int(getattr(engine, "tp_size", 1))
+    tp = engine.tp_size
     if dim is None or tp == 1:
         return full
     return torch.chunk(full, tp, dim=dim)[engine.tp_mesh.get_local_rank()]

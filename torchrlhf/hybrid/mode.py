@@ -45,9 +45,9 @@ def resolve_generation_mesh(model: nn.Module, engine: Any) -> DeviceMesh | None:
     train = training_mesh(model)
     if train is None:
         return None
-    tp_size = int(getattr(engine, "tp_size", 1))
+    tp_size = engine.tp_size
     mesh = generation_mesh(train, tp_size)
-    engine_tp = getattr(engine, "tp_mesh", None)
+    engine_tp = engine.tp_mesh
     if engine_tp is not None and engine_tp.mesh.tolist() != mesh["tp"].mesh.tolist():
         raise ValueError(
             f"{type(engine).__name__} runs TP over ranks {engine_tp.mesh.tolist()} but the generation layout's TP "
@@ -58,10 +58,9 @@ def resolve_generation_mesh(model: nn.Module, engine: Any) -> DeviceMesh | None:
 
 
 def engine_tp_dims(engine: Any) -> TpDimFn:
-    """name -> TP dim from ``engine.param_shard_dims()`` (replicated when the engine has no such method),
-    and the dims of LoRA factors that merge into those weights (`models.lora.adapter_shard_dims`)."""
-    get = getattr(engine, "param_shard_dims", None)
-    dims = get() if get is not None else {}
+    """name -> TP dim from ``engine.param_shard_dims()``, and the dims of LoRA factors that merge into those weights
+    (`models.lora.adapter_shard_dims`)."""
+    dims = engine.param_shard_dims()
     dims = {**adapter_shard_dims(dims), **dims}
     return lambda name: dims.get(name)
 

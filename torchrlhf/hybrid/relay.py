@@ -31,8 +31,7 @@ class WeightRelay:
     def __init__(self, engine, capacity: int = 2) -> None:
         if capacity < 1:
             raise ValueError(f"relay capacity must be >= 1, got {capacity}")
-        self.tp_size = int(getattr(engine, "tp_size", 1))
-        self.tp_mesh = getattr(engine, "tp_mesh", None)
+        self.tp_size, self.tp_mesh = engine.tp_size, engine.tp_mesh
         self._dims = engine.param_shard_dims()
         self.capacity = capacity
         self._versions: dict[int, list[tuple[str, torch.Tensor]]] = {}

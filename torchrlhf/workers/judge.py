@@ -117,7 +117,7 @@ class JudgeWorker(Worker):
         self.tp_mesh = self.build_meshes()[1] if self.parallel_dims.tp > 1 else None
         self.engine = engine_cls(model_path, tokenizer=self.tokenizer, device=self.device, dtype=resolve_dtype(dtype),
                                  tp_mesh=self.tp_mesh, **spec)
-        self.max_prompt_tokens = getattr(self.engine, "max_seq_len", None)
+        self.max_prompt_tokens = self.engine.max_seq_len
         if self.max_prompt_tokens is not None:
             self.max_prompt_tokens -= max_tokens
         self.model_path, self.sleep = model_path, sleep

@@ -144,7 +144,7 @@ class RolloutWorker(Worker):
             if self.tokenizer is None:
                 raise ValueError(f"rollout.agent renders chats with the model's tokenizer; {self.model_path} has none")
             self.agent = build_agent(self.agent_spec, self.tokenizer, max_tokens=self.max_tokens,
-                                     max_trajectory_tokens=getattr(engine, "max_seq_len", None))
+                                     max_trajectory_tokens=engine.max_seq_len)
             harness = self.agent.spec.load_harness()
             if harness is not None:
                 self.harness = HarnessRunner(self.agent, harness)
@@ -297,9 +297,8 @@ class RolloutWorker(Worker):
             self.harness.close()
         if self.agent is not None:
             self.agent.close()
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
         self.engine = None
 
     @register(dispatch=Dispatch.RANK_ZERO)
