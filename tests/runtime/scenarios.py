@@ -128,11 +128,8 @@ class NoSuper(Worker):
 
 
 class TensorParallelProbe(Probe):
-    """TP=2: consecutive group ranks form one tensor-parallel group, sharing a DP shard."""
-
-    @classmethod
-    def parallel_dims_for(cls, world: int, arguments) -> ParallelDims:
-        return ParallelDims(world, tp=2)
+    """Built with TP=2 (the group's ``parallel_dims``): consecutive group ranks form one tensor-parallel group,
+    sharing a DP shard."""
 
     @register(Dispatch.ONE_TO_ALL)
     def mesh_sums(self) -> tuple[float, float, float]:
@@ -174,9 +171,9 @@ class Hang(Worker):
         return t.item()
 
 
-def expect_error(exc_type: type, fn, *args) -> str:
+def expect_error(exc_type: type, fn, *args, **kwargs) -> str:
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except exc_type as e:
         return str(e)
     raise AssertionError(f"{fn} did not raise {exc_type.__name__}")
@@ -243,9 +240,10 @@ def dispatch_modes(world: int) -> None:
 
 def tensor_parallel() -> None:
     WorkerGroup(Probe, ranks=[1], name="lonely")  # rank 1 now holds one more process group than the others
-    msg = expect_error(ValueError, WorkerGroup, TensorParallelProbe, [0, 1, 2], "odd")
-    assert "tensor-parallel size 2 must divide the group's 3 ranks" in msg, msg  # on the controller, before any rank
-    g = WorkerGroup(TensorParallelProbe, name="tp")
+    msg = expect_error(ValueError, WorkerGroup, TensorParallelProbe, [0, 1, 2], "odd",
+                       parallel_dims=ParallelDims(4, tp=2))
+    assert "lays out 4 ranks, got 3" in msg, msg  # on the controller, before any rank
+    g = WorkerGroup(TensorParallelProbe, name="tp", parallel_dims=ParallelDims(4, tp=2))
     assert [w[4:] for w in g.where()] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
     b = Batch({"x": torch.arange(3)}, {"id": ["a", "b", "c"]})
     out = g.scaled(b)  # 3 samples over 2 DP groups: shards [a b] and [c a(pad)]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from torchrlhf.runtime import Dispatch, ParallelDims, Worker, WorkerContext, register
-from torchrlhf.runtime.group import _parallel_dims
 from torchrlhf.runtime.launch import interface_for
 from torchrlhf.runtime.worker import registered_methods, set_current_context
 
@@ -58,11 +57,7 @@ def test_context_set_by_the_runtime_is_used_once() -> None:
 
 
 class Paired(Worker):
-    """Two adjacent ranks per replica, from a constructor argument."""
-
-    @classmethod
-    def parallel_dims_for(cls, world, arguments):
-        return ParallelDims(world, tp=arguments["tp"])
+    """Two adjacent ranks per replica when built outside a group, from a constructor argument."""
 
     def __init__(self, tp: int = 2) -> None:
         super().__init__(tp=tp)
@@ -103,22 +98,3 @@ def test_interface_for_loopback() -> None:
     assert interface_for("localhost") == "lo"
     assert interface_for("no-such-host.invalid") is None
     assert socket.if_nameindex()  # the helper relies on Linux interface listing
-
-
-class ForwardingPaired(Paired):
-    """A subclass that adds an argument and forwards the rest, as custom roles do."""
-
-    def __init__(self, *args, marker: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-
-
-def test_a_group_builds_its_layout_from_the_constructor_arguments() -> None:
-    assert _parallel_dims(Paired, 4, (), {}) == ParallelDims(4, tp=2)  # the constructor's default
-    assert _parallel_dims(Paired, 4, (4,), {}) == ParallelDims(4, tp=4)
-    assert _parallel_dims(ForwardingPaired, 6, (), {"tp": 3, "marker": 1}) == ParallelDims(6, tp=3)
-    assert _parallel_dims(ForwardingPaired, 4, (), {"marker": 1}) == ParallelDims(4, tp=2)
-    assert _parallel_dims(Child, 3, (), {}) == ParallelDims(3)
-    with pytest.raises(TypeError, match="Paired.__init__: got an unexpected keyword argument 'tpp'"):
-        _parallel_dims(ForwardingPaired, 4, (), {"tpp": 2})
-    with pytest.raises(ValueError, match="tensor-parallel size 2 must divide the group's 3 ranks"):
-        _parallel_dims(Paired, 3, (), {})

@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT, RECIPE, write_config
 
 from torchrlhf.config import ConfigError, load_config
-from torchrlhf.trainer.schema import load_recipe_config, role_ranks
+from torchrlhf.runtime import ParallelDims
+from torchrlhf.trainer.schema import load_recipe_config, needs_old_log_prob, role_layouts, role_ranks
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 WORLD = {"grpo_qwen2p5_7b_8gpu.yaml": 8, "ppo_qwen2p5_0p5b_8gpu.yaml": 8}
@@ -212,6 +213,35 @@ def test_placement_colocates_by_default_and_splits_on_request(tmp_path):
     assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [0, 1], "critic": [2, 3]}
     cfg = _check(tmp_path, world=4, placement={"actor": [0, 1], "rollout": [2, 3]}, actor=actor)
     assert role_ranks(cfg, 4) == {"actor": [0, 1], "rollout": [2, 3]}
+
+
+def test_each_role_is_laid_out_once_on_the_controller(tmp_path):
+    """`role_layouts`: each role's ranks and how they divide into data-parallel replicas of TP ranks, the value the
+    config check, the dry run and the worker groups read. The reference takes the actor's TP; a rollout colocated
+    with the actor takes one prompt shard per rank, one on ranks of its own one engine per ``rollout.tp_size``."""
+    actor = {"tp_size": 2, "batching": {"ppo_micro_batch_size_per_device": 4}}
+    cfg = _check(tmp_path, world=4, algorithm={"use_kl_in_reward": True}, actor=actor, rollout={"tp_size": 2})
+    layouts = role_layouts(cfg, 4)
+    assert {role: (list(lay.ranks), lay.dims) for role, lay in layouts.items()} == {
+        "actor": ([0, 1, 2, 3], ParallelDims(4, tp=2)), "ref": ([0, 1, 2, 3], ParallelDims(4, tp=2)),
+        "rollout": ([0, 1, 2, 3], ParallelDims(4))}
+    cfg = _check(tmp_path, world=4, placement={"actor": [0, 1], "rollout": [2, 3]}, actor={**actor, "tp_size": 1},
+                 rollout={"tp_size": 2})
+    layouts = role_layouts(cfg, 4)
+    assert (layouts["actor"].dims, layouts["rollout"].dims, layouts["rollout"].ranks) == (
+        ParallelDims(2), ParallelDims(2, tp=2), (2, 3))
+    with pytest.raises(ConfigError, match=r"actor.tp_size=3 must divide the actor's 4 ranks \(placement.actor\)"):
+        _check(tmp_path, world=4, actor={**actor, "tp_size": 3})
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({}, False),  # one epoch, one mini-batch: the update's own log-probs, detached
+    ({"actor": {"batching": {"ppo_epochs": 2}}}, True),
+    ({"actor": {"batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 8}}}, True),
+    ({"algorithm": {"use_kl_in_reward": True}}, True),  # the KL penalty compares them with the reference's
+])
+def test_the_old_log_prob_forward_runs_when_the_update_is_not_on_policy_or_kl_needs_it(tmp_path, overrides, expected):
+    assert needs_old_log_prob(_check(tmp_path, world=1, **overrides)) is expected
 
 
 def test_the_optimizer_offload_setting_reaches_the_colocated_rollout_worker(tmp_path):

@@ -5,8 +5,8 @@ Construction (controller side, collective over the whole world):
    groups one at a time and waits for all ranks, so every rank creates the same groups in the same order;
 2. every rank of the group constructs the worker with its `WorkerContext` set (one RPC per rank); the
    worker is kept in the rank's registry (`runtime.registry`) and an RRef returned (``group.rrefs``);
-   the group's `ParallelDims` (built here once, from the role's `Worker.parallel_dims_for` and its
-   constructor arguments) travels in that context, so workers and dispatch read one layout.
+   the group's `ParallelDims` (given by the controller, which owns every role's layout) travels in that
+   context, so workers and dispatch read one layout.
 
 Calls: ``group.method(*args, **kwargs)`` sends exactly one RPC per rank of the group and gathers the
 answers as the method's `Dispatch` mode says (`runtime.dispatch`). ``group.method.async_(...)`` returns a
@@ -16,7 +16,6 @@ A replica whose rank died can be given up (`drop_replica`); calls then skip its 
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import threading
@@ -142,33 +141,6 @@ class _GroupMethod:
         return f"<{self._group.name}.{self._name} ({self.dispatch.name})>"
 
 
-def _parallel_dims(cls: type[Worker], world: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ParallelDims:
-    """The group's layout, from the role's constructor arguments by name, defaults filled in: through each
-    ``__init__`` of the class's MRO for as long as one forwards ``*args, **kwargs`` to its base (a subclass
-    of `ActorWorker` adding one argument does), as the constructor itself will bind them."""
-    arguments: dict[str, Any] = {}
-    for klass in cls.__mro__:
-        if klass is object or "__init__" not in vars(klass):
-            continue
-        params = list(inspect.signature(klass.__init__).parameters.values())[1:]  # without self
-        try:
-            bound = inspect.Signature(params).bind_partial(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{klass.__name__}.__init__: {e}") from None
-        bound.apply_defaults()
-        args, kwargs, forwards = (), {}, False
-        for p in params:
-            if p.kind is p.VAR_POSITIONAL:
-                args, forwards = bound.arguments[p.name], True
-            elif p.kind is p.VAR_KEYWORD:
-                kwargs, forwards = bound.arguments[p.name], True
-            else:
-                arguments.setdefault(p.name, bound.arguments.get(p.name))
-        if not forwards:
-            break
-    return cls.parallel_dims_for(world, arguments)
-
-
 class WorkerGroup:
     """One ``worker_cls`` per rank of ``ranks``; registered methods are callable here.
 
@@ -180,6 +152,8 @@ class WorkerGroup:
         timeout: per-call RPC timeout in seconds (default: the runtime's ``rpc_timeout``).
         process_group: the key of a process group over ``ranks`` to use (`colocate` shares one between
             roles); None creates the group's own.
+        parallel_dims: how the ranks divide into data-parallel replicas of tensor-parallel ranks (the
+            controller's layout of the role, `torchrlhf.trainer.schema.role_layouts`); None: every rank a replica.
     """
 
     def __init__(
@@ -192,13 +166,17 @@ class WorkerGroup:
         *,
         timeout: float | None = None,
         process_group: str | None = None,
+        parallel_dims: ParallelDims | None = None,
     ) -> None:
         name = name or f"{getattr(worker_cls, '__name__', 'group')}_{next(_counter)}"
         _check_worker_cls(worker_cls, name)
         ranks = _check_ranks(ranks)
         self.worker_cls, self.ranks, self.name = worker_cls, ranks, name
         self.timeout = rpc_timeout() if timeout is None else timeout
-        self.parallel_dims = _parallel_dims(worker_cls, len(ranks), args, kwargs or {})  # before any collective
+        self.parallel_dims = parallel_dims or ParallelDims(len(ranks))
+        if self.parallel_dims.world != len(ranks):  # before any collective
+            raise ValueError(f"group {name!r}: {self.parallel_dims} lays out {self.parallel_dims.world} ranks, "
+                             f"got {len(ranks)}: {ranks}")
         self.dp_size = self.parallel_dims.dp
         self.dp_ranks = [self.parallel_dims.dp_rank(i) for i in range(len(ranks))]  # replica of each group rank
         self._leaders = [self.parallel_dims.replica(d)[0] for d in range(self.dp_size)]  # each replica's answer
@@ -338,13 +316,15 @@ def colocate(
     ranks: Sequence[int] | None = None,
     *,
     timeout: float | None = None,
+    parallel_dims: Mapping[str, ParallelDims] | None = None,
 ) -> dict[str, WorkerGroup]:
     """Build several roles in the same processes on ``ranks``; returns name -> handle.
 
     ``roles`` maps a unique group name to ``(worker_cls,)``, ``(worker_cls, args)``
     or ``(worker_cls, args, kwargs)``. The roles share each rank's process (so
     its device and memory) and one process group over ``ranks``; each gets its
-    own handle and its own DP placement.
+    own handle and its own layout (``parallel_dims[role]``; every rank a replica
+    for a role it does not name).
     """
     specs: dict[str, tuple[type, tuple, dict]] = {}
     for role, spec in roles.items():
@@ -360,7 +340,9 @@ def colocate(
     pg_key = "colocated:" + "+".join(specs)
     try:
         _create_process_group(pg_key, ranks)
-        return {role: WorkerGroup(cls, ranks, role, args, kwargs, timeout=timeout, process_group=pg_key)
+        dims = dict(parallel_dims or {})
+        return {role: WorkerGroup(cls, ranks, role, args, kwargs, timeout=timeout, process_group=pg_key,
+                                  parallel_dims=dims.get(role))
                 for role, (cls, args, kwargs) in specs.items()}
     except BaseException:
         _names.difference_update(specs)

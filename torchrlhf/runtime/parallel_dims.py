@@ -1,7 +1,7 @@
 """`ParallelDims`: how a worker group's ranks divide into data-parallel replicas of tensor-parallel ranks.
 
-One value per worker group, built once on the controller (`WorkerGroup`, from the role's
-`Worker.parallel_dims_for`) and handed to every worker of the group in its context. The dispatch (which
+One value per worker group, given by the controller (the recipe's `torchrlhf.trainer.schema.role_layouts`) to
+its `WorkerGroup`, which hands it to every worker of the group in its context. The dispatch (which
 ranks share a data shard, whose answer is collected), the workers' ``dp_rank``/``dp_size`` and their
 (dp, tp) meshes all read it, so the rank arithmetic exists here only.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,22 +104,15 @@ class Worker:
     and ``self.parallel_dims`` how the group's ranks divide into data-parallel
     replicas of tensor-parallel ranks (`ParallelDims`): all TP ranks of one
     replica share a ``dp_rank``, so `Dispatch.DP_COMPUTE` sends them the same
-    shard and collects one answer per replica. A role with tensor parallelism
-    overrides `parallel_dims_for`.
+    shard and collects one answer per replica. The layout is the group's, given
+    by the controller (`WorkerGroup`'s ``parallel_dims``); a worker built outside
+    a group lays its context's ranks out with ``tp`` adjacent ranks per replica.
     """
 
-    @classmethod
-    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
-        """The layout of a group of ``world`` ranks of this role, from its constructor ``arguments`` (by
-        name): every rank its own replica. The `WorkerGroup` calls it once, on the controller, with every
-        argument (defaults filled in); a worker built outside a group calls it with what the subclass
-        passes to ``super().__init__``."""
-        return ParallelDims(world)
-
-    def __init__(self, **layout_arguments: Any) -> None:
+    def __init__(self, *, tp: int = 1) -> None:
         ctx = getattr(_current, "ctx", None) or _default_context()
         self.context = ctx
-        self.parallel_dims = ctx.parallel_dims or self.parallel_dims_for(ctx.group_size, layout_arguments)
+        self.parallel_dims = ctx.parallel_dims or ParallelDims(ctx.group_size, tp=tp)
 
     @property
     def rank(self) -> int:

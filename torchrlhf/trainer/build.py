@@ -35,10 +35,11 @@ from torchrlhf.trainer.schema import (
     models_in_unit,
     distills,
     needs_reference,
-    on_policy_update,
+    needs_old_log_prob,
     reference_is_actor,
     reference_kwargs,
     resolve_model_path,
+    role_layouts,
     role_ranks,
     section_kwargs,
     teacher_kwargs,
@@ -90,15 +91,16 @@ def may_lose_rollout_replicas(cfg: RecipeConfig, ranks: dict[str, list[int]]) ->
 
 
 def build_groups(cfg: RecipeConfig, world_size: int) -> dict[str, Any]:
-    """Create the worker groups: one `colocate` call per distinct rank set (in a fixed order on every run)."""
+    """Create the worker groups: one `colocate` call per distinct rank set (in a fixed order on every run), each
+    role laid out as `role_layouts` says."""
     specs = role_specs(cfg, world_size)
-    ranks = role_ranks(cfg, world_size)
+    layouts = role_layouts(cfg, world_size)
     by_ranks: dict[tuple[int, ...], dict[str, tuple]] = {}
     for role, spec in specs.items():
-        by_ranks.setdefault(tuple(ranks[role]), {})[role] = spec
+        by_ranks.setdefault(layouts[role].ranks, {})[role] = spec
     groups: dict[str, Any] = {}
     for rank_set, roles in by_ranks.items():
-        groups.update(colocate(roles, list(rank_set)))
+        groups.update(colocate(roles, list(rank_set), parallel_dims={role: layouts[role].dims for role in roles}))
     return groups
 
 
@@ -175,6 +177,6 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
                             profile.dir or os.path.join(cfg.trainer.output_dir, "profile"))
     return RLTrainer(algorithm=cfg.algorithm, rollout_cfg=cfg.rollout, trainer_cfg=cfg.trainer, roles=roles,
                      source=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
-                     logger=logger, num_devices=world_size, recompute_old_log_prob=not on_policy_update(cfg),
+                     logger=logger, num_devices=world_size, recompute_old_log_prob=needs_old_log_prob(cfg),
                      max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
                      safe_rlhf=cfg.cost_model is not None, profiler=profiler)

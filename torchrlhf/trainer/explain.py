@@ -43,11 +43,12 @@ from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
     needs_reference,
-    on_policy_update,
+    RoleLayout,
+    needs_old_log_prob,
     reference_is_actor,
     reference_kwargs,
     resolve_model_path,
-    role_ranks,
+    role_layouts,
     teacher_kwargs,
 )
 from torchrlhf.utils.flops import TransformerFlops, generation_counts
@@ -104,12 +105,11 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], shape: ModelShape, model_path: str,
+def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, shape: ModelShape, model_path: str,
                    frozen: bool = False) -> tuple[list[str], dict[int, float]]:
     """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or a frozen one (the
     reference, the teacher)."""
-    tp = getattr(sec, "tp_size", 1)
-    dp = len(ranks) // tp
+    ranks, tp, dp = list(layout.ranks), layout.dims.tp, layout.dims.dp
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     samples = prompts * n
     lora = getattr(sec, "lora", None)
@@ -178,7 +178,7 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, ranks: list[int], sha
     return lines, memory
 
 
-def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: list[int], mini_batches: int,
+def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, layout: RoleLayout, mini_batches: int,
                 train: bool = False) -> float:
     """Model FLOPs of one forward (``train``: forward + backward) over a step's samples, at the longest prompts and responses, as the role
     computes them: each data-parallel rank its contiguous shard, in strided mini-batches (`layout_counts`
@@ -186,7 +186,7 @@ def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: lis
     samples)."""
     n, samples = cfg.rollout.n, cfg.data.train_batch_size * cfg.rollout.n
     p_len, r_len = cfg.data.max_prompt_length, cfg.rollout.max_tokens
-    dp = len(ranks) // getattr(sec, "tp_size", 1)
+    dp = layout.dims.dp
     shard = math.ceil(samples / dp)
     total = 0
     for r in range(dp):
@@ -203,23 +203,23 @@ def _pass_flops(model: TransformerFlops, cfg: RecipeConfig, sec: Any, ranks: lis
     return total
 
 
-def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[str, ModelShape]) -> list[str]:
+def _flops_lines(cfg: RecipeConfig, layouts: dict[str, RoleLayout], shapes: dict[str, ModelShape]) -> list[str]:
     """Model FLOPs per step of every pass (`torchrlhf.utils.flops`, what ``perf/mfu/*`` divides by the
     time and the peak), at the longest prompts and responses: an upper bound."""
     actor, batching, lm = cfg.actor, cfg.actor.batching, shapes["actor"].flops
     minis = cfg.data.train_batch_size // batching.ppo_mini_batch_size
-    passes = {"actor update": batching.ppo_epochs * _pass_flops(lm, cfg, actor, ranks["actor"], minis, train=True)}
-    if not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward or distills(cfg):
-        passes["old log-probs"] = _pass_flops(lm, cfg, actor, ranks["actor"], 1)
+    passes = {"actor update": batching.ppo_epochs * _pass_flops(lm, cfg, actor, layouts["actor"], minis, train=True)}
+    if needs_old_log_prob(cfg):
+        passes["old log-probs"] = _pass_flops(lm, cfg, actor, layouts["actor"], 1)
     for role, kwargs in (("ref", reference_kwargs), ("teacher", teacher_kwargs)):
         if role in shapes:
-            passes[role] = _pass_flops(shapes[role].flops, cfg, SimpleNamespace(**kwargs(cfg)), ranks[role], 1)
+            passes[role] = _pass_flops(shapes[role].flops, cfg, SimpleNamespace(**kwargs(cfg)), layouts[role], 1)
     if "critic" in shapes:
         value = dataclasses.replace(shapes["critic"].flops, head_out=1)
         c_minis = cfg.data.train_batch_size // cfg.critic.batching.ppo_mini_batch_size
         passes["critic update"] = cfg.critic.batching.ppo_epochs * _pass_flops(
-            value, cfg, cfg.critic, ranks["critic"], c_minis, train=True)
-        passes["values"] = _pass_flops(value, cfg, cfg.critic, ranks["critic"], 1)
+            value, cfg, cfg.critic, layouts["critic"], c_minis, train=True)
+        passes["values"] = _pass_flops(value, cfg, cfg.critic, layouts["critic"], 1)
     prompts = cfg.data.train_batch_size
     engine = dataclasses.replace(lm, adapter_params=0)  # a LoRA actor's engine holds merged weights
     passes["rollout"] = engine.forward(*generation_counts([cfg.data.max_prompt_length] * prompts,
@@ -232,7 +232,8 @@ def _flops_lines(cfg: RecipeConfig, ranks: dict[str, list[int]], shapes: dict[st
 
 def explain(cfg: RecipeConfig, world_size: int) -> str:
     """The dry-run report of a validated config (see the module docstring)."""
-    ranks = role_ranks(cfg, world_size)
+    layouts = role_layouts(cfg, world_size)
+    ranks = {role: list(layout.ranks) for role, layout in layouts.items()}
     shape = model_shape(resolve_model_path(cfg.actor.model_path), cfg.actor.lora)
     out = [f"torchrlhf dry run: world size {world_size}, rank 0 is the controller"]
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
@@ -255,7 +256,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                     phase_of[r][f"{role} {k}"] = role
 
     shapes = {"actor": shape}  # each role's, for the FLOPs per step
-    lines, mem = _trainer_lines("actor", cfg.actor, cfg, ranks["actor"], shape,
+    lines, mem = _trainer_lines("actor", cfg.actor, cfg, layouts["actor"], shape,
                                resolve_model_path(cfg.actor.model_path))
     out += lines
     add("actor", ranks["actor"], mem, working=WORKING_KINDS)
@@ -265,7 +266,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         ref = SimpleNamespace(**reference_kwargs(cfg))
         ref_shape = model_shape(resolve_model_path(ref.model_path)) if cfg.ref.model_path else shape
         shapes["ref"] = ref_shape
-        lines, mem = _trainer_lines("ref", ref, cfg, ranks["ref"], ref_shape, resolve_model_path(ref.model_path),
+        lines, mem = _trainer_lines("ref", ref, cfg, layouts["ref"], ref_shape, resolve_model_path(ref.model_path),
                                    frozen=True)
         out += lines
         add("ref", ranks["ref"], {} if ref.cpu_offload else mem, working=WORKING_KINDS)
@@ -273,7 +274,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         teacher = SimpleNamespace(**teacher_kwargs(cfg))
         teacher_path = resolve_model_path(teacher.model_path)
         shapes["teacher"] = model_shape(teacher_path)
-        lines, mem = _trainer_lines("teacher", teacher, cfg, ranks["teacher"], shapes["teacher"], teacher_path,
+        lines, mem = _trainer_lines("teacher", teacher, cfg, layouts["teacher"], shapes["teacher"], teacher_path,
                                     frozen=True)
         d = cfg.algorithm.distill
         out += lines + [f"      distillation: A = {d.task_coef:g} × A_task + {d.coef:g} × (log p_teacher − log p_student) "
@@ -282,7 +283,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
         shapes["critic"] = critic_shape
-        lines, mem = _trainer_lines("critic", cfg.critic, cfg, ranks["critic"], critic_shape,
+        lines, mem = _trainer_lines("critic", cfg.critic, cfg, layouts["critic"], critic_shape,
                                    resolve_model_path(cfg.critic.model_path))
         out += lines
         add("critic", ranks["critic"], mem, working=WORKING_KINDS)
@@ -352,7 +353,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                    f"verdicts ≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
         add("judge", ranks["judge"], memory, working=("weights", "KV cache") if judge.sleep else ())
 
-    out += _flops_lines(cfg, ranks, shapes)
+    out += _flops_lines(cfg, layouts, shapes)
     if sync:
         out.append("memory per rank (estimate: what the rank holds throughout a step, plus the largest working set "
                    "of one role's calls: the roles run one after another, and a colocated engine's weights and KV "

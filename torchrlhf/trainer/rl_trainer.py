@@ -57,10 +57,11 @@ class RLTrainer:
         train_prompts / val_prompts: prompt loaders yielding Batches of prompts.
         logger: metric logger with ``log(metrics, step)`` and ``log_samples(rows, step)``.
         num_devices: ranks in the job, for per-device throughput.
-        recompute_old_log_prob: run the actor's extra forward for old log-probs. `build_trainer` turns it
-            off when one optimizer step consumes the whole rollout (one PPO epoch, one mini-batch) and no
-            KL-in-reward needs them: the update then uses its own log-probs, detached, which is exact
-            (and, in asynchronous training, is decoupled PPO's proximal policy).
+        recompute_old_log_prob: run the actor's extra forward for old log-probs; `build_trainer` passes
+            `torchrlhf.trainer.schema.needs_old_log_prob`. Off when one optimizer step consumes the whole
+            rollout (one PPO epoch, one mini-batch) and neither KL in the reward nor distillation needs them:
+            the update then uses its own log-probs, detached, which is exact (and, in asynchronous training,
+            is decoupled PPO's proximal policy).
         max_staleness: how many versions samples may lag (0 when synchronous), for the staleness histogram.
         safe_rlhf: the samples carry ``cost_scores`` (a cost model): constrain them with a Lagrange multiplier.
         profiler: which steps' worker calls are recorded with torch.profiler (``trainer.profile``).
@@ -95,9 +96,7 @@ class RLTrainer:
         self.val_prompts = val_prompts
         self.logger = logger
         self.num_devices = num_devices
-        # KL in reward and distillation compare the student's log-probs with another model's before the update.
-        self.recompute_old_log_prob = recompute_old_log_prob or algorithm.use_kl_in_reward \
-            or algorithm.distill is not None
+        self.recompute_old_log_prob = recompute_old_log_prob
         self.max_staleness = max_staleness
         self.temperature = rollout_cfg.sampling().logprob_temperature  # of the rollout log-probs and the recomputed ones
         self.global_step = 0

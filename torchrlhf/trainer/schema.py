@@ -10,6 +10,7 @@ unknown keys if set.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import functools
 import os
 import types
@@ -28,6 +29,7 @@ from torchrlhf.algorithms.rollout_is import check_rollout_is
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
 from torchrlhf.rewards.judge import VerdictParser, check_template
+from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
     AsyncConfig,
@@ -285,6 +287,12 @@ def on_policy_update(cfg: RecipeConfig) -> bool:
     return cfg.actor.batching.ppo_epochs == 1 and cfg.actor.batching.ppo_mini_batch_size == cfg.data.train_batch_size
 
 
+def needs_old_log_prob(cfg: RecipeConfig) -> bool:
+    """Whether each step runs the actor's extra forward for the old log-probs: an update that is not on-policy
+    needs them, and KL in the reward and distillation compare them with another model's before the update."""
+    return not on_policy_update(cfg) or cfg.algorithm.use_kl_in_reward or distills(cfg)
+
+
 def needs_reference(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
@@ -309,6 +317,48 @@ def role_ranks(cfg: RecipeConfig, world_size: int) -> dict[str, list[int]]:
             chosen = getattr(p, role)
             ranks[role] = list(chosen) if chosen is not None else actor
     return ranks
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Where a role runs and how its ranks divide into data-parallel replicas of tensor-parallel ranks: the one
+    value the config check, the dry run and the role's `WorkerGroup` read."""
+
+    ranks: tuple[int, ...]
+    dims: ParallelDims
+
+
+def role_tp(cfg: RecipeConfig, role: str) -> tuple[int, str]:
+    """(the role's tensor-parallel size, the config key that sets it): the reference and the teacher take the
+    actor's (`frozen_kwargs`)."""
+    if role in ("ref", "teacher"):
+        return frozen_kwargs(getattr(cfg, role), cfg.actor)["tp_size"], "actor.tp_size"
+    return getattr(cfg, role).tp_size, f"{role}.tp_size"
+
+
+def role_layouts(cfg: RecipeConfig, world_size: int) -> dict[str, RoleLayout]:
+    """Every configured role's `RoleLayout`; ConfigError when a ``tp_size`` does not divide its role's ranks."""
+    layouts, errors = _layouts(cfg, role_ranks(cfg, world_size))
+    if errors:
+        raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
+    return layouts
+
+
+def _layouts(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> tuple[dict[str, RoleLayout], list[str]]:
+    """The layouts of the roles whose ``tp_size`` divides their ranks, and an error for each other. A rollout
+    colocated with the actor takes one prompt shard per rank (its TP ranks pool theirs and follow the actor's
+    mesh, `hybrid.generation_mesh`); on ranks of its own, ``tp_size`` adjacent ranks make one engine."""
+    layouts, errors = {}, []
+    for role, role_ranks_ in ranks.items():
+        tp, key = role_tp(cfg, role)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or len(role_ranks_) % tp:
+            error = f"{key}={tp} must divide the {role}'s {len(role_ranks_)} ranks (placement.{role})"
+            errors += [error] if error not in errors else []
+            continue
+        colocated_rollout = role == "rollout" and role_ranks_ == ranks["actor"]
+        dims = ParallelDims(len(role_ranks_), tp=1 if colocated_rollout else tp)
+        layouts[role] = RoleLayout(tuple(role_ranks_), dims)
+    return layouts, errors
 
 
 def check(cfg: RecipeConfig, world_size: int) -> None:
@@ -359,14 +409,11 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             errors.append(f"placement.rollout {ranks['rollout']} overlaps placement.actor {ranks['actor']}: a rollout "
                           "is either colocated with the actor (same ranks, or null) or on ranks of its own")
         errors += _teacher_placement_errors(cfg, ranks)
-        if cfg.judge is not None and (cfg.judge.tp_size < 1 or len(ranks["judge"]) % cfg.judge.tp_size):
-            errors.append(f"judge.tp_size={cfg.judge.tp_size} must divide the judge's {len(ranks['judge'])} ranks "
-                          "(placement.judge)")
-        if rollout.tp_size < 1 or len(ranks["rollout"]) % rollout.tp_size:
-            errors.append(f"rollout.tp_size={rollout.tp_size} must divide the rollout's {len(ranks['rollout'])} ranks")
+        layouts, layout_errors = _layouts(cfg, ranks)
+        errors += layout_errors
         if rollout.weight_sync_bucket_mb < 1:
             errors.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
-        errors += _batch_size_errors(cfg, ranks)
+        errors += _batch_size_errors(cfg, layouts)
         errors += _profile_errors(cfg, ranks)
         if cfg.trainer.mode == "async":
             errors += _async_errors(cfg, ranks, world_size)
@@ -558,15 +605,14 @@ def _model_path_errors(cfg: RecipeConfig) -> list[str]:
             if path and path != SMOLLM2 and not os.path.exists(os.path.expanduser(path))]
 
 
-def _batch_size_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+def _batch_size_errors(cfg: RecipeConfig, layouts: dict[str, RoleLayout]) -> list[str]:
     errors = []
     sections = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic is not None else [])
     for role, sec in sections:
-        if len(ranks[role]) % sec.tp_size:
-            errors.append(f"{role}.tp_size={sec.tp_size} must divide the role's {len(ranks[role])} ranks")
+        if role not in layouts:  # its tp_size does not divide its ranks: reported with the layouts
             continue
         try:
-            sec.batching.validate(rollout_n=cfg.rollout.n, dp_size=len(ranks[role]) // sec.tp_size,
+            sec.batching.validate(rollout_n=cfg.rollout.n, dp_size=layouts[role].dims.dp,
                                   train_batch_size=cfg.data.train_batch_size, role=role)
         except ValueError as e:
             errors.append(str(e))

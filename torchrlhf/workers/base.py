@@ -34,7 +34,6 @@ from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_
 from torchrlhf.models.compute_copies import ComputeCopies
 from torchrlhf.models.parallelize import compile_blocks, enable_activation_checkpointing, model_layout, parallelize
 from torchrlhf.models.sharded import load_weights
-from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops
@@ -99,13 +98,8 @@ class FSDPWorker(Worker):
     max_metrics: tuple[str, ...] = ()  # maximised instead
     lora: LoRAConfig | None = None  # adapters on a frozen base (`models.lora`); None: every weight trains
 
-    @classmethod
-    def parallel_dims_for(cls, world: int, arguments: Mapping) -> ParallelDims:
-        """``tp_size`` adjacent ranks per replica (the role's ``tp_size`` argument)."""
-        return ParallelDims(world, tp=arguments["tp_size"])
-
     def __init__(self, *, tp_size: int = 1, seed: int = 0) -> None:
-        super().__init__(tp_size=tp_size)
+        super().__init__(tp=tp_size)
         if self.process_group is None:  # a one-process worker (unit tests, notebooks): nothing to shard over
             if self.tp_size > 1:
                 raise ValueError(f"tp_size={self.tp_size} needs torch.distributed (run under torchrun)")

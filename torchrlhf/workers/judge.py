@@ -29,7 +29,6 @@ from torchrlhf.generation import SamplingParams
 from torchrlhf.hybrid.broadcast import local_shard
 from torchrlhf.models import SafetensorsReader, load_tokenizer, safetensors_files
 from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
-from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
 
@@ -98,7 +97,7 @@ class JudgeWorker(Worker):
         seed: int = 0,
         sleep: bool = False,
     ) -> None:
-        super().__init__(tp_size=tp_size)
+        super().__init__(tp=tp_size)
         if batch_size < 1 or max_tokens < 1 or timeout_s < 0:
             raise ValueError(f"judge: need batch_size >= 1, max_tokens >= 1 and timeout_s >= 0, got {batch_size}, "
                              f"{max_tokens}, {timeout_s}")
@@ -124,11 +123,6 @@ class JudgeWorker(Worker):
         if sleep:
             safetensors_files(model_path)  # a missing or non-safetensors judge fails here, not at the first step
             self.engine.release()
-
-    @classmethod
-    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
-        """``tp_size`` adjacent ranks per engine; the engines (data-parallel replicas) share the samples."""
-        return ParallelDims(world, tp=arguments["tp_size"])
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def judge(self, batch: Batch) -> Batch:

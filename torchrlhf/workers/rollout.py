@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ from torchrlhf.hybrid.broadcast import Manifest, receive_weights
 from torchrlhf.hybrid.relay import WeightRelay
 from torchrlhf.models import build_meta_causal_lm, load_tokenizer
 from torchrlhf.models.lora import LoRAConfig
-from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.runtime.registry import local_worker, process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import flops
@@ -89,7 +87,7 @@ class RolloutWorker(Worker):
         max_tokens: int = 64,
         offload_optimizer: bool = True,
     ) -> None:
-        super().__init__(tp_size=tp_size, actor_group=actor_group)
+        super().__init__(tp=tp_size if actor_group is None else 1)  # colocated: a prompt shard per rank
         self.lora = LoRAConfig.of(lora)
         spec = dict(engine or {})
         self.engine_cls = get_component(spec.pop("_component_", "torchrlhf.generation.NativeEngine"))
@@ -108,20 +106,12 @@ class RolloutWorker(Worker):
         self.relay: WeightRelay | None = None  # asynchronous training only
         self._flops_of: flops.TransformerFlops | None = None
         self.weights_in: Any = None  # what receives synced weights: the engine, or its AdapterMerger
-        # split: TP groups are adjacent ranks of this group (`parallel_dims_for`); colocated: `_build_engine`
+        # split: TP groups are adjacent ranks of this group (the controller's layout); colocated: `_build_engine`
         self.tp_mesh = self.build_meshes()[1] if self.parallel_dims.tp > 1 else None
         if actor_group is None:
             self.engine = self._build_engine()
             self.weights_in = self.engine if self.lora is None else \
                 AdapterMerger(self.engine, model_path, self.lora.scaling)
-
-    @classmethod
-    def parallel_dims_for(cls, world: int, arguments: Mapping[str, Any]) -> ParallelDims:
-        """On ranks of its own: ``tp_size`` adjacent ranks per replica. Colocated: one prompt shard per rank
-        (TP ranks pool theirs, see `hybrid.generate_with_current_weights`; the engine's TP groups follow the
-        actor's mesh, `hybrid.generation_mesh`), with ``tp_size`` still dividing the ranks."""
-        dims = ParallelDims(world, tp=arguments["tp_size"])
-        return dims if arguments["actor_group"] is None else ParallelDims(world)
 
     @property
     def actor(self):
