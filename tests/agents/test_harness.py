@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from torchrlhf.agents import build_agent
 from torchrlhf.agents.harness import HarnessRunner
-from torchrlhf.config import ConfigError
+from torchrlhf.config import ConfigError, load_callable
 from torchrlhf.generation import NativeEngine, SamplingParams
 from torchrlhf.generation.base import sample_sessions
 from torchrlhf.models import load_tokenizer, save_tiny_model
@@ -142,7 +142,7 @@ def _run(engine, tiny_dir, harness_module, name, rows=ROWS, **spec):
     tok = load_tokenizer(tiny_dir)
     agent = build_agent({"harness": f"{harness_module}:{name}", "reward": "env", **spec}, tok, max_tokens=16,
                         max_trajectory_tokens=256)
-    runner = HarnessRunner(agent, agent.spec.load_harness())
+    runner = HarnessRunner(agent, agent.harness)
     try:
         return tok, runner.run(rows, [7 + i for i in range(len(rows))], functools.partial(sample_sessions, engine.generate, PARAMS))
     finally:
@@ -268,7 +268,7 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir
 
     agent = build_agent({"harness": "sdk_harness:run_agent", "reward": "env"}, tok, max_tokens=64,
                         max_trajectory_tokens=256)
-    runner = HarnessRunner(agent, agent.spec.load_harness())
+    runner = HarnessRunner(agent, agent.harness)
     try:
         trajectories, logps = runner.run(ROWS[:2], [1, 2], scripted)
     finally:
@@ -347,6 +347,11 @@ def test_config_errors(tiny_dir, tmp_path, monkeypatch):
                     max_tokens=8)
     with pytest.raises(ConfigError, match="rollout.agent.harness"):
         build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="max_turns, check_tokens do not apply to a harness: your agent runs its own"):
+        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "max_turns": 1, "check_tokens": "metric"},
+                    tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="harness_timeout_s apply only with a harness"):
+        build_agent({"tools": ["calculator"], "harness_timeout_s": 5}, tok, max_tokens=8)
     with pytest.raises(ConfigError, match="harness_batch_wait_s must be >= 0, got -1"):
         build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "harness_batch_wait_s": -1}, tok,
                     max_tokens=8)
@@ -417,3 +422,79 @@ def test_recipe_trains_two_steps_with_a_harness_on_smollm2(tmp_path):
         assert m["num_turns/min"] >= 1 and m["rollout/weight_version"] == m["step"] - 1
         assert m["critic/score/mean"] == m["agent/env_reward/mean"]  # the harness's return is the score
         assert "perf/reshard_s" in m  # the rollout ran in generate_with_current_weights, as any colocated one
+
+
+STOP_HARNESS = textwrap.dedent(
+    '''
+    import json
+    import urllib.error
+    import urllib.request
+
+
+    def chat(base_url, **body):
+        request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.loads(reply.read())["choices"][0]
+
+
+    def run_agent(base_url, row):
+        """Asks with a stop string, then goes on from the answer it got (a plain HTTP client: no openai needed)."""
+        messages = list(row["prompt"])
+        first = chat(base_url, model="policy", messages=messages, stop=["STOP"], max_tokens=32)
+        messages += [first["message"], {"role": "user", "content": "Result: 42"}]
+        second = chat(base_url, model="policy", messages=messages, stop="never said")
+        ok = first["message"]["content"] == "abc " and first["finish_reason"] == "stop"
+        return 1.0 if ok and second["finish_reason"] == "stop" else 0.0
+
+
+    def bad_stop(base_url, row):
+        try:
+            chat(base_url, model="policy", messages=list(row["prompt"]), stop=[""])
+        except urllib.error.HTTPError as e:
+            return 2.0 if e.code == 400 and "'stop' must be a non-empty string" in e.read().decode() else 0.0
+        return 0.0
+    '''
+)
+
+
+def test_a_requests_stop_strings_end_its_turn(tiny_dir, tmp_path, monkeypatch):
+    """``stop``: the reply's text ends before the stop string (finish_reason ``stop``) and the recorded turn ends
+    with the token that completes it, as `SamplingParams.stop` keeps it; the tokens the engine sampled after it
+    are dropped, so the next call is sampled from its own prompt (the cut turn's tokens and the new message), never
+    after them. The trajectory stays one token-exact conversation. Scripted turns, as a random model never says
+    STOP."""
+    from torchrlhf.generation.session import run_rounds
+
+    (tmp_path / "stop_harness.py").write_text(STOP_HARNESS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = load_tokenizer(tiny_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    first = tok("abc STOP def ghi", add_special_tokens=False)["input_ids"] + [end]
+    second = tok("Done.", add_special_tokens=False)["input_ids"] + [end]
+    kept = next(k for k in range(1, len(first)) if "STOP" in tok.decode(first[:k]))  # the tokens up to "STOP"
+    drives = []
+
+    def scripted(segments, seeds):
+        drives.append(len(segments))
+        turn = first if len(drives) == 1 else second
+        return run_rounds(segments, lambda live, round_: [(turn, [-0.25] * len(turn), "stop") for _ in live])
+
+    agent = build_agent({"harness": "stop_harness:run_agent", "reward": "env"}, tok, max_tokens=64,
+                        max_trajectory_tokens=256)
+    runner = HarnessRunner(agent, agent.harness)
+    try:
+        (traj,), (logps,) = runner.run(ROWS[:1], [3], scripted)
+    finally:
+        runner.close()
+    assert drives == [1, 1] and not traj.error and traj.env_reward == 1.0  # the harness saw "abc " and "stop"
+    (s0, e0), (s1, e1) = traj.turn_spans
+    assert traj.response_tokens[s0:e0] == first[:kept] and traj.response_tokens[s1:e1] == second
+    assert traj.metrics == {"num_turns": 2.0, "harness_splits": 0.0}  # the second call extends the cut turn
+    assert logps == [-0.25] * (kept + len(second))
+    runner = HarnessRunner(agent, load_callable("stop_harness:bad_stop"))
+    try:
+        (traj,), _ = runner.run(ROWS[:1], [3], scripted)
+    finally:
+        runner.close()
+    assert traj.env_reward == 2.0 and drives == [1, 1]  # refused with its reason, before any sampling

@@ -2,8 +2,8 @@
 
 Fast: nothing loads a model. Conventions for writing the pages:
 
-- A YAML snippet is validated against the config schema merged onto the config it extends, named in a
-  comment on its first lines, ``# extends: recipes/configs/X.yaml``; without one, onto the default
+- A YAML snippet is a fragment, validated against the config schema merged onto the shipped config its first
+  lines name, ``# a fragment: these keys on top of recipes/configs/X.yaml``; without one, onto the default
   (``recipes/configs/grpo_arithmetic_cpu.yaml``). ``# world_size: N`` sets the world size it is checked
   for (default 2, the main job's).
 - A shell command (a fenced ``bash`` block, or an inline code span starting with ``python`` or
@@ -234,9 +234,10 @@ def test_paths_exist():
 
 
 def _snippet_config(block: Block) -> tuple[OmegaConf, int]:
-    header = dict(re.findall(r"^#\s*(extends|world_size):\s*(\S+)", block.text, flags=re.M))
-    base = OmegaConf.load(ROOT / header.get("extends", DEFAULT_CONFIG))
-    return OmegaConf.merge(base, OmegaConf.create(block.text)), int(header.get("world_size", 2))
+    base_file = re.search(r"^#\s*a fragment: these keys on top of\s+(\S+)", block.text, flags=re.M)
+    world = re.search(r"^#\s*world_size:\s*(\d+)", block.text, flags=re.M)
+    base = OmegaConf.load(ROOT / (base_file.group(1) if base_file else DEFAULT_CONFIG))
+    return OmegaConf.merge(base, OmegaConf.create(block.text)), int(world.group(1)) if world else 2
 
 
 YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]

@@ -62,6 +62,13 @@ from torchrlhf.config._errors import close_matches
 log = logging.getLogger(__name__)
 
 
+HARNESS_KEYS = ("harness", "harness_timeout_s", "harness_host", "harness_batch_wait_s")
+# What a harness does not read: its agent runs its own loop, so our turn limits, tool settings, error handling and
+# observation rendering have nothing to act on (a harness reads reward, on_error_score and the HARNESS_KEYS).
+HARNESS_IGNORES = ("format", "tags", "max_turns", "max_tool_response_tokens", "max_parallel_calls", "timeout_s",
+                   "num_workers", "isolate", "on_error", "check_tokens", "observation_role", "observation_prefix")
+
+
 @dataclass(frozen=True)
 class AgentSpec:
     """The validated ``rollout.agent`` config; see the module docstring for each key."""
@@ -120,10 +127,19 @@ class AgentSpec:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"rollout.agent: {message}")
+        unused = HARNESS_IGNORES if self.harness else tuple(k for k in HARNESS_KEYS if k != "harness")
+        changed = [f.name for f in dataclasses.fields(self) if f.name in unused and getattr(self, f.name) != (
+            f.default_factory() if f.default is dataclasses.MISSING else f.default)]
+        if changed and self.harness:
+            raise ConfigError(f"rollout.agent: {', '.join(changed)} do not apply to a harness: your agent runs its own "
+                              "loop, tools and turns (rollout.max_tokens caps its model tokens, harness_timeout_s its "
+                              "time); remove them")
+        if changed:
+            raise ConfigError(f"rollout.agent: {', '.join(changed)} apply only with a harness; remove them")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AgentSpec:
-        """Validate a ``rollout.agent`` mapping, loading its tools and env class so a bad name fails now."""
+        """Validate a ``rollout.agent`` mapping and `check` it, so a bad name fails now."""
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -131,12 +147,23 @@ class AgentSpec:
             if key not in known:
                 raise ConfigError(f"rollout.agent: unknown key {key!r}{close_matches(str(key), known)}")
         spec = cls(**dict(cfg))
-        spec.load()
+        spec.check()
         return spec
 
-    def load(self) -> tuple[dict, Any, dict]:
-        """(tools by name, env factory or None, a tool environment's methods as tools by name); ConfigError
-        naming what is missing."""
+    def check(self) -> None:
+        """`load` what the spec names, and ask an environment server whether it is up (`OpenEnv.check`): the
+        config check, once, on the controller (rank 0) before any worker starts. The rollout workers receive the
+        spec itself and `load` it once each; Python imports each module (or file) once per process."""
+        env = self.load().env_factory
+        if env is not None and hasattr(env.env_class, "check"):  # e.g. an OpenEnv server that is not up: fail now
+            try:
+                env.env_class.check(**env.keywords)
+            except (ValueError, ConnectionError) as e:
+                raise ConfigError(f"rollout.agent.env: {e}") from e
+
+    def load(self) -> LoadedAgent:
+        """What the spec names, imported: its tools, the environment factory, a tool environment's methods as tools
+        and the harness; ConfigError naming what is missing."""
         try:
             tools = load_tools(list(self.tools))
         except (ValueError, ImportError, FileNotFoundError) as e:
@@ -144,9 +171,7 @@ class AgentSpec:
         try:
             env = load_env_factory(self.env) if self.env else None
             methods = env_tools(env.env_class) if env is not None and is_tool_env(env.env_class) else {}
-            if env is not None and hasattr(env.env_class, "check"):  # e.g. an OpenEnv server that is not up: fail now
-                env.env_class.check(**env.keywords)
-        except (ValueError, ImportError, FileNotFoundError, ConnectionError) as e:
+        except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
         if self.verifiers:
             from torchrlhf.agents.verifiers_env import VerifiersEnv, import_verifiers
@@ -165,17 +190,26 @@ class AgentSpec:
                 ToolCallParser({**tools, **methods}, self.format, self.tags or None)
         except ValueError as e:
             raise ConfigError(f"rollout.agent.tools: {e}") from e
-        self.load_harness()
-        return tools, env, methods
+        return LoadedAgent(tools, env, methods, self._load_harness())
 
-    def load_harness(self) -> Any:
-        """The ``harness`` function, or None; ConfigError when it cannot be loaded or is not callable."""
+    def _load_harness(self) -> Any:
         if not self.harness:
             return None
         try:
             return load_callable(self.harness, what="harness")
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.harness: {e}") from e
+
+
+@dataclass(frozen=True)
+class LoadedAgent:
+    """What `AgentSpec.load` imported: tools by name, the environment factory (None without one), a tool
+    environment's methods as tools by name, and the harness function (None without one)."""
+
+    tools: dict[str, Any]
+    env_factory: Any
+    env_tools: dict[str, Any]
+    harness: Any
 
 
 class Agent:
@@ -196,7 +230,9 @@ class Agent:
         self.spec = spec
         self.max_tokens = int(max_tokens)
         self.max_trajectory_tokens = max_trajectory_tokens
-        tools, self.env_factory, self.env_tools = spec.load()
+        loaded = spec.load()
+        tools, self.env_factory, self.env_tools, self.harness = (loaded.tools, loaded.env_factory, loaded.env_tools,
+                                                                 loaded.harness)
         self.tool_env = bool(self.env_tools)  # TRL's shape: reset(**row), methods as tools, optional get_reward
         self.tools = {**tools, **self.env_tools}
         self.parser = ToolCallParser(self.tools, spec.format, spec.tags or None) if self.tools else None
@@ -220,8 +256,9 @@ class Agent:
         self.close()
 
 
-def build_agent(cfg: Mapping[str, Any], tokenizer: Any, *, max_tokens: int,
+def build_agent(cfg: AgentSpec | Mapping[str, Any], tokenizer: Any, *, max_tokens: int,
                 max_trajectory_tokens: int | None = None) -> Agent:
-    """An `Agent` from a ``rollout.agent`` config mapping."""
-    return Agent(AgentSpec.from_config(cfg), tokenizer, max_tokens=max_tokens,
-                 max_trajectory_tokens=max_trajectory_tokens)
+    """An `Agent` from a validated `AgentSpec` (as the rollout worker receives it: loaded once, here), or from a
+    ``rollout.agent`` mapping (validated and checked first)."""
+    spec = cfg if isinstance(cfg, AgentSpec) else AgentSpec.from_config(cfg)
+    return Agent(spec, tokenizer, max_tokens=max_tokens, max_trajectory_tokens=max_trajectory_tokens)

@@ -323,6 +323,9 @@ class HarnessRunner:
         body = request.body
         if int(body.get("n") or 1) != 1:
             raise _BadRequest("n must be 1 (one trajectory per session)")
+        if body.get("stream"):
+            raise _BadRequest("stream is not supported: ask without it (each call is answered whole)")
+        _stop_strings(body)  # a malformed stop is the caller's error, answered now
         if request.kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -357,6 +360,21 @@ class HarnessRunner:
             return last.prompt + last.completion + renderer.delta_tokens(last.completion, messages[len(prev):])
         return renderer.prompt_tokens(messages)
 
+    def _cut_at_stop(self, tokens: list[int], stops: list[str]) -> tuple[list[int], bool]:
+        """A turn that reaches one of the request's ``stop`` strings ends with the token that completes it (as
+        `SamplingParams.stop` does); the tokens sampled after it are dropped. (tokens, whether it was cut)."""
+        decode = self.agent.renderer.tokenizer.decode
+        if not stops or not _has_stop(decode(tokens, skip_special_tokens=True), stops):
+            return tokens, False
+        low, high = 1, len(tokens)  # the shortest prefix whose text holds a stop string (containment grows with it)
+        while low < high:
+            mid = (low + high) // 2
+            if _has_stop(decode(tokens[:mid], skip_special_tokens=True), stops):
+                high = mid
+            else:
+                low = mid + 1
+        return tokens[:low], True
+
     def _renderer(self, tools: Any) -> ChatRenderer:
         key = json.dumps(tools, sort_keys=True) if tools else ""
         if key not in self._renderers:
@@ -368,7 +386,7 @@ class HarnessRunner:
 
     def _reply(self, request: _Request, session: _Session, prompt: list[int], call: Call) -> None:
         decode = self.agent.renderer.tokenizer.decode
-        text = decode(call.completion, skip_special_tokens=True)
+        text = _before_stop(decode(call.completion, skip_special_tokens=True), _stop_strings(request.body))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(call.completion),
                  "total_tokens": len(prompt) + len(call.completion)}
         common = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "created": int(time.time()), "model": "policy",
@@ -446,13 +464,15 @@ class _Segment:
 
     def end_turn(self, tokens: Sequence[int], finish_reason: str) -> Future:
         with self.runner._lock:
-            call = Call(self.tokens, list(tokens), [], finish_reason)
+            request = self._request
+            tokens, cut = self.runner._cut_at_stop(list(tokens), _stop_strings(request.body))
+            call = Call(self.tokens, tokens, [], "stop" if cut else finish_reason)
             self.calls.append(call)
             self.session.calls.append(call)
             self._future = Future()
-            if self._last_turn:
-                self._future.set_result(TurnResult(None))
-            request, self._request = self._request, None
+            if self._last_turn or cut:  # cut: the engine holds the tokens after the stop, so a next call is a new
+                self._future.set_result(TurnResult(None))  # segment (re-prefilled), never appended to them
+            self._request = None
             self.runner._reply(request, self.session, call.prompt, call)
             return self._future
 
@@ -500,6 +520,25 @@ def _concatenate(calls: Sequence[Call]) -> tuple[Trajectory, list[float]]:
 
 class _BadRequest(ValueError):
     pass
+
+
+def _stop_strings(body: Mapping[str, Any]) -> list[str]:
+    """The request's ``stop`` as a list (OpenAI: a string, or up to 4 strings); _BadRequest when malformed."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _BadRequest(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
+def _has_stop(text: str, stops: list[str]) -> bool:
+    return any(s in text for s in stops)
+
+
+def _before_stop(text: str, stops: list[str]) -> str:
+    """The text before the first stop string (OpenAI's replies leave the stop sequence out)."""
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[:min(cuts)] if cuts else text
 
 
 def _extends(call: Call, prompt: list[int]) -> bool:

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,16 +52,24 @@ def load_callable(spec: str, what: str = "function") -> Any:
     """Import a user function (or class) from ``pkg.mod:fn``, ``pkg.mod.fn`` or ``/path/file.py:fn``.
 
     The one loader for user code named in a config (reward functions, tools, environments). The
-    code runs with the permissions of the user who launched training: only name code you trust.
+    code runs with the permissions of the user who launched training: only name code you trust. A file,
+    like a module, is imported once per process (kept in ``sys.modules``), however many names are taken from it.
     """
     path, sep, name = spec.rpartition(":")
     if sep and (path.endswith(".py") or os.sep in path):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{what} file not found: {path} (from {spec!r})")
         module_name = "torchrlhf_user_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]  # a file that fails to import is tried afresh next time
+                raise
         if not hasattr(module, name):
             public = [n for n in vars(module) if not n.startswith("_")]
             raise ValueError(f"{what} {name!r} not found in {path}; it defines {public}")

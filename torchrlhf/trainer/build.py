@@ -63,7 +63,7 @@ def role_specs(cfg: RecipeConfig, world_size: int) -> dict[str, tuple]:
     specs["rollout"] = (RolloutWorker, (), {
         "model_path": actor["model_path"], "engine": engine, "tp_size": cfg.rollout.tp_size, "dtype": actor["dtype"],
         "actor_group": "actor" if ranks["rollout"] == ranks["actor"] else None, "lora": actor["lora"],
-        "agent": None if agent is None else dataclasses.asdict(agent), "max_tokens": cfg.rollout.max_tokens,
+        "agent": agent, "max_tokens": cfg.rollout.max_tokens,  # the typed spec: loaded once, on the rollout ranks
         "offload_optimizer": cfg.rollout.offload_optimizer,
     })
     if needs_reference(cfg) and not reference_is_actor(cfg):

@@ -568,7 +568,7 @@ def _agent_errors(cfg: RecipeConfig) -> list[str]:
         return []
     errors = []
     try:
-        agent.load()
+        agent.check()  # the one probe of an environment server; the rollout workers load the spec they receive
     except ConfigError as e:
         errors.append(str(e))
     if cfg.rollout.tp_size != 1:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from torchrlhf import hybrid
-from torchrlhf.agents import AgentSession, agent_columns, build_agent
+from torchrlhf.agents import AgentSession, AgentSpec, agent_columns, build_agent
 from torchrlhf.agents.harness import HarnessRunner
 from torchrlhf.config import get_component
 from torchrlhf.data import Batch
@@ -67,7 +67,8 @@ class RolloutWorker(Worker):
         actor_group: name of the colocated actor's group (hybrid engine); None when on its own ranks.
         lora: the actor's ``lora`` section: on ranks of its own, the weight syncs carry adapter factors,
             merged here into the base (``model_path``).
-        agent: the ``rollout.agent`` section (`torchrlhf.agents.AgentSpec`): every sample becomes a
+        agent: the ``rollout.agent`` section as the controller validated it (an `torchrlhf.agents.AgentSpec`,
+            sent as itself and loaded once here; a mapping is validated first): every sample becomes a
             multi-turn trajectory with tools or an environment, driven by the engine's own loop.
         max_tokens: the model tokens of a trajectory over all its turns (``rollout.max_tokens``; agents).
         offload_optimizer: colocated on an accelerator, move the actor's optimizer state to host memory
@@ -83,7 +84,7 @@ class RolloutWorker(Worker):
         dtype: str = "float32",
         actor_group: str | None = None,
         lora: LoRAConfig | dict | None = None,
-        agent: dict[str, Any] | None = None,
+        agent: AgentSpec | dict[str, Any] | None = None,
         max_tokens: int = 64,
         offload_optimizer: bool = True,
     ) -> None:
@@ -135,9 +136,8 @@ class RolloutWorker(Worker):
                 raise ValueError(f"rollout.agent renders chats with the model's tokenizer; {self.model_path} has none")
             self.agent = build_agent(self.agent_spec, self.tokenizer, max_tokens=self.max_tokens,
                                      max_trajectory_tokens=engine.max_seq_len)
-            harness = self.agent.spec.load_harness()
-            if harness is not None:
-                self.harness = HarnessRunner(self.agent, harness)
+            if self.agent.harness is not None:
+                self.harness = HarnessRunner(self.agent, self.agent.harness)
         return engine
 
     @staticmethod
