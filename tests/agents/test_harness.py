@@ -498,3 +498,24 @@ def test_a_requests_stop_strings_end_its_turn(tiny_dir, tmp_path, monkeypatch):
     finally:
         runner.close()
     assert traj.env_reward == 2.0 and drives == [1, 1]  # refused with its reason, before any sampling
+
+
+def test_the_harness_is_imported_once_per_rank(tiny_dir, tmp_path):
+    """Rank 0 both checks the config (the controller) and serves the rollout: the spec is checked there, crosses
+    the RPC hop as itself (pickled), and the worker builds its agent from it. The harness file named by path runs
+    its top level once in that process (it ran 4 times: the check, the worker's re-validation, the agent and the
+    rollout worker each imported it)."""
+    import pickle
+
+    from torchrlhf.agents import AgentSpec
+
+    imports = tmp_path / "imports.txt"
+    (tmp_path / "counted_harness.py").write_text(
+        f"with open({str(imports)!r}, 'a') as f:\n    f.write('imported\\n')\n\n\n"
+        "def run_agent(base_url, row):\n    return 0.0\n")
+    spec = AgentSpec(harness=f"{tmp_path / 'counted_harness.py'}:run_agent", reward="env")
+    spec.check()  # the controller's config check
+    agent = build_agent(pickle.loads(pickle.dumps(spec)), load_tokenizer(tiny_dir), max_tokens=8)  # the worker
+    runner = HarnessRunner(agent, agent.harness)
+    runner.close()
+    assert imports.read_text().splitlines() == ["imported"]

@@ -93,6 +93,11 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"judge": {"model_path": "${model_path}", "parser_regex": "x", "parser_fn": "json:loads"}},
      "judge: set one of parser_regex and parser_fn, not both"),
     ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
+    # the judge's engine has the rollout engine's schema: a typo fails here, not on the judge's ranks
+    ({"judge": {"model_path": "${model_path}", "engine": {"max_batch_sise": 8}}},
+     "judge.engine.max_batch_sise: unknown key (did you mean 'max_batch_size'?)"),
+    ({"judge": {"model_path": "${model_path}", "engine": {"_component_": "torch.nn.Linear"}}},
+     "judge.engine._component_: 'torch.nn.Linear' is not a rollout engine class"),
 ])
 def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:

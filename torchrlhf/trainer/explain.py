@@ -26,7 +26,6 @@ roles one after another. In async mode every role's memory adds up.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -35,7 +34,6 @@ from typing import Any
 import torch
 import transformers
 
-from torchrlhf.config import get_component
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import as_held, trace_micro_batch
@@ -335,13 +333,11 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
             out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
             add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
     if cfg.judge is not None:  # one engine per judge.tp_size ranks: weights and KV cache divided by TP only
-        judge, engine = cfg.judge, cfg.judge.engine or {}
+        judge, engine = cfg.judge, cfg.judge.engine
         j_shape = model_shape(resolve_model_path(judge.model_path))
         tp = judge.tp_size
         memory = {"weights": j_shape.params * _bytes(judge.dtype) / tp}
-        defaults = {k: p.default for k, p in inspect.signature(
-            get_component(engine.get("_component_", "torchrlhf.generation.NativeEngine"))).parameters.items()}
-        slots, seq = (engine.get(k, defaults.get(k)) for k in ("max_batch_size", "max_seq_len"))
+        slots, seq = (getattr(engine, k, None) for k in ("max_batch_size", "max_seq_len"))
         kv = ""
         if isinstance(slots, int) and isinstance(seq, int):
             memory["KV cache"] = (2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim

@@ -86,7 +86,7 @@ DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
     "reward": {"tokenizer": None},
 }
 
-ENGINE_KEY = "rollout.engine"  # a nested component section: the rollout engine class and its arguments
+ENGINE_KEYS = ("rollout.engine", "judge.engine")  # nested component sections: an engine class and its arguments
 
 # Keys that do not exist for a reason the config's author should read instead of "unknown key".
 UNSUPPORTED_KEYS = {
@@ -161,9 +161,13 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
     sections = {role: section_schema(components.get(role, base), tuple(DERIVED_ARGS[role]),
                                      components.get(f"{role}.optim", torch.optim.AdamW) if role in OPTIM_SECTIONS else None)
                 for role, base in COMPONENT_SECTIONS.items()}
-    engine = section_schema(components.get(ENGINE_KEY, NativeEngine), ENGINE_ARGS_SET_BY_ROLE)
-    rollout = dataclasses.make_dataclass(
-        "RolloutSection", [("engine", engine, dataclasses.field(default_factory=engine))], bases=(RolloutConfig,))
+    engines = {key: section_schema(components.get(key, NativeEngine), ENGINE_ARGS_SET_BY_ROLE) for key in ENGINE_KEYS}
+    rollout = dataclasses.make_dataclass("RolloutSection", [
+        ("engine", engines["rollout.engine"], dataclasses.field(default_factory=engines["rollout.engine"]))],
+        bases=(RolloutConfig,))
+    judge = dataclasses.make_dataclass("JudgeSection", [  # the judge's engine: the same schema as the rollout's
+        ("engine", engines["judge.engine"], dataclasses.field(default_factory=engines["judge.engine"]))],
+        bases=(sections["judge"],))
     return dataclasses.make_dataclass("RecipeConfig", [
         ("data", DataConfig),
         ("actor", sections["actor"]),
@@ -178,7 +182,7 @@ def _recipe_schema(chosen: tuple[tuple[str, type], ...]) -> type:
         ("critic", sections["critic"] | None, dataclasses.field(default=None)),
         ("reward_model", sections["reward_model"] | None, dataclasses.field(default=None)),
         ("cost_model", sections["cost_model"] | None, dataclasses.field(default=None)),
-        ("judge", sections["judge"] | None, dataclasses.field(default=None)),  # an LLM judge (`JudgeWorker`)
+        ("judge", judge | None, dataclasses.field(default=None)),  # an LLM judge (`JudgeWorker`)
         # A shared default the sections interpolate (``${model_path}``).
         ("model_path", str | None, dataclasses.field(default=None)),
         ("tokenizer_path", str | None, dataclasses.field(default=None)),  # default: the actor's model_path
@@ -248,7 +252,7 @@ def chosen_components(cfg: Mapping[str, Any]) -> dict[str, type]:
     keyed by the section's dotted path."""
     checks = {role: _subclass_problem(base) for role, base in COMPONENT_SECTIONS.items()}
     checks.update({f"{role}.optim": _subclass_problem(torch.optim.Optimizer) for role in OPTIM_SECTIONS})
-    checks[ENGINE_KEY] = engine_problem
+    checks.update(dict.fromkeys(ENGINE_KEYS, engine_problem))
     chosen, errors = {}, []
     for path, problem in checks.items():
         section: Any = cfg
