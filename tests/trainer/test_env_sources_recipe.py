@@ -43,12 +43,24 @@ def test_openenv_echo_server(tmp_path, monkeypatch):
                    "max_tokens": 24, "temperature": 0, "engine": {"max_batch_size": 16, "max_seq_len": 200}}
         out = tmp_path / "openenv"
         cfg = write_config(tmp_path / "openenv.yaml", "smollm2", rollout=rollout, **SMALL,
-                           trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"]})
+                           trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"], "test_freq": 2})
         assert_ok(run_recipe(cfg, timeout=300))
     metrics = metrics_of(out)
     _check(metrics, max_turns=3)
     # The echo env rewards 0.1 a character echoed: every step turn that produced text scored.
     assert all(m["agent/env_reward/mean"] > 0 and m["agent/observation_tokens/mean"] > 0 for m in metrics)
+    # Each observation is the server's echo of the model turn before it, and each echoed turn scored
+    # min(1, 0.1 x its characters); the episode's last step (done: no observation) adds at most 1 more.
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2
+    for s in samples:
+        parts = s["trajectory"].split("<|im_end|>\n<|im_start|>user\n")
+        echoed = 0.0
+        for turn, after in zip(parts, parts[1:]):
+            echo = after.split("<|im_end|>", 1)[0]
+            assert echo == turn.split("<|im_start|>assistant\n")[-1], s["trajectory"]
+            echoed += min(1.0, 0.1 * len(echo))
+        assert echoed - 1e-6 <= s["score"] <= echoed + 1.0 + 1e-6, s
 
 
 def test_verifiers_module_on_smollm2(tmp_path, monkeypatch):
