@@ -326,7 +326,9 @@ def test_bf16_compute_copies_train_as_fsdp2_mixed_precision(model_dir, tmp_path)
     the optimizer's steps (fused AdamW does not bump a tensor's version, so they are cast anew on every use) and a
     checkpoint load (the restored worker scores and steps as the original)."""
     out = tmp_path / "bf16.pt"
-    run_ranks(_bf16_on_one_rank, 1, model_dir, str(out))
+    # a hang guard, not a speed bound: bf16 on a CPU without AVX512-BF16 (the 2-core AMD EPYC host) runs 3-5x
+    # slower than float32, and this ran past 180 s there
+    run_ranks(_bf16_on_one_rank, 1, model_dir, str(out), timeout=1200)
     results = torch.load(out, weights_only=True)
     copies, fsdp, restored = results["copies"], results["fsdp"], results["restored"]
     assert copies["copies"] and not fsdp["copies"]
