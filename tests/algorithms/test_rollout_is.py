@@ -49,7 +49,7 @@ def test_long_sequence_product_does_not_overflow():
     assert torch.equal(w, torch.full((1, n), 5.0)) and torch.isfinite(raw).all()
 
 
-@pytest.mark.parametrize("kw, match", [(dict(level="seq"), "rollout_is must be one of"),
+@pytest.mark.parametrize("kw, match", [(dict(level="seq"), "rollout_is: must be one of"),
                                        (dict(mode="clip"), "rollout_is_mode"),
                                        (dict(threshold=0.0), "rollout_is_threshold")])
 def test_bad_settings_name_the_key(kw, match):

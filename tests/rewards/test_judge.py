@@ -8,6 +8,7 @@ import pytest
 
 from torchrlhf.rewards.judge import (
     DEFAULT_TEMPLATE,
+    ParserSpec,
     VerdictParser,
     check_template,
     correct_or_wrong,
@@ -57,30 +58,30 @@ def test_default_regex_reads_score():
 
 
 def test_custom_regex_group_or_whole_match():
-    assert VerdictParser(r"(\d+)/10")(["rated 7/10", "no rating"])[0] == [7.0, None]
-    assert VerdictParser(r"\d+")(["grade 3", "grade x"])[0] == [3.0, None]
+    assert VerdictParser(ParserSpec(r"(\d+)/10"))(["rated 7/10", "no rating"])[0] == [7.0, None]
+    assert VerdictParser(ParserSpec(r"\d+"))(["grade 3", "grade x"])[0] == [3.0, None]
     # a group that matched nothing numeric is a failure, not a crash
-    assert VerdictParser(r"Score: (\w+)")(["Score: high"])[0] == [None]
+    assert VerdictParser(ParserSpec(r"Score: (\w+)"))(["Score: high"])[0] == [None]
 
 
 def test_bad_parser_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a regular expression"):
-        VerdictParser("(unclosed")
+        ParserSpec("(unclosed")
     with pytest.raises(ValueError, match="not both"):
-        VerdictParser(r"\d", fn=f"{tmp_path}/p.py:fn")
+        ParserSpec(r"\d", fn=f"{tmp_path}/p.py:fn")
     with pytest.raises(Exception, match="nope.py"):
-        VerdictParser(fn=f"{tmp_path}/nope.py:fn")
+        ParserSpec(fn=f"{tmp_path}/nope.py:fn")
 
 
 def test_function_parser_failures_and_timeout(tmp_path):
     path = tmp_path / "parsers.py"
     path.write_text(PARSERS)
-    parser = VerdictParser(fn=f"{path}:last_word", timeout_s=30.0)
+    parser = VerdictParser(ParserSpec(fn=f"{path}:last_word", timeout_s=30.0))
     try:
         assert parser(["it is correct", "that is wrong", "no idea"]) == ([1.0, 0.0, None], [False, False, False])
     finally:
         parser.close()
-    parser = VerdictParser(fn=f"{path}:hangs_or_raises", timeout_s=2.0)
+    parser = VerdictParser(ParserSpec(fn=f"{path}:hangs_or_raises", timeout_s=2.0))
     try:
         scores, late = parser(["ok", "raise", "text", "hang", "ok"])
         assert scores == [0.5, None, None, None, 0.5]

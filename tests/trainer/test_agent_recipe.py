@@ -62,7 +62,7 @@ def test_agent_sync_split(tiny_model_dir, tmp_path):
 def test_agent_async_stream_with_partial_rollouts(tiny_model_dir, tmp_path):
     metrics = _run(tmp_path, tiny_model_dir, "async", 3, placement={"actor": [0], "rollout": [1, 2]},
                    trainer={"mode": "async"}, async_training={"max_staleness": 1, "partial_rollout": True},
-                   actor={"rollout_is": "token"})
+                   actor={"loss": {"rollout_is": "token"}})
     _check(metrics, k=1)
 
 

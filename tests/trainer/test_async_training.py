@@ -48,7 +48,7 @@ def test_deterministic_schedule_with_no_lag_equals_a_synchronous_run_bit_for_bit
     runs = {}
     for name, mode in (("sync", "sync"), ("det0", "async")):
         cfg, out = _config(tmp_path, tiny_model_dir, name, 4, mode=mode, save_freq=4, max_staleness=0,
-                           schedule="deterministic", actor={"rollout_is": "token"},
+                           schedule="deterministic", actor={"loss": {"rollout_is": "token"}},
                            sections={"reward_model": {"model_path": "${model_path}"}})
         assert_ok(run_recipe(cfg, nproc=3))
         runs[name] = (metrics_of(out), _checkpoint_tensors(out / "global_step_4" / "actor")["model"])
@@ -83,12 +83,12 @@ def test_async_learns_with_bounded_staleness(tiny_model_dir, tmp_path):
     for name, k in (("det1", 1), ("det2", 2)):
         for seed in seeds:
             cfg, out = _config(tmp_path, tiny_model_dir, f"{name}_{seed}", 30, max_staleness=k,
-                               schedule="deterministic", actor={"rollout_is": "token"}, test_freq=15)
+                               schedule="deterministic", actor={"loss": {"rollout_is": "token"}}, test_freq=15)
             assert_ok(run_recipe(cfg, f"trainer.seed={seed}", nproc=3))
             runs[name, seed] = metrics_of(out)
     # the stream schedule is here for its bounds, not its gain: 12 steps, validated at 6 and 12
     cfg, out = _config(tmp_path, tiny_model_dir, "stream2_0", 12, max_staleness=2, schedule="stream",
-                       actor={"rollout_is": "token"}, test_freq=6)
+                       actor={"loss": {"rollout_is": "token"}}, test_freq=6)
     assert_ok(run_recipe(cfg, nproc=3))
     runs["stream2", 0] = metrics_of(out)
 
@@ -120,7 +120,7 @@ def test_deterministic_schedule_is_bitwise_reproducible_and_resumes(tiny_model_d
     resumed equals an uninterrupted run bit for bit, batch t generated with version t-1: so the schedule is
     reproducible across processes and the resume loses nothing (a third run, a plain repeat, would add no
     check that this one does not make)."""
-    sched = {"schedule": "deterministic", "max_staleness": 1, "actor": {"rollout_is": "token"}}
+    sched = {"schedule": "deterministic", "max_staleness": 1, "actor": {"loss": {"rollout_is": "token"}}}
     cfg_a, out_a = _config(tmp_path, tiny_model_dir, "a", 4, save_freq=4, **sched)
     cfg_r2, out_r = _config(tmp_path, tiny_model_dir, "r", 2, save_freq=2, **sched)
     cfg_r4, _ = _config(tmp_path, tiny_model_dir, "r", 4, save_freq=4, **sched)
@@ -301,7 +301,7 @@ def test_a_vllm_replica_samples_with_the_published_weights(tmp_path):
     engine = {"_component_": "torchrlhf.generation.VLLMEngine", "max_batch_size": 16, "max_seq_len": 80,
               "kv_cache_gib": 0.25}
     cfg = write_config(tmp_path / "c.yaml", model_dir, placement={"actor": [0], "rollout": [1]},
-                       actor={"optim": {"lr": 3e-2}, "rollout_is": "token",
+                       actor={"optim": {"lr": 3e-2}, "loss": {"rollout_is": "token"},
                               "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
                        async_training={"max_staleness": 0, "schedule": "deterministic"}, rollout={"engine": engine},
                        trainer={"mode": "async", "total_steps": 3, "test_freq": 0, "output_dir": str(out),

@@ -15,8 +15,8 @@ TEMPLATE = DEFAULT_TEMPLATE + "\nScore:"
 def test_smollm2_judge_run_logs_judge_metrics(tiny_model_dir, tmp_path):
     """A SmolLM2 judge beside the actor, sleeping between steps (its weights read back at each call)."""
     out = tmp_path / "out"
-    judge = {"model_path": "smollm2", "max_tokens": 6, "batch_size": 16, "weight": 1.0, "on_failure_score": -1.0,
-             "template": TEMPLATE, "apply_chat_template": False, "parser_regex": r"^\s*(\d+)",
+    judge = {"model_path": "smollm2", "sampling": {"max_tokens": 6}, "batch_size": 16, "weight": 1.0, "on_failure_score": -1.0,
+             "template": TEMPLATE, "apply_chat_template": False, "parser": {"regex": r"^\s*(\d+)"},
              "engine": {"max_seq_len": 256, "max_batch_size": 16}, "sleep": True}
     cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, judge=judge, reward={"weight": 0.5},
                        trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"]})

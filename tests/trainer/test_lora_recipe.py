@@ -33,7 +33,7 @@ def _load(tmp_path: Path, model_dir: str, world: int = 1, **sections):
     ({"actor": {"lora": {"target_modules": "model\\.layers\\.9\\..*"}}}, "matches no module of LlamaForCausalLM"),
     ({"algorithm": {"adv_estimator": "gae"}, "critic": {"model_path": "${model_path}", "lora": LORA}},
      "critic.lora: LoRA is supported for the actor only"),
-    ({"actor": {"lora": LORA, "use_kl_loss": True}, "ref": {"dtype": "bfloat16", "cpu_offload": True}},
+    ({"actor": {"lora": LORA, "loss": {"use_kl_loss": True}}, "ref": {"dtype": "bfloat16", "cpu_offload": True}},
      "ref.dtype, ref.cpu_offload: with actor.lora the reference is the actor's base model"),
 ])
 def test_bad_lora_config_is_refused_before_anything_loads(tiny_model_dir, tmp_path, sections, message):
@@ -43,15 +43,15 @@ def test_bad_lora_config_is_refused_before_anything_loads(tiny_model_dir, tmp_pa
 
 
 def test_a_lora_actor_is_its_own_reference(tiny_model_dir, tmp_path):
-    cfg = _load(tmp_path, tiny_model_dir, actor={"lora": LORA, "use_kl_loss": True})
+    cfg = _load(tmp_path, tiny_model_dir, actor={"lora": LORA, "loss": {"use_kl_loss": True}})
     assert cfg.actor.lora == LoRAConfig(rank=4, alpha=8.0)
     assert "ref" not in role_ranks(cfg, 1) and "ref" not in role_specs(cfg, 1)  # one model per rank
-    full = _load(tmp_path, tiny_model_dir, actor={"use_kl_loss": True})
+    full = _load(tmp_path, tiny_model_dir, actor={"loss": {"use_kl_loss": True}})
     assert "ref" in role_specs(full, 1)  # a full fine-tuning actor still gets its frozen copy
 
 
 def test_dry_run_memory_knows_lora(tiny_model_dir, tmp_path):
-    cfg = _load(tmp_path, tiny_model_dir, world=2, actor={"lora": LORA, "use_kl_loss": True},
+    cfg = _load(tmp_path, tiny_model_dir, world=2, actor={"lora": LORA, "loss": {"use_kl_loss": True}},
                 placement={"actor": [0], "rollout": [1]})
     text = explain(cfg, 2)
     shape = model_shape(tiny_model_dir, cfg.actor.lora)
@@ -71,7 +71,7 @@ def test_split_placement_syncs_adapters_and_resumes(tiny_model_dir, tmp_path):
     merge) shows as a gap between its sampling probabilities and the actor's. Only adapter bytes travel.
     A run resumed from step 2 syncs the loaded adapters and then equals the uninterrupted run."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    sections = {"actor": {"optim": {"lr": 3e-2}, "lora": LORA, "use_kl_loss": True,
+    sections = {"actor": {"optim": {"lr": 3e-2}, "lora": LORA, "loss": {"use_kl_loss": True},
                           "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
                 "placement": {"actor": [0], "rollout": [1]}}
 

@@ -13,7 +13,7 @@ def test_profile_writes_a_trace_per_role_and_rank(tiny_model_dir, tmp_path):
     """Two steps, the second profiled; a KL loss brings the reference: actor, ref and rollout on both ranks."""
     out = tmp_path / "out"
     config = write_config(tmp_path / "c.yaml", tiny_model_dir,
-                          actor={"use_kl_loss": True, "batching": {"ppo_micro_batch_size_per_device": 8}},
+                          actor={"loss": {"use_kl_loss": True}, "batching": {"ppo_micro_batch_size_per_device": 8}},
                           trainer={"total_steps": 2, "output_dir": str(out), "profile": {"steps": [2]}})
     assert_ok(run_recipe(config, nproc=2))
     assert not (out / "profile" / "step_1").exists()  # only the listed step

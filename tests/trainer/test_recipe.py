@@ -87,13 +87,13 @@ ALGORITHMS = {
     "remax": ({"algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1},
                "actor": {"batching": {"ppo_micro_batch_size_per_device": 4}}}, ["timing_s/gen_baseline"]),
     "dapo": ({"algorithm": {"adv_estimator": "grpo", "filter_groups": True, "overlong_buffer_len": 4},
-              "actor": {"clip_ratio_high": 0.28, "loss_agg_mode": "token-mean"}},
+              "actor": {"loss": {"clip_ratio_high": 0.28, "agg_mode": "token-mean"}}},
              ["train/num_gen_batches", "train/dropped_groups", "reward/overlong_penalty_mean"]),
     "dr_grpo_seq_mean": ({"algorithm": {"adv_estimator": "dr_grpo"},
-                          "actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}, []),
-    "gspo": ({"actor": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}}, []),
-    "cispo": ({"actor": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 4.0}}, []),
-    "grpo_kl_loss": ({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl"}}, ["actor/kl_loss", "timing_s/ref"]),
+                          "actor": {"loss": {"agg_mode": "seq-mean-token-sum-norm"}}}, []),
+    "gspo": ({"actor": {"loss": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}}}, []),
+    "cispo": ({"actor": {"loss": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 4.0}}}, []),
+    "grpo_kl_loss": ({"actor": {"loss": {"use_kl_loss": True, "kl_loss_type": "low_var_kl"}}}, ["actor/kl_loss", "timing_s/ref"]),
     "ppo_kl_in_reward_rm": ({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl_type": "adaptive"},
                              "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4,
                                         "ppo_micro_batch_size_per_device": 16}},
@@ -158,7 +158,7 @@ def test_every_pass_logs_its_mfu(tiny_model_dir, tmp_path):
     pass logs its MFU against the peak each role's ranks measured at start-up (`torchrlhf.utils.flops`)."""
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, algorithm={"adv_estimator": "gae"},
-                       actor={"use_kl_loss": True, "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
+                       actor={"loss": {"use_kl_loss": True}, "batching": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 4}},
                        critic={"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 2,
                                                                           "ppo_micro_batch_size_per_device": 4}},
                        trainer={"total_steps": 2, "test_freq": 0, "output_dir": str(out), "loggers": ["jsonl"]})

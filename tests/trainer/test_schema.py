@@ -68,9 +68,9 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
      "Safe-RLHF (cost_model) estimates the cost's advantage with algorithm.adv_estimator, which here needs what the "
      "cost has not (a value head, a greedy baseline's cost): use one of "),
     ({"actor": {"batching": {"ppo_mini_batch_size": 3}}}, "actor"),
-    ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode: unknown 'mean'"),
-    ({"actor": {"rollout_is": "tokens"}}, "actor.rollout_is must be one of ('token', 'sequence') or null"),
-    ({"actor": {"rollout_is_threshold": -1.0}}, "actor.rollout_is_threshold must be positive"),
+    ({"actor": {"loss": {"agg_mode": "mean"}}}, "actor.loss.agg_mode: unknown 'mean'"),
+    ({"actor": {"loss": {"rollout_is": "tokens"}}}, "actor.loss.rollout_is: must be one of ('token', 'sequence') or null"),
+    ({"actor": {"loss": {"rollout_is_threshold": -1.0}}}, "actor.loss.rollout_is_threshold: must be positive"),
     ({"rollout": {"engine": {"max_seq_len": 32}}}, "exceeds rollout.engine.max_seq_len (32)"),
     ({"rollout": {"engine": {"max_batch_sise": 8}}}, "rollout.engine.max_batch_sise: unknown key (did you mean "
                                                      "'max_batch_size'?)"),
@@ -88,10 +88,18 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"trainer": {"total_steps": 2, "profile": {"steps": [2, 3]}}},
      "trainer.profile.steps: [3] after the last step (trainer.total_steps=2)"),
     ({"trainer": {"profile": {"step": [1]}}}, "trainer.profile.step: unknown key (did you mean 'steps'?)"),
-    ({"judge": {"model_path": "${model_path}", "parser_regex": "(x"}}, "judge.parser_regex: '(x' is not a regular "
-                                                                        "expression"),
-    ({"judge": {"model_path": "${model_path}", "parser_regex": "x", "parser_fn": "json:loads"}},
-     "judge: set one of parser_regex and parser_fn, not both"),
+    ({"judge": {"model_path": "${model_path}", "parser": {"regex": "(x"}}}, "judge.parser.regex: '(x' is not a "
+                                                                             "regular expression"),
+    ({"judge": {"model_path": "${model_path}", "parser": {"regex": "x", "fn": "json:loads"}}},
+     "judge.parser.fn: set regex or fn, not both"),
+    ({"judge": {"model_path": "${model_path}", "sampling": {"top_p": 0.0}}}, "judge.sampling.top_p: must be in (0, 1]"),
+    ({"judge": {"model_path": "${model_path}", "parser_regex": "x"}}, "judge.parser_regex: moved to judge.parser.regex"),
+    # keys from before the loss sections: the error names the new key
+    ({"actor": {"policy_loss": "gspo"}}, "actor.policy_loss: moved to actor.loss.policy_loss"),
+    ({"actor": {"loss_agg_mode": "token-mean"}}, "actor.loss_agg_mode: moved to actor.loss.agg_mode"),
+    ({"actor": {"grad_clip": 0.5}}, "actor.grad_clip: moved to actor.optim.clip_grad"),
+    ({"critic": {"model_path": "${model_path}", "cliprange_value": 0.2}},
+     "critic.cliprange_value: moved to critic.loss.cliprange_value"),
     ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
     # the judge's engine has the rollout engine's schema: a typo fails here, not on the judge's ranks
     ({"judge": {"model_path": "${model_path}", "engine": {"max_batch_sise": 8}}},
@@ -305,3 +313,23 @@ def test_a_users_estimator_is_checked_by_the_traits_it_registers(tmp_path, monke
     assert "a critic is configured but algorithm.adv_estimator=best_of_group does not use values" in str(e.value)
     with pytest.raises(ConfigError, match=r"needs a group estimator \(best_of_group, dr_grpo, .*\), not reinforce_pp"):
         _check(tmp_path, algorithm={"adv_estimator": "reinforce_pp", "filter_groups": True})
+
+
+def test_checked_sections_cross_to_the_workers_as_themselves(tmp_path):
+    """`PolicyLoss`, `Batching` and the judge's `ParserSpec` / `JudgeSampling` are checked once, at validation, and
+    reach the worker constructors as those objects (a generated schema, not picklable, travels as a dict)."""
+    from torchrlhf.algorithms import PolicyLoss
+    from torchrlhf.rewards.judge import ParserSpec
+    from torchrlhf.trainer.schema import section_kwargs
+    from torchrlhf.workers.judge import JudgeSampling
+    from torchrlhf.workers.microbatch import Batching
+
+    cfg = _check(tmp_path, actor={"loss": {"policy_loss": "gspo", "agg_mode": "seq-mean-token-mean"},
+                                  "optim": {"clip_grad": 0.5}},
+                 judge={"model_path": "${model_path}", "parser": {"regex": r"(\d)"}, "sampling": {"max_tokens": 4}})
+    actor = section_kwargs(cfg, "actor")
+    assert actor["loss"] == PolicyLoss(policy_loss="gspo", agg_mode="seq-mean-token-mean")
+    assert isinstance(actor["batching"], Batching)
+    assert isinstance(actor["optim"], dict) and actor["optim"]["clip_grad"] == 0.5
+    judge = section_kwargs(cfg, "judge")
+    assert judge["parser"] == ParserSpec(regex=r"(\d)") and judge["sampling"] == JudgeSampling(max_tokens=4)

@@ -114,12 +114,18 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def grouped(**kwargs) -> dict:
-    """Worker keyword arguments written flat, with the optimizer keys moved into ``optim`` and the batch-size
-    keys into ``batching`` (the sub-sections `ActorWorker` / `CriticWorker` take)."""
+    """Worker keyword arguments written flat, with the optimizer keys (and ``grad_clip`` as ``clip_grad``) moved
+    into ``optim``, the batch-size keys into ``batching`` and the loss keys (``loss_agg_mode`` as ``agg_mode``)
+    into ``loss``: the sub-sections `ActorWorker` / `CriticWorker` take."""
+    from torchrlhf.algorithms import PolicyLoss, ValueLoss
     from torchrlhf.utils.optim import SCHEDULE_KEYS
     from torchrlhf.workers.microbatch import Batching
 
     batch_keys = {f for f in Batching.__dataclass_fields__}
+    loss_keys = {*PolicyLoss.__dataclass_fields__, *ValueLoss.__dataclass_fields__, "loss_agg_mode"}
     optim = {k: kwargs.pop(k) for k in [*kwargs] if k in ("lr", "weight_decay", "betas", *SCHEDULE_KEYS)}
+    if "grad_clip" in kwargs:
+        optim["clip_grad"] = kwargs.pop("grad_clip")
     batching = {k: kwargs.pop(k) for k in [*kwargs] if k in batch_keys}
-    return {**kwargs, "optim": optim, "batching": Batching(**batching)}
+    loss = {"agg_mode" if k == "loss_agg_mode" else k: kwargs.pop(k) for k in [*kwargs] if k in loss_keys}
+    return {**kwargs, "optim": optim, "batching": Batching(**batching), **({"loss": loss} if loss else {})}

@@ -137,8 +137,8 @@ def test_rollout_is_weights_the_policy_gradient_by_bounded_ratios(model_dir, lev
     assert stats["actor/rollout_is_clipped_frac"] == pytest.approx(float(((raw > 1.5) * mask).sum() / mask.sum()))
     assert stats["actor/rollout_is_max"] == pytest.approx(float(raw.max()), rel=1e-4)
     assert 0 < stats["actor/rollout_is_clipped_frac"] < 1
-    with pytest.raises(ValueError, match="actor.rollout_is must be one of"):
-        ActorWorker(model_dir, rollout_is="tok")
+    with pytest.raises(ValueError, match="rollout_is: must be one of"):
+        ActorWorker(model_dir, loss={"rollout_is": "tok"})
 
 
 def _train(actor: ActorWorker, batch, steps: int = 2) -> list[dict[str, float]]:

@@ -80,7 +80,7 @@ def test_timeout_fails_the_samples_not_started(model_dir):
 
 def test_too_long_prompt_fails_without_calling_the_engine(model_dir):
     judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine={**ENGINE, "max_seq_len": 40},
-                        max_tokens=8, on_failure_score=0.25)
+                        sampling={"max_tokens": 8}, on_failure_score=0.25)
     out = judge.judge(generations(model_dir, ["4", "4"]))
     assert out["judge_scores"].tolist() == [0.25, 0.25] and out["judge_too_long"].all()
     assert ScriptedEngine.calls == []
@@ -92,7 +92,7 @@ def test_native_engine_verdicts_are_parsed_like_the_engine_wrote_them(model_dir)
     from torchrlhf.generation import NativeEngine, SamplingParams
 
     judge = JudgeWorker(model_dir, policy_tokenizer_path=model_dir, engine={"max_seq_len": 256, "max_batch_size": 4},
-                        max_tokens=6, template="{question} {response} Score:", parser_regex=r"(\d)",
+                        sampling={"max_tokens": 6}, template="{question} {response} Score:", parser={"regex": r"(\d)"},
                         apply_chat_template=False, on_failure_score=-1.0)
     out = judge.judge(generations(model_dir, ["4", "5"]))
     tok = load_tokenizer(model_dir)
@@ -113,8 +113,8 @@ def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(mod
     back from the files, so two calls give the verdicts of a judge that never slept. (Without CPU prepacking,
     which would free the plain weights of both judges once packed.)"""
     engine = {"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}
-    kw = dict(policy_tokenizer_path=model_dir, engine=engine, max_tokens=6,
-              template="{question} {response} Score:", parser_regex=r"(\d)", apply_chat_template=False,
+    kw = dict(policy_tokenizer_path=model_dir, engine=engine, sampling={"max_tokens": 6},
+              template="{question} {response} Score:", parser={"regex": r"(\d)"}, apply_chat_template=False,
               on_failure_score=-1.0)
     batches = [generations(model_dir, ["4", "5"]), generations(model_dir, ["5", "4", "4"])]
     awake = JudgeWorker(model_dir, **kw)
@@ -133,8 +133,8 @@ def test_a_sleeping_judge_frees_its_engine_between_calls_and_judges_the_same(mod
     assert asleep.engine.cache is not None
 
 
-TP_JUDGE = dict(engine={"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}, max_tokens=6,
-                template="{question} {response} Score:", parser_regex=r"(\d)", apply_chat_template=False,
+TP_JUDGE = dict(engine={"max_seq_len": 256, "max_batch_size": 4, "cpu_prepack": False}, sampling={"max_tokens": 6},
+                template="{question} {response} Score:", parser={"regex": r"(\d)"}, apply_chat_template=False,
                 on_failure_score=-1.0)
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 ANSWERS = ("4", "3")

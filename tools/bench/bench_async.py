@@ -61,7 +61,7 @@ def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[s
            "rollout.temperature=1.0", f"rollout.engine.max_batch_size={args.prompts * args.n}",
            f"rollout.engine.max_seq_len={args.max_tokens + 64}",
            f"actor.batching.ppo_mini_batch_size={args.prompts}", "actor.batching.ppo_micro_batch_size_per_device=8",
-           "actor.optim.lr=3e-3", "actor.use_kl_loss=false", "actor.rollout_is=token",
+           "actor.optim.lr=3e-3", "actor.loss.use_kl_loss=false", "actor.loss.rollout_is=token",
            f"reward.reward_fn={Path(__file__).resolve()}:e_fraction", "reward.isolate=false",
            f"placement.actor={actor}".replace(" ", ""), f"placement.rollout={rollout}".replace(" ", ""),
            f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=0",

@@ -76,7 +76,7 @@ def run_torchrlhf(s: dict, args: argparse.Namespace, work: Path) -> tuple[list[f
         f"data.train_files=[{s['data']}]", "data.val_files=[]", "data.system_prompt=null",
         f"data.max_prompt_length={s['prompt_len']}", f"data.train_batch_size={s['prompts']}", "data.shuffle=false",
         f"rollout.n={s['n']}", f"rollout.max_tokens={s['max_tokens']}", "rollout.temperature=1.0",
-        "actor.dtype=float32", "actor.use_kl_loss=false", f"actor.batching.ppo_mini_batch_size={s['prompts']}",
+        "actor.dtype=float32", "actor.loss.use_kl_loss=false", f"actor.batching.ppo_mini_batch_size={s['prompts']}",
         f"actor.batching.ppo_micro_batch_size_per_device={b}", "actor.optim.lr=1e-6", "algorithm.use_kl_in_reward=false",
         f"rollout.engine.max_batch_size={b}", f"rollout.engine.max_seq_len={s['prompt_len'] + s['max_tokens']}",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
@@ -210,7 +210,7 @@ cb = ToAccuracy()
 b, n = cfg.data.train_batch_size * cfg.rollout.n, cfg.rollout.n
 args = GRPOConfig(output_dir=out, per_device_train_batch_size=b, num_generations=n,
                   max_completion_length=cfg.rollout.max_tokens, max_steps=int(max_steps),
-                  learning_rate=cfg.actor.optim.lr, beta=cfg.actor.kl_loss_coef, temperature=cfg.rollout.temperature,
+                  learning_rate=cfg.actor.optim.lr, beta=cfg.actor.loss.kl_loss_coef, temperature=cfg.rollout.temperature,
                   logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=True,
                   dataloader_num_workers=0, seed=0)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

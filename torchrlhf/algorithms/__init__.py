@@ -14,11 +14,11 @@ from torchrlhf.algorithms.kl import (
 )
 from torchrlhf.algorithms.logprob import log_probs_from_hidden
 from torchrlhf.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, compute_policy_loss
+from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss
 from torchrlhf.algorithms.registry import Registry
 from torchrlhf.algorithms.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES, rollout_is_weights
 from torchrlhf.algorithms.safe_rlhf import LagrangeMultiplier, combine_safe_advantages
-from torchrlhf.algorithms.value_loss import compute_value_loss
+from torchrlhf.algorithms.value_loss import ValueLoss, compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -30,7 +30,9 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "LagrangeMultiplier",
+    "PolicyLoss",
     "Registry",
+    "ValueLoss",
     "agg_loss",
     "apply_kl_penalty",
     "combine_safe_advantages",

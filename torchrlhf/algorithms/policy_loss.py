@@ -4,11 +4,18 @@ Every loss multiplies the per-token loss by ``tis_weights`` (truncated importanc
 the rollout/training log-prob mismatch) when given; the weights are treated as constants (stop-gradient).
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from torchrlhf.algorithms.aggregation import agg_loss
+from torchrlhf.algorithms.aggregation import AGG_MODES, agg_loss
 from torchrlhf.algorithms.masked import masked_mean
 from torchrlhf.algorithms.registry import Registry
+from torchrlhf.algorithms.rollout_is import check_rollout_is
 
 POLICY_LOSSES = Registry("policy loss")
 
@@ -131,3 +138,52 @@ def compute_policy_loss(
     return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=loss_agg_mode,
               clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
               tis_weights=tis_weights, normalizer=normalizer)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The ``actor.loss`` section: the policy's training objective, checked when it is built.
+
+    ``policy_loss`` names a `POLICY_LOSSES` entry, clipped by ``clip_ratio_*``; the per-token losses are
+    aggregated by ``agg_mode`` (`AGG_MODES`). ``entropy_coeff`` subtracts that much of the entropy; with
+    ``use_kl_loss`` the loss adds ``kl_loss_coef`` times the ``kl_loss_type`` estimate of KL(policy || reference)
+    (the KL-as-loss form; ``algorithm.use_kl_in_reward`` is the other). ``rollout_is`` ("token" / "sequence",
+    off when None) weights each token's loss by the bounded ratio of the old policy to the rollout engine's
+    log-probs (`algorithms.rollout_is`; ``rollout_is_mode``, ``rollout_is_threshold``).
+    """
+
+    policy_loss: str = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    rollout_is: str | None = None
+    rollout_is_mode: str = "truncate"
+    rollout_is_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss: unknown {self.policy_loss!r}; valid: {sorted(POLICY_LOSSES)}")
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"agg_mode: unknown {self.agg_mode!r}; valid: {list(AGG_MODES)}")
+        check_rollout_is(self.rollout_is, self.rollout_is_mode, self.rollout_is_threshold)
+
+    @property
+    def clip(self) -> dict[str, float]:
+        """The clip ranges as `compute_policy_loss` takes them."""
+        return {"clip_ratio_low": self.clip_ratio_low, "clip_ratio_high": self.clip_ratio_high,
+                "clip_ratio_c": self.clip_ratio_c}
+
+    @property
+    def rollout_is_args(self) -> dict[str, Any]:
+        """The rollout correction as `rollout_is_weights` takes it."""
+        return {"level": self.rollout_is, "mode": self.rollout_is_mode, "threshold": self.rollout_is_threshold}
+
+    @classmethod
+    def of(cls, value: PolicyLoss | Mapping[str, Any] | None) -> PolicyLoss:
+        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
+        return value if isinstance(value, cls) else cls(**(value or {}))

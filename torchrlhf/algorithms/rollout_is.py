@@ -29,11 +29,11 @@ ROLLOUT_IS_MODES = ("truncate", "mask")
 def check_rollout_is(level: str | None, mode: str, threshold: float) -> None:
     """ValueError naming the bad setting (``level`` None means off)."""
     if level is not None and level not in ROLLOUT_IS_LEVELS:
-        raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_LEVELS} or null, got {level!r}")
+        raise ValueError(f"rollout_is: must be one of {ROLLOUT_IS_LEVELS} or null, got {level!r}")
     if mode not in ROLLOUT_IS_MODES:
-        raise ValueError(f"rollout_is_mode must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
+        raise ValueError(f"rollout_is_mode: must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
     if not threshold > 0:
-        raise ValueError(f"rollout_is_threshold must be positive, got {threshold}")
+        raise ValueError(f"rollout_is_threshold: must be positive, got {threshold}")
 
 
 def rollout_is_weights(

@@ -1,8 +1,14 @@
 """Clipped value-function loss (PPO critic)."""
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from torchrlhf.algorithms.aggregation import agg_loss
+from torchrlhf.algorithms.aggregation import AGG_MODES, agg_loss
 from torchrlhf.algorithms.masked import masked_mean
 
 
@@ -27,3 +33,23 @@ def compute_value_loss(
     loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), response_mask, loss_agg_mode, normalizer=normalizer)
     vf_clipfrac = masked_mean((losses2 > losses1).float(), response_mask.float()).detach()
     return loss, vf_clipfrac
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """The ``critic.loss`` section: the value prediction is clipped to ``cliprange_value`` around the rollout's
+    values (None: unclipped), the per-token losses aggregated by ``agg_mode`` (`AGG_MODES`)."""
+
+    cliprange_value: float | None = 0.5
+    agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"agg_mode: unknown {self.agg_mode!r}; valid: {list(AGG_MODES)}")
+        if self.cliprange_value is not None and not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value: must be positive (or null: unclipped), got {self.cliprange_value}")
+
+    @classmethod
+    def of(cls, value: ValueLoss | Mapping[str, Any] | None) -> ValueLoss:
+        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
+        return value if isinstance(value, cls) else cls(**(value or {}))

@@ -1,7 +1,7 @@
 """The text side of an LLM judge: the prompt it reads and the parser from its verdict to a score.
 
 `torchrlhf.workers.JudgeWorker` renders `render_judge_prompt` for each sample, generates a verdict with an
-engine and turns it into a score with `VerdictParser`. A verdict the parser cannot read, a parser function
+engine and turns it into a score with `VerdictParser` (configured by a `ParserSpec`). A verdict the parser cannot read, a parser function
 that raises, returns a non-number or runs past its time limit is a *failure*: it scores the judge's
 ``on_failure_score`` and is counted, never raised, so a judge's bad day never stops training.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torchrlhf.config import load_callable
@@ -47,33 +48,48 @@ def render_judge_prompt(template: str, question: str, response: str, reference: 
     return template.format(question=question, response=response, reference="" if reference is None else reference)
 
 
-class VerdictParser:
-    """Verdict text -> score, by a regex (its first group, else the whole match, read as a float; default
-    `DEFAULT_REGEX`, ``Score: <number>``) or by a user function ``fn(verdict: str) -> float | None``
-    (``pkg.mod:fn``, ``/path/file.py:fn``).
+@dataclass(frozen=True)
+class ParserSpec:
+    """The ``judge.parser`` section: verdict text -> score by ``regex`` (its first group, else the whole match,
+    read as a float; default `DEFAULT_REGEX`, ``Score: <number>``) or by a user function ``fn(verdict: str) ->
+    float | None`` (``pkg.mod:fn``, ``/path/file.py:fn``) under ``timeout_s`` per call.
 
-    A function runs in a worker process under ``timeout_s`` (a hung call cannot be stopped in a thread),
-    like user reward functions (`torchrlhf.rewards.RewardManager`).
+    Checked once, where it is built (the controller's config check): the regex compiles, the function imports.
+    The worker receives the checked spec and builds its `VerdictParser` from it.
     """
 
-    def __init__(self, regex: str | None = None, fn: str | None = None, *, timeout_s: float = 5.0,
-                 startup_timeout_s: float = 300.0) -> None:
-        if regex is not None and fn is not None:
-            raise ValueError(f"judge: set one of parser_regex and parser_fn, not both (got {regex!r} and {fn!r})")
-        if fn is None and regex is None:
-            regex = DEFAULT_REGEX
-        if timeout_s <= 0:
-            raise ValueError(f"judge.parse_timeout_s must be > 0, got {timeout_s}")
-        self.fn = fn
-        self.timeout_s, self.startup_timeout_s = float(timeout_s), startup_timeout_s
-        self.regex = None
-        if regex is not None:
+    regex: str | None = None
+    fn: str | None = None
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.regex is not None and self.fn is not None:
+            raise ValueError(f"fn: set regex or fn, not both (got regex={self.regex!r} and fn={self.fn!r})")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.regex is not None:
             try:
-                self.regex = re.compile(regex)
+                re.compile(self.regex)
             except re.error as e:
-                raise ValueError(f"judge.parser_regex: {regex!r} is not a regular expression: {e}") from None
-        else:
-            load_callable(fn, what="judge parser_fn")  # fail at start, with a clear error
+                raise ValueError(f"regex: {self.regex!r} is not a regular expression: {e}") from None
+        if self.fn is not None:
+            load_callable(self.fn, what="judge.parser.fn")  # fail at start, with a clear error
+
+    @classmethod
+    def of(cls, value: ParserSpec | Mapping[str, Any] | None) -> ParserSpec:
+        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
+        return value if isinstance(value, cls) else cls(**(value or {}))
+
+
+class VerdictParser:
+    """A `ParserSpec` at work. A function runs in a worker process under the spec's ``timeout_s`` (a hung
+    call cannot be stopped in a thread), like user reward functions (`torchrlhf.rewards.RewardManager`)."""
+
+    def __init__(self, spec: ParserSpec | None = None, *, startup_timeout_s: float = 300.0) -> None:
+        spec = spec or ParserSpec()
+        self.fn = spec.fn
+        self.timeout_s, self.startup_timeout_s = spec.timeout_s, startup_timeout_s
+        self.regex = re.compile(spec.regex or DEFAULT_REGEX) if spec.fn is None else None
         self._pool: IsolatedPool | None = None
 
     def __call__(self, verdicts: Sequence[str]) -> tuple[list[float | None], list[bool]]:

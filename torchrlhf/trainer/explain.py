@@ -165,7 +165,7 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
         model_path, dtype=dtype, micro=rows, prompt_len=p_len, response_len=r_len, train=not frozen,
         value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
         optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
-         use_kl_loss=getattr(sec, "use_kl_loss", False))
+        use_kl_loss=role == "actor" and sec.loss.use_kl_loss)
     memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
     lines.append(f"      memory traced: {what}, "
                  + ("forward" if frozen else "forward + backward + optimizer step")
@@ -346,7 +346,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         sleeps = "; held only while judging (judge.sleep)" if judge.sleep else ""
         engines = f", {len(ranks['judge']) // tp} engine(s) of TP {tp}" if tp > 1 else ""
         out.append(f"  judge     ranks {_ranks(ranks['judge'])}: {j_shape.params / 1e6:.1f} M parameters{engines}{kv}; "
-                   f"verdicts ≤ {judge.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
+                   f"verdicts ≤ {judge.sampling.max_tokens} tokens, {judge.batch_size} per engine call{sleeps}")
         add("judge", ranks["judge"], memory, working=("weights", "KV cache") if judge.sleep else ())
 
     out += _flops_lines(cfg, layouts, shapes)

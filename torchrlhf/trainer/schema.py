@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 import functools
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -25,10 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from torchrlhf import algorithms
-from torchrlhf.algorithms.rollout_is import check_rollout_is
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
-from torchrlhf.rewards.judge import VerdictParser, check_template
+from torchrlhf.rewards.judge import check_template
 from torchrlhf.runtime.parallel_dims import ParallelDims
 from torchrlhf.trainer.config import (
     AlgorithmConfig,
@@ -44,7 +44,7 @@ from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.sharded import build_meta_causal_lm
-from torchrlhf.utils.optim import LRSchedule
+from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
@@ -96,6 +96,23 @@ UNSUPPORTED_KEYS = {
 }
 
 
+# Keys that moved into a section: a config that still sets the old path is told the new one (not "unknown key").
+_POLICY_LOSS_KEYS = ("policy_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "use_kl_loss",
+                     "kl_loss_coef", "kl_loss_type", "rollout_is", "rollout_is_mode", "rollout_is_threshold")
+MOVED_KEYS = {
+    **{f"actor.{key}": f"actor.loss.{key}" for key in _POLICY_LOSS_KEYS},
+    "actor.loss_agg_mode": "actor.loss.agg_mode",
+    "critic.cliprange_value": "critic.loss.cliprange_value",
+    "critic.loss_agg_mode": "critic.loss.agg_mode",
+    "actor.grad_clip": "actor.optim.clip_grad",
+    "critic.grad_clip": "critic.optim.clip_grad",
+    "judge.parser_regex": "judge.parser.regex",
+    "judge.parser_fn": "judge.parser.fn",
+    "judge.parse_timeout_s": "judge.parser.timeout_s",
+    **{f"judge.{key}": f"judge.sampling.{key}" for key in ("max_tokens", "temperature", "top_p", "seed")},
+}
+
+
 def resolve_model_path(path: str) -> str:
     """A config's model path as a directory: ``smollm2`` -> the converted SmolLM2; any other path must exist."""
     if path == SMOLLM2:
@@ -112,7 +129,7 @@ def component_path(cls: type) -> str:
 @functools.cache
 def optim_schema(cls: type, defaults: tuple[tuple[str, Any], ...]) -> type:
     """An ``optim`` section: the optimizer class's constructor arguments (the role's ``defaults`` over the
-    class's own), the `LRSchedule` keys and ``_component_``."""
+    class's own), the `LRSchedule` keys, ``clip_grad`` and ``_component_``."""
     base = schema_from_signature(cls, name=f"{cls.__name__}Section", exclude=("params",))
     hints = typing.get_type_hints(base)
     extra = [("_component_", str, dataclasses.field(default=component_path(cls)))]
@@ -121,6 +138,7 @@ def optim_schema(cls: type, defaults: tuple[tuple[str, Any], ...]) -> type:
               if f.default is not dataclasses.MISSING]
     schedule_hints = typing.get_type_hints(LRSchedule)
     extra += [(f.name, schedule_hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(LRSchedule)]
+    extra.append((CLIP_GRAD_KEY, float | None, dataclasses.field(default=DEFAULT_CLIP_GRAD)))
     return dataclasses.make_dataclass(base.__name__, extra, bases=(base,))
 
 
@@ -201,12 +219,18 @@ def section_kwargs(cfg: Any, role: str, **built: Any) -> dict[str, Any]:
         value = getattr(section, f.name)
         if f.name == "_component_":
             continue
-        if dataclasses.is_dataclass(value) and not isinstance(value, Batching):  # a schema made here: not picklable
+        if dataclasses.is_dataclass(value) and not _importable(type(value)):  # a schema made here: not picklable
             value = {g.name: getattr(value, g.name) for g in dataclasses.fields(value)}
         kwargs[f.name] = value
     for name, derive in DERIVED_ARGS[role].items():
         kwargs[name] = built[name] if derive is None else derive(cfg)
     return kwargs
+
+
+def _importable(cls: type) -> bool:
+    """Whether ``cls`` is found again by its module and name, so its instances travel to the workers as they are
+    (`Batching`, `PolicyLoss`, `LoRAConfig`: checked once, here); the schemas `make_dataclass` builds are not."""
+    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def reference_is_actor(cfg: Any) -> bool:
@@ -298,7 +322,7 @@ def needs_old_log_prob(cfg: RecipeConfig) -> bool:
 
 
 def needs_reference(cfg: RecipeConfig) -> bool:
-    return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
+    return cfg.algorithm.use_kl_in_reward or cfg.actor.loss.use_kl_loss
 
 
 def distills(cfg: RecipeConfig) -> bool:
@@ -370,10 +394,8 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors: list[str] = []
     algo, rollout, actor, data = cfg.algorithm, cfg.rollout, cfg.actor, cfg.data
     errors += _estimator_errors(cfg)
-    if actor.policy_loss not in algorithms.POLICY_LOSSES:
-        errors.append(f"actor.policy_loss: unknown {actor.policy_loss!r}; valid: {sorted(algorithms.POLICY_LOSSES)}")
-    if algo.use_kl_in_reward and actor.use_kl_loss:
-        errors.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both on: choose one KL term")
+    if algo.use_kl_in_reward and actor.loss.use_kl_loss:
+        errors.append("algorithm.use_kl_in_reward and actor.loss.use_kl_loss are both on: choose one KL term")
     max_seq_len = getattr(rollout.engine, "max_seq_len", None)
     if max_seq_len is not None and data.max_prompt_length + rollout.max_tokens > max_seq_len:
         errors.append(f"data.max_prompt_length ({data.max_prompt_length}) + rollout.max_tokens ({rollout.max_tokens}) "
@@ -392,14 +414,6 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
     errors += _judge_errors(cfg)
-    for role in ("actor", "critic"):
-        section = getattr(cfg, role)
-        if section is not None and section.loss_agg_mode not in algorithms.AGG_MODES:
-            errors.append(f"{role}.loss_agg_mode: unknown {section.loss_agg_mode!r}; valid: {list(algorithms.AGG_MODES)}")
-    try:
-        check_rollout_is(actor.rollout_is, actor.rollout_is_mode, actor.rollout_is_threshold)
-    except ValueError as e:
-        errors.append(f"actor.{e}")
     if cfg.trainer.test_freq > 0 and not data.val_files and not from_env:
         errors.append("trainer.test_freq > 0 needs data.val_files")
     for role, ranks in role_ranks(cfg, world_size).items():
@@ -588,13 +602,13 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
 
 
 def _judge_errors(cfg: RecipeConfig) -> list[str]:
-    """The judge's template and verdict parser, checked before any model loads."""
+    """The judge's template, checked before any model loads (``judge.parser`` and ``judge.sampling`` check
+    themselves when the config is validated: `ParserSpec`, `JudgeSampling`)."""
     if cfg.judge is None:
         return []
     try:
         check_template(cfg.judge.template)
-        VerdictParser(cfg.judge.parser_regex, cfg.judge.parser_fn, timeout_s=cfg.judge.parse_timeout_s)
-    except (ValueError, ConfigError) as e:
+    except ValueError as e:
         return [str(e)]
     return []
 
@@ -629,6 +643,7 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
         raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
     container = _resolved(cfg) if isinstance(cfg, DictConfig) else cfg
     unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_KEYS.items() if _has_key(container, key)]
+    unsupported += [f"{key}: moved to {new}" for key, new in MOVED_KEYS.items() if _has_key(container, key)]
     if unsupported:
         raise ConfigError("unsupported config keys:\n" + "\n".join(f"  - {u}" for u in unsupported))
     recipe = validate(container, recipe_schema(chosen_components(container)))

@@ -17,6 +17,8 @@ from torchrlhf.config import get_component
 DEFAULT_OPTIMIZER = "torch.optim.AdamW"
 # Keys of an ``optim`` section that shape the learning-rate schedule instead of going to the optimizer.
 SCHEDULE_KEYS = ("warmup_steps", "lr_scheduler", "min_lr_ratio")
+# The ``optim`` key that clips the gradient's global norm before each step (None or 0: no clipping), and its default.
+CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD = "clip_grad", 1.0
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,13 @@ def build_optimizer(
     """The optimizer an ``optim`` section describes over the trainable ``params``, and its LR schedule.
 
     ``optim`` holds ``_component_`` (any `torch.optim.Optimizer` class, or the user's), that class's own
-    keyword arguments (``lr``, ``weight_decay``, ``betas``, ...) and the `LRSchedule` keys. FSDP2 shards
+    keyword arguments (``lr``, ``weight_decay``, ``betas``, ...), the `LRSchedule` keys and ``clip_grad`` (read
+    by the worker's step, `FSDPWorker.optimizer_step`). FSDP2 shards
     are DTensors; the optimizer updates them shard-locally. Where the class has a fused kernel and the
     section does not choose, it is used: on this project's 2-core CPU, fused AdamW steps SmolLM2-135M in
     0.045 s against 0.71-0.78 s for the default multi-tensor loop.
     """
-    kwargs = {k: v for k, v in optim.items() if k != "_component_" and k not in SCHEDULE_KEYS}
+    kwargs = {k: v for k, v in optim.items() if k not in ("_component_", CLIP_GRAD_KEY, *SCHEDULE_KEYS)}
     schedule = LRSchedule(**{k: optim[k] for k in SCHEDULE_KEYS if k in optim})
     cls = optimizer_class(optim)
     params = [p for p in params if p.requires_grad]

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from torchrlhf.algorithms import agg_loss, compute_policy_loss, kl_penalty
-from torchrlhf.algorithms.rollout_is import check_rollout_is, rollout_is_weights
+from torchrlhf.algorithms import PolicyLoss, agg_loss, compute_policy_loss, kl_penalty
+from torchrlhf.algorithms.rollout_is import rollout_is_weights
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
@@ -32,13 +32,12 @@ from torchrlhf.workers.shared_prefix import SharedPrefixPlan, scatter_responses,
 class ActorWorker(FSDPWorker):
     """FSDP2 (× TP) policy. Arguments mirror the ``actor`` config section.
 
-    ``optim``: the optimizer (``_component_``, default `torch.optim.AdamW`, with its own arguments) and the
-    LR schedule keys (`torchrlhf.utils.optim`). ``batching``: global mini-batch sizes in prompts, epochs,
-    micro-batches (`Batching`); micro-batching only changes speed, never the result. ``total_steps`` and
-    the schedule's ``warmup_steps`` count `update` calls (training iterations).
-    ``rollout_is`` ("token" / "sequence", off by default) weights each token's loss by the bounded
-    ratio of the old policy to the rollout engine's log-probs (`algorithms.rollout_is`), which
-    corrects for a rollout engine in another dtype or with older weights.
+    ``optim``: the optimizer (``_component_``, default `torch.optim.AdamW`, with its own arguments), the
+    LR schedule keys and ``clip_grad`` (`torchrlhf.utils.optim`). ``batching``: global mini-batch sizes in
+    prompts, epochs, micro-batches (`Batching`); micro-batching only changes speed, never the result.
+    ``total_steps`` and the schedule's ``warmup_steps`` count `update` calls (training iterations).
+    ``loss`` (`PolicyLoss`): the policy loss, its clipping and aggregation, the entropy and KL terms, and
+    the rollout correction ``rollout_is``.
     ``shared_prefix`` (on by default) computes each distinct prompt once per mini-batch, packs the
     responses without padding and projects to the vocabulary only at response positions
     (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
@@ -59,21 +58,9 @@ class ActorWorker(FSDPWorker):
         dtype: str = "float32",
         optim: dict[str, Any] | None = None,
         batching: Batching | None = None,
-        grad_clip: float = 1.0,
         rollout_n: int = 1,
         total_steps: int | None = None,
-        policy_loss: str = "ppo",
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.2,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: str = "token-mean",
-        entropy_coeff: float = 0.0,
-        use_kl_loss: bool = False,
-        kl_loss_coef: float = 0.001,
-        kl_loss_type: str = "k3",
-        rollout_is: str | None = None,
-        rollout_is_mode: str = "truncate",
-        rollout_is_threshold: float = 2.0,
+        loss: PolicyLoss = PolicyLoss(),
         tp_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
@@ -87,21 +74,12 @@ class ActorWorker(FSDPWorker):
         self.lora = LoRAConfig.of(lora)
         if self.lora is not None and freeze:
             raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")
-        try:
-            check_rollout_is(rollout_is, rollout_is_mode, rollout_is_threshold)
-        except ValueError as e:
-            raise ValueError(f"actor.{e}") from None
         self.freeze = freeze
-        self.policy_loss = policy_loss
-        self.clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high, "clip_ratio_c": clip_ratio_c}
-        self.entropy_coeff = entropy_coeff
-        self.use_kl_loss = use_kl_loss
-        self.kl_loss_coef = kl_loss_coef
-        self.kl_loss_type = kl_loss_type
-        self.rollout_is = {"level": rollout_is, "mode": rollout_is_mode, "threshold": rollout_is_threshold}
+        self.loss = PolicyLoss.of(loss)
         self.shared_prefix = shared_prefix
+        rollout_is = self.loss.rollout_is is not None
         self.loss_metrics = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
-                             "actor/ppo_kl", *(("actor/kl_loss",) if use_kl_loss else ()),
+                             "actor/ppo_kl", *(("actor/kl_loss",) if self.loss.use_kl_loss else ()),
                              *(("actor/rollout_is_mean", "actor/rollout_is_clipped_frac") if rollout_is else ()))
         self.max_metrics = ("actor/rollout_is_max",) if rollout_is else ()
 
@@ -114,7 +92,7 @@ class ActorWorker(FSDPWorker):
             self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
         else:
             self._init_training(optim=optim, batching=batching, rollout_n=rollout_n, total_steps=total_steps,
-                                grad_clip=grad_clip, loss_agg_mode=loss_agg_mode)
+                                loss_agg_mode=self.loss.agg_mode)
 
     # ------------------------------------------------------------------ weight sync (split placement)
     @register(dispatch=Dispatch.RANK_ZERO)
@@ -147,7 +125,7 @@ class ActorWorker(FSDPWorker):
         width = mb["responses"].shape[1]
         if plan is not None:
             row = plan.suffix_row(rows, prefix, self.device)
-            with self.lm_head.scoring(row.labels[None], temperature, entropy_grad=self.entropy_coeff != 0):
+            with self.lm_head.scoring(row.labels[None], temperature, entropy_grad=self.loss.entropy_coeff != 0):
                 scores = suffix_forward(self.model, row)
             log_probs, entropy = scores.unbind(-1)
             log_probs = scatter_responses(log_probs, row, len(rows), width)
@@ -157,7 +135,7 @@ class ActorWorker(FSDPWorker):
         labels = mb["responses"][:, : inp.response_len]
         seq = inp.input_ids.shape[1]
         keep = torch.arange(seq - inp.response_len - 1, seq - 1, device=inp.input_ids.device)
-        with self.lm_head.scoring(labels, temperature, entropy_grad=self.entropy_coeff != 0):
+        with self.lm_head.scoring(labels, temperature, entropy_grad=self.loss.entropy_coeff != 0):
             out = self.model(input_ids=inp.input_ids, attention_mask=inp.attention_mask,
                              position_ids=inp.position_ids, use_cache=False, logits_to_keep=keep)
         log_probs, entropy = out.logits.unbind(-1)
@@ -212,8 +190,8 @@ class ActorWorker(FSDPWorker):
                 "log-probs, detached)"
             )
         needs = ["responses", "input_ids", "attention_mask", "response_mask", "advantages"]
-        needs += ["ref_log_prob"] if self.use_kl_loss else []
-        needs += ["rollout_log_probs"] if self.rollout_is["level"] else []
+        needs += ["ref_log_prob"] if self.loss.use_kl_loss else []
+        needs += ["rollout_log_probs"] if self.loss.rollout_is else []
         return self.train(batch, needs=needs, temperature=temperature)
 
     def micro_batch_loss(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None,
@@ -227,23 +205,24 @@ class ActorWorker(FSDPWorker):
         # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
         old_log_prob = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
         is_weights = None
-        if self.rollout_is["level"]:
-            is_weights, ratios = rollout_is_weights(old_log_prob, mb["rollout_log_probs"], mask, **self.rollout_is)
+        if self.loss.rollout_is:
+            is_weights, ratios = rollout_is_weights(old_log_prob, mb["rollout_log_probs"], mask,
+                                                    **self.loss.rollout_is_args)
             if real:
-                bounded = (ratios > self.rollout_is["threshold"]).float()
+                bounded = (ratios > self.loss.rollout_is_threshold).float()
                 stats["actor/rollout_is_mean"] = float((is_weights * mask).sum()) / tokens
                 stats["actor/rollout_is_clipped_frac"] = float((bounded * mask).sum()) / tokens
                 stats["actor/rollout_is_max"] = float(ratios.max())
         pg_loss, pg_metrics = compute_policy_loss(
-            self.policy_loss, old_log_prob, log_prob, mb["advantages"], mask,
-            loss_agg_mode=self.loss_agg_mode, normalizer=normalizer, tis_weights=is_weights, **self.clip,
+            self.loss.policy_loss, old_log_prob, log_prob, mb["advantages"], mask,
+            loss_agg_mode=self.loss.agg_mode, normalizer=normalizer, tis_weights=is_weights, **self.loss.clip,
         )
-        ent_loss = agg_loss(entropy, mask, self.loss_agg_mode, normalizer=normalizer)
-        loss = pg_loss - self.entropy_coeff * ent_loss
-        if self.use_kl_loss:
-            kl = kl_penalty(log_prob, mb["ref_log_prob"], self.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, self.loss_agg_mode, normalizer=normalizer)
-            loss = loss + self.kl_loss_coef * kl_loss
+        ent_loss = agg_loss(entropy, mask, self.loss.agg_mode, normalizer=normalizer)
+        loss = pg_loss - self.loss.entropy_coeff * ent_loss
+        if self.loss.use_kl_loss:
+            kl = kl_penalty(log_prob, mb["ref_log_prob"], self.loss.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, self.loss.agg_mode, normalizer=normalizer)
+            loss = loss + self.loss.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = float(kl_loss.detach())
         if real:
             share = float(mask.sum()) / tokens  # token-weighted mean of per-micro-batch ratios

@@ -38,7 +38,7 @@ from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops
 from torchrlhf.models.packed_attention import PrefixKV
-from torchrlhf.utils.optim import build_optimizer
+from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, build_optimizer
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 from torchrlhf.workers.microbatch import Batching, micro_batch_groups, strided_mini_batches
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, forward_counts, run_prefixes
@@ -213,15 +213,16 @@ class FSDPWorker(Worker):
         return self.compute_copies.active() if self.compute_copies is not None else contextlib.nullcontext()
 
     def _init_training(self, *, optim: Mapping | None, batching: Batching | Mapping | None, rollout_n: int,
-                       total_steps: int | None, grad_clip: float | None, loss_agg_mode: str) -> None:
-        """What `train` needs: the batch sizes (validated for this group), the optimizer and its schedule."""
+                       total_steps: int | None, loss_agg_mode: str) -> None:
+        """What `train` needs: the batch sizes (validated for this group), the optimizer, its schedule and the
+        gradient clip (``optim.clip_grad``)."""
         self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
         self.batching.validate(rollout_n=rollout_n, dp_size=self.dp_size, role=self.role)
         self.rollout_n = rollout_n
-        self.grad_clip = grad_clip
         self.loss_agg_mode = loss_agg_mode
-        self.optimizer, self.lr_scheduler = build_optimizer(self.model.parameters(), {**self.OPTIM_DEFAULTS, **(optim or {})},
-                                                            total_steps=total_steps)
+        optim = {**self.OPTIM_DEFAULTS, **(optim or {})}
+        self.grad_clip = optim.get(CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD)
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model.parameters(), optim, total_steps=total_steps)
 
     # ------------------------------------------------------------------ collectives
     def dp_sum(self, values: list[float]) -> list[float]:

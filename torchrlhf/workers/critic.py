@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchrlhf.algorithms import compute_value_loss
+from torchrlhf.algorithms import ValueLoss, compute_value_loss
 from torchrlhf.data import Batch
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
@@ -35,7 +35,7 @@ class CriticWorker(FSDPWorker):
 
     ``optim`` and ``batching`` mean what they mean for `ActorWorker` (batch sizes global, in prompts), and
     so does ``shared_prefix``: each distinct prompt runs once per mini-batch, responses are packed without
-    padding.
+    padding. ``loss`` (`ValueLoss`): the value clip and the aggregation.
     """
 
     role = "critic"
@@ -49,11 +49,9 @@ class CriticWorker(FSDPWorker):
         dtype: str = "float32",
         optim: dict[str, Any] | None = None,
         batching: Batching | None = None,
-        grad_clip: float = 1.0,
         rollout_n: int = 1,
         total_steps: int | None = None,
-        cliprange_value: float = 0.5,
-        loss_agg_mode: str = "token-mean",
+        loss: ValueLoss = ValueLoss(),
         init_head_std: float | None = None,
         tp_size: int = 1,
         activation_checkpointing: bool = False,
@@ -63,14 +61,14 @@ class CriticWorker(FSDPWorker):
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
-        self.cliprange_value = cliprange_value
+        self.loss = ValueLoss.of(loss)
         self.shared_prefix = shared_prefix
         self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
                                        init_head_std=init_head_std, compile=compile)
         self.window = sliding_window(self.model.config)
         self._init_training(optim=optim, batching=batching, rollout_n=rollout_n, total_steps=total_steps,
-                            grad_clip=grad_clip, loss_agg_mode=loss_agg_mode)
+                            loss_agg_mode=self.loss.agg_mode)
 
     def _values(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None):
         """Values ``[b, R]`` of micro-batch ``mb`` (rows ``rows`` of the planned batch when sharing prefixes)."""
@@ -102,8 +100,8 @@ class CriticWorker(FSDPWorker):
         vpreds = self._values(mb, rows, plan, prefix)
         mask = mb["response_mask"].to(vpreds.dtype)
         loss, clipfrac = compute_value_loss(
-            vpreds, mb["values"], mb["returns"], mask, cliprange_value=self.cliprange_value,
-            loss_agg_mode=self.loss_agg_mode, normalizer=totals.normalizer,
+            vpreds, mb["values"], mb["returns"], mask, cliprange_value=self.loss.cliprange_value,
+            loss_agg_mode=self.loss.agg_mode, normalizer=totals.normalizer,
         )
         tokens = max(totals.tokens, 1.0)
         share = float(mask.sum()) / tokens

@@ -11,7 +11,7 @@ Texts cross tokenizers: responses are decoded with the policy's tokenizer and th
 tokenized with the judge's own, so the judge may be any causal LM with a tokenizer.
 
 Failures are scores, not errors (`torchrlhf.rewards.judge`): an unparseable verdict, a parser call past
-``parse_timeout_s``, a judge prompt longer than the engine's sequence, and every sample not started within
+``parser.timeout_s``, a judge prompt longer than the engine's sequence, and every sample not started within
 ``timeout_s`` of the call score ``on_failure_score`` and are flagged in the returned columns.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.hybrid.broadcast import local_shard
 from torchrlhf.models import SafetensorsReader, load_tokenizer, safetensors_files
-from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, VerdictParser, check_template, render_judge_prompt
+from torchrlhf.rewards.judge import DEFAULT_TEMPLATE, ParserSpec, VerdictParser, check_template, render_judge_prompt
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.workers.base import resolve_dtype
 
@@ -44,6 +45,29 @@ def question_of(messages: Any, raw_prompt: str) -> str:
     return raw_prompt
 
 
+@dataclass(frozen=True)
+class JudgeSampling:
+    """The ``judge.sampling`` section: how a verdict is sampled (greedy and short by default). ``seed``: the
+    base sampling seed, with a temperature above 0."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.params()  # SamplingParams' own checks, naming the key
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                              seed=self.seed, logprobs=False)
+
+    @classmethod
+    def of(cls, value: JudgeSampling | Mapping[str, Any] | None) -> JudgeSampling:
+        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
+        return value if isinstance(value, cls) else cls(**(value or {}))
+
+
 class JudgeWorker(Worker):
     """An LLM judge on an engine. Arguments mirror the ``judge`` config section.
 
@@ -55,20 +79,17 @@ class JudgeWorker(Worker):
         template: the judge's prompt, with ``{question}``, ``{response}`` and ``{reference}`` (the sample's
             ground truth) fields.
         apply_chat_template: wrap the prompt as one user message in the judge tokenizer's chat template.
-        parser_regex: a verdict's score is this regex's first group (else its whole match) as a float; None
-            (with no ``parser_fn``): ``Score: <number>`` (`torchrlhf.rewards.judge.DEFAULT_REGEX`).
-        parser_fn: instead of the regex, a function ``fn(verdict) -> float | None`` (``pkg.mod:fn`` or
-            ``/path/file.py:fn``), run in a worker process.
-        max_tokens / temperature / top_p: the verdict's sampling (temperature 0: greedy).
+        parser: how a verdict becomes a score (`ParserSpec`: ``regex``, or a function ``fn`` run in a worker
+            process under ``timeout_s``); default ``Score: <number>``.
+        sampling: the verdict's sampling (`JudgeSampling`: ``max_tokens``, ``temperature`` (0: greedy),
+            ``top_p``, ``seed``).
         batch_size: judge prompts per engine call.
         timeout_s: samples not started this long after a call began are not judged (they fail).
-        parse_timeout_s: the time limit of one ``parser_fn`` call.
         on_failure_score: the score of a failed sample (unparseable, timed out, prompt too long).
         weight: the judge's score enters the reward as ``weight * score`` (the rule reward's: ``reward.weight``),
             composed by `torchrlhf.rollouts.Scorer`.
         dtype: the judge's weights.
         tp_size: ranks per judge engine (tensor parallel; must divide the judge's ranks).
-        seed: the base sampling seed (with temperature > 0).
         sleep: free the engine's weights and KV cache between judge calls (`release`) and read the weights
             back from ``model_path``'s safetensors at the next call: a judge on the training ranks then holds
             no memory while the actor generates and trains, for one read of its weights per step.
@@ -82,30 +103,24 @@ class JudgeWorker(Worker):
         engine: dict[str, Any] | None = None,
         template: str = DEFAULT_TEMPLATE,
         apply_chat_template: bool = True,
-        parser_regex: str | None = None,
-        parser_fn: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        parser: ParserSpec = ParserSpec(),
+        sampling: JudgeSampling = JudgeSampling(),
         batch_size: int = 16,
         timeout_s: float = 600.0,
-        parse_timeout_s: float = 5.0,
         on_failure_score: float = 0.0,
         weight: float = 1.0,
         dtype: str = "float32",
         tp_size: int = 1,
-        seed: int = 0,
         sleep: bool = False,
     ) -> None:
         super().__init__(tp=tp_size)
-        if batch_size < 1 or max_tokens < 1 or timeout_s < 0:
-            raise ValueError(f"judge: need batch_size >= 1, max_tokens >= 1 and timeout_s >= 0, got {batch_size}, "
-                             f"{max_tokens}, {timeout_s}")
+        if batch_size < 1 or timeout_s < 0:
+            raise ValueError(f"judge: need batch_size >= 1 and timeout_s >= 0, got {batch_size}, {timeout_s}")
         self.template = check_template(template)
         self.apply_chat_template = apply_chat_template
-        self.parser = VerdictParser(parser_regex, parser_fn, timeout_s=parse_timeout_s)
-        self.sampling = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                                       logprobs=False)
+        self.parser = VerdictParser(ParserSpec.of(parser))
+        sampling = JudgeSampling.of(sampling)
+        self.sampling = sampling.params()
         self.batch_size, self.timeout_s = batch_size, float(timeout_s)
         self.on_failure_score, self.weight = float(on_failure_score), float(weight)
         self.tokenizer = load_tokenizer(model_path)
@@ -118,7 +133,7 @@ class JudgeWorker(Worker):
                                  tp_mesh=self.tp_mesh, **spec)
         self.max_prompt_tokens = self.engine.max_seq_len
         if self.max_prompt_tokens is not None:
-            self.max_prompt_tokens -= max_tokens
+            self.max_prompt_tokens -= sampling.max_tokens
         self.model_path, self.sleep = model_path, sleep
         if sleep:
             safetensors_files(model_path)  # a missing or non-safetensors judge fails here, not at the first step
