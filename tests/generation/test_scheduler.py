@@ -1,4 +1,5 @@
-"""The scheduler's pieces on their own: `prefill` against transformers' forward, the two turn policies."""
+"""The scheduler's pieces on their own: `prefill` against transformers' forward, the two turn policies, and the
+turns a scheduler hands its policy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torchrlhf.generation.session import TurnResult
 from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import CachedDecoder
-from torchrlhf.generation.scheduler import AgentTurns, SingleTurn, prefill, right_padded
+from torchrlhf.generation.sampling import SamplingParams
+from torchrlhf.generation.scheduler import AgentTurns, EndedTurn, Resumed, Scheduler, SingleTurn, prefill, right_padded
 
 from gen_helpers import VOCAB, tiny_model
 
@@ -62,36 +64,64 @@ class _Session:
         return future
 
 
-class _Run:
-    """What `AgentTurns` reads from its scheduler when it parks or resumes a slot."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
-        self.slot_sample, self.slot_turn = [1, 0, -1], [0, 2, 0]
-        self.state = type("S", (), {"out_tok": torch.tensor([[9, 8, 7, 0], [3, 4, 5, 6], [0, 0, 0, 0]])})()
-        self.observed = None
-
-    def finish(self, slots, reasons):
-        raise AssertionError("no trajectory is done")
-
-    def observe(self, going, logits):
-        self.observed = (going, logits)
-
-
 def test_agent_turns_share_equal_contexts_and_park_ended_turns_until_their_observation_rides():
     sessions = [_Session([4, 5], 3), _Session([6], 2), _Session([4, 5], 0)]
     policy = AgentTurns(sessions)
     assert policy.prompts == [[4, 5], [6]] and policy.prompt_of == [0, 1, 0]
     assert policy.budgets == [3, 2, 0] and not policy.records
-    run = _Run()
-    policy.turns_ended(run, [(0, True, 3), (1, False, 4)])  # slot 0 runs sample 1, slot 1 sample 0
-    assert sessions[1].turns == [([9, 8, 7], "stop")]
-    assert sessions[0].turns == [([5, 6], "length")]  # slot 1's turn started at its token 2
-    assert run.slot_turn == [3, 4, 0]  # their next turns start where these ended (no read at the observation)
+    # slot 0 runs sample 1, slot 1 sample 0: both are parked, none finished
+    assert policy.turns_ended([EndedTurn(0, 1, True, [9, 8, 7]), EndedTurn(1, 0, False, [5, 6])]) == []
+    assert sessions[1].turns == [([9, 8, 7], "stop")] and sessions[0].turns == [([5, 6], "length")]
     assert set(policy.parked) == {0, 1}
     policy.move(2, 1)  # compaction: slot 1's sample moves to slot 2
     assert set(policy.parked) == {0, 2}
-    assert policy.resume(run, block=False, can_ride=True)
-    assert run.observed is None and policy.ready == {0: [40, 41], 2: [40, 41]}
+    # observations ready while others decode: they ride in the next step, nothing is prefilled now
+    assert policy.resume(block=False, can_ride=True) == Resumed([], [])
+    assert policy.ready == {0: [40, 41], 2: [40, 41]}
+    assert policy.resume(block=False, can_ride=True) is None  # nothing left waiting
     assert sorted(policy.riding()) == [(0, [40, 41]), (2, [40, 41])]
     assert not policy.parked and not policy.ready
+
+
+def test_agent_turns_prefill_now_when_nothing_decodes_and_finish_done_sessions():
+    sessions = [_Session([4, 5], 3), _Session([6], 2)]
+    sessions[1].end_turn = lambda tokens, reason: _done()
+    policy = AgentTurns(sessions)
+    policy.turns_ended([EndedTurn(0, 0, True, [1]), EndedTurn(3, 1, True, [2])])
+    assert policy.resume(block=True, can_ride=False) == Resumed([3], [(0, [40, 41])])
+    assert not policy.parked and not policy.ready
+
+
+def _done() -> Future:
+    future = Future()
+    future.set_result(TurnResult(None))
+    return future
+
+
+def test_scheduler_hands_each_ended_turn_its_own_tokens():
+    """The scheduler cuts each ended turn from the slot's model tokens, from where its previous turn ended."""
+    model = tiny_model("qwen2")
+    decoder = CachedDecoder(model, 32, torch.device("cpu"), torch.float32)
+    cache = KVCache(decoder.dims(1), 2, 32, torch.device("cpu"), torch.float32)
+    seen: list[EndedTurn] = []
+
+    class Recording(AgentTurns):
+        def turns_ended(self, ended):
+            seen.extend(ended)
+            return super().turns_ended(ended)
+
+    sessions = [_Session([4, 5], 2)]
+    sessions[0].end_turn = lambda tokens, reason: _done() if len(seen) > 1 else _observation()
+    run = Scheduler(decoder, decoder.decode, cache, SamplingParams(temperature=0, max_tokens=8, logprobs=False),
+                    Recording(sessions), [0], stop_ids=[], check_every=1)
+    run.run()
+    first, second = seen
+    assert len(first.tokens) == 2 and len(second.tokens) == 2  # each turn its own budget of 2 tokens
+    assert run.results.tokens[0, :4].tolist() == first.tokens + second.tokens
+    assert run.results.lengths.tolist() == [4]
+
+
+def _observation() -> Future:
+    future = Future()
+    future.set_result(TurnResult([7]))
+    return future

@@ -387,11 +387,12 @@ class NativeEngine:
                         use_prefix_cache=self.prefix_cache, between_steps=between_steps,
                         repack=self.prepacked.refresh if self.prepacked is not None else None)
         in_fresh_stack_chunk(run.run)  # a hot loop: no Python stack-chunk boundary inside it
-        versions = run.res_ver if between_steps is not None else None
+        res = run.results
+        versions = res.versions if between_steps is not None else None
         if sessions is not None:
-            return assemble_trajectories(prompts, params, [s.result() for s in sessions], run.res_lp, self.pad_id(),
+            return assemble_trajectories(prompts, params, [s.result() for s in sessions], res.log_probs, self.pad_id(),
                                          versions)
-        out = assemble_generation(prompts, params, run.res_tok, run.res_lp, run.res_len, run.reasons, self.pad_id())
+        out = assemble_generation(prompts, params, res.tokens, res.log_probs, res.lengths, res.reasons, self.pad_id())
         if versions is not None:
             out["token_weight_versions"] = (versions * out["response_mask"].cpu()).to(out["responses"].device)
         return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,6 +71,24 @@ def decode_step(decode: Callable[..., torch.Tensor], state: SlotState, cache: KV
     state.advance(logits, params, version)
 
 
+class EndedTurn(NamedTuple):
+    """A turn the device ended (a stop token, its budget): its slot, its sample, whether it stopped, and its
+    model tokens (read from the device only for a policy that ``reads_turns``)."""
+
+    slot: int
+    sample: int
+    stopped: bool
+    tokens: list[int] | None
+
+
+class Resumed(NamedTuple):
+    """What a policy's `resume` changed: the slots whose samples are done, and the slots whose observation is
+    prefilled now, in a forward of its own."""
+
+    finished: list[int]
+    going: list[tuple[int, list[int]]]
+
+
 class SingleTurn:
     """Each sample is one response to its prompt (``n`` samples per prompt): when its turn ends, it is done.
 
@@ -80,6 +98,7 @@ class SingleTurn:
     """
 
     records = True
+    reads_turns = False
 
     def __init__(self, prompt_tokens: Sequence[torch.Tensor], limits: Sequence[int], n: int) -> None:
         self.prompts = [t.tolist() for t in prompt_tokens]
@@ -88,14 +107,18 @@ class SingleTurn:
         self.budgets = [limits[sid // n] for sid in range(total)]
         self.parked: dict[int, Future] = {}  # never any: a single turn waits on nothing
 
-    def turns_ended(self, run: Scheduler, ended: list[tuple[int, bool, int]]) -> None:
-        run.finish([s for s, _, _ in ended], ["stop" if stopped else "length" for _, stopped, _ in ended])
+    def turns_ended(self, ended: list[EndedTurn]) -> list[tuple[int, str]]:
+        """The slots to finish now, with their finish reasons: every one."""
+        return [(t.slot, "stop" if t.stopped else "length") for t in ended]
 
-    def resume(self, run: Scheduler, block: bool, can_ride: bool) -> bool:
-        return False
+    def resume(self, block: bool, can_ride: bool) -> Resumed | None:
+        return None
 
     def riding(self) -> list[tuple[int, list[int]]]:
         return []
+
+    def budget(self, sid: int) -> int:
+        raise AssertionError("a single turn has no next turn")
 
     def move(self, dst: int, src: int) -> None:
         pass
@@ -113,6 +136,7 @@ class AgentTurns:
     """
 
     records = False  # a slot also holds observations
+    reads_turns = True
 
     def __init__(self, sessions: Sequence[Session]) -> None:
         self.sessions = sessions
@@ -123,38 +147,34 @@ class AgentTurns:
         self.parked: dict[int, Future] = {}  # slot -> the future of its session's turn result
         self.ready: dict[int, list[int]] = {}  # parked slots whose observation rides in the next decode step
 
-    def turns_ended(self, run: Scheduler, ended: list[tuple[int, bool, int]]) -> None:
-        rows = run.state.out_tok[torch.tensor([s for s, _, _ in ended], device=run.device)].tolist()
-        for (s, stopped, step), row in zip(ended, rows):
-            turn = row[run.slot_turn[s] : step]
-            run.slot_turn[s] = step  # the next turn's first model token (a parked slot samples none)
-            self.parked[s] = self.sessions[run.slot_sample[s]].end_turn(turn, "stop" if stopped else "length")
+    def turns_ended(self, ended: list[EndedTurn]) -> list[tuple[int, str]]:
+        """Hand each ended turn to its session and park its slot; none is finished here."""
+        for t in ended:
+            self.parked[t.slot] = self.sessions[t.sample].end_turn(t.tokens, "stop" if t.stopped else "length")
+        return []
 
-    def resume(self, run: Scheduler, block: bool, can_ride: bool) -> bool:
-        """Finish the parked trajectories that are done, and continue those whose observation is ready: in the
-        next decode step's forward when ``can_ride``, else now. With ``block``, first wait for one (nothing
-        else can run). Returns whether any slot changed."""
+    def resume(self, block: bool, can_ride: bool) -> Resumed | None:
+        """The parked trajectories that are done, and those whose observation is ready: kept for the next
+        decode step's forward when ``can_ride``, else returned to prefill now. With ``block``, first wait for
+        one (nothing else can run). None when no slot changed."""
         waiting = {s: f for s, f in self.parked.items() if s not in self.ready}
         if not waiting:
-            return False
+            return None
         if block:
             wait(list(waiting.values()), return_when=FIRST_COMPLETED)
         done = [(s, f.result()) for s, f in waiting.items() if f.done()]
         if not done:
-            return False
-        finished = [s for s, r in done if r.done]
+            return None
+        finished = [s for s, r in done if r.done]  # the session holds the reason
         for s in finished:
             del self.parked[s]
-        if finished:
-            run.finish(finished, [""] * len(finished))  # the session holds the reason
         going = [(s, r.observation_tokens) for s, r in done if not r.done]
         if going and can_ride:
             self.ready.update(going)  # they stay parked until that step
-        elif going:
-            for s, _ in going:
-                del self.parked[s]
-            run.observe(going, run.extend(going))
-        return True
+            going = []
+        for s, _ in going:
+            del self.parked[s]
+        return Resumed(finished, going)
 
     def riding(self) -> list[tuple[int, list[int]]]:
         """The observations to prefill in this decode step's forward; their slots are no longer parked."""
@@ -172,11 +192,72 @@ class AgentTurns:
                 per_slot[dst] = per_slot.pop(src)
 
 
+class Results:
+    """A `generate` call's results by sample id (prompt i, sample j -> i * n + j): the model's tokens over all
+    turns, their log-probs and weight versions, how many, and why each sample ended."""
+
+    def __init__(self, total: int, steps: int) -> None:
+        self.tokens = torch.zeros(total, steps, dtype=torch.long)
+        self.log_probs = torch.zeros(total, steps, dtype=torch.float32)
+        self.versions = torch.zeros(total, steps, dtype=torch.long)
+        self.lengths = torch.zeros(total, dtype=torch.long)
+        self.reasons: list[str] = [""] * total
+
+    def keep(self, sids: list[int], taken: tuple[torch.Tensor, ...], reasons: list[str]) -> None:
+        """Store what `SlotState.take` returned for samples ``sids``."""
+        sid_t = torch.tensor(sids)
+        self.tokens[sid_t], self.log_probs[sid_t], self.versions[sid_t], self.lengths[sid_t] = taken
+        for sid, reason in zip(sids, reasons):
+            self.reasons[sid] = reason
+
+    def held(self, sid: int) -> list[int]:
+        """The tokens a finished sample's slot holds after its prompt: every sampled one but the last (never fed)."""
+        return self.tokens[sid, : int(self.lengths[sid]) - 1].tolist()
+
+
+class SharedContexts:
+    """Samples that start from one context share its prefill: the first computes it into its slot, the others
+    copy that slot's keys/values (or, admitted in the same round, the slot it is computed into). The context's
+    last logits are kept until its last sample is admitted."""
+
+    def __init__(self, prompt_of: Sequence[int], waiting: Sequence[int]) -> None:
+        self.prompt_of = prompt_of
+        self.slots: dict[int, set[int]] = {}  # context -> the slots of its samples now running
+        self.logits: dict[int, torch.Tensor] = {}  # context -> its last position's logits, while needed
+        self.version: dict[int, int] = {}  # the weights each context's logits came from
+        self.to_admit = {p: 0 for p in set(prompt_of)}
+        for sid in waiting:
+            self.to_admit[prompt_of[sid]] += 1
+
+    def running_slot(self, p: int) -> int | None:
+        """A slot that holds context ``p`` now, if any."""
+        return next(iter(self.slots[p])) if self.slots.get(p) else None
+
+    def computed(self, p: int, logits: torch.Tensor, version: int) -> None:
+        self.logits[p], self.version[p] = logits, version
+
+    def admitted(self, sid: int, slot: int) -> None:
+        p = self.prompt_of[sid]
+        self.slots.setdefault(p, set()).add(slot)
+        self.to_admit[p] -= 1
+        if self.to_admit[p] == 0:
+            del self.logits[p]
+
+    def released(self, sid: int, slot: int) -> None:
+        self.slots[self.prompt_of[sid]].discard(slot)
+
+    def moved(self, sid: int, dst: int, src: int) -> None:
+        running = self.slots[self.prompt_of[sid]]
+        running.discard(src)
+        running.add(dst)
+
+
 class Scheduler:
     """The scheduling state of one `generate` call.
 
     Sample ``sid`` starts from context ``policy.prompt_of[sid]``; samples that start from the same one share
-    its prefill (the first sample computes it, the others copy its keys/values). The model-token counter of a
+    its prefill (`SharedContexts`). The policy (`SingleTurn`, `AgentTurns`) decides what an ended turn means
+    and never sees the scheduler: it is told the ended turns and answers what to finish or resume. The model-token counter of a
     slot (``SlotState.step``) runs over all turns of its sample, so the sampling uniforms and the log-probs of
     one trajectory are one sequence.
 
@@ -207,24 +288,14 @@ class Scheduler:
                                versions=between_steps is not None)
         self.check_every = 1 if params.stop else check_every  # stop strings: the host reads every token
         self.since_look = 0
-        # Results, by sample id (prompt i, sample j -> i * n + j): the model's tokens (all turns).
-        total, steps = len(policy.prompt_of), params.max_tokens
-        self.res_tok = torch.zeros(total, steps, dtype=torch.long)
-        self.res_lp = torch.zeros(total, steps, dtype=torch.float32)
-        self.res_ver = torch.zeros(total, steps, dtype=torch.long)
-        self.res_len = torch.zeros(total, dtype=torch.long)
-        self.reasons: list[str] = [""] * total
+        total = len(policy.prompt_of)
+        self.results = Results(total, params.max_tokens)
         # Host-side bookkeeping. A sample with no budget (an agent whose environment failed) takes no slot.
         self.waiting = deque(sid for sid in range(total) if policy.budgets[sid] > 0)
         self.slot_sample = [-1] * slots
         self.slot_pos = [0] * slots  # position the slot's next token goes to (an upper bound between looks)
         self.slot_turn = [0] * slots  # the model-token index the slot's current (parked: next) turn starts at
-        self.prompt_slots: dict[int, set[int]] = {}  # context -> the slots of its samples now running
-        self.prompt_logits: dict[int, torch.Tensor] = {}  # context -> its last position's logits, while needed
-        self.prompt_version: dict[int, int] = {}  # the weights each context's logits came from
-        self.to_admit = {p: 0 for p in set(policy.prompt_of)}
-        for sid in self.waiting:
-            self.to_admit[policy.prompt_of[sid]] += 1
+        self.contexts = SharedContexts(policy.prompt_of, self.waiting)
         self.gen_text: dict[int, list[int]] = {}  # stop strings: the slot's turn's tokens the host has read
         self.stop_window = max((len(s) for s in params.stop), default=0) + 4
 
@@ -241,10 +312,10 @@ class Scheduler:
         while self.waiting and self.slots.free:
             sid = self.waiting.popleft()
             p = self.policy.prompt_of[sid]
-            running = self.prompt_slots.get(p)
-            if running or p in computed:
+            running = self.contexts.running_slot(p)
+            if running is not None or p in computed:
                 slot = self.slots.take()
-                shares.append((slot, next(iter(running)) if running else computed[p], p))
+                shares.append((slot, running if running is not None else computed[p], p))
             else:
                 slot, held[p], source = self.slots.place(prompts[p])
                 if source is not None:
@@ -258,8 +329,7 @@ class Scheduler:
             logits = prefill(self.decoder, self.cache, [prompts[p] for p in order], [computed[p] for p in order],
                              [held[p] for p in order])
             for row, p in enumerate(order):
-                self.prompt_logits[p] = logits[row]
-                self.prompt_version[p] = self.version
+                self.contexts.computed(p, logits[row], self.version)
         if shares:
             self.cache.copy([d for d, _, _ in shares], [s for _, s, _ in shares],
                             max(len(prompts[p]) for _, _, p in shares))
@@ -273,18 +343,15 @@ class Scheduler:
         self.state.step[slot_t] = 0
         lens = [len(prompts[p]) for p in contexts]
         self.state.start_turn(
-            slot_t, torch.stack([self.prompt_logits[p] for p in contexts]), self.p,
+            slot_t, torch.stack([self.contexts.logits[p] for p in contexts]), self.p,
             pos=torch.tensor(lens, device=dev),
             budget=torch.tensor([self.policy.budgets[sid] for sid, _ in taken], device=dev),
-            version=torch.tensor([self.prompt_version[p] for p in contexts], device=dev) if self.state.versions else 0)
-        for (sid, slot), p, length in zip(taken, contexts, lens):
+            version=torch.tensor([self.contexts.version[p] for p in contexts], device=dev) if self.state.versions else 0)
+        for (sid, slot), length in zip(taken, lens):
             self.slot_sample[slot] = sid
             self.slot_pos[slot] = length
             self.slot_turn[slot] = 0
-            self.prompt_slots.setdefault(p, set()).add(slot)
-            self.to_admit[p] -= 1
-            if self.to_admit[p] == 0:
-                del self.prompt_logits[p]
+            self.contexts.admitted(sid, slot)
         # A sample that ends at its first token (a budget of one token, or a stop token where the host looks
         # every step) is freed now, not after a decode step that would compute nothing for it.
         if self.check_every == 1 or any(self.policy.budgets[sid] == 1 for sid, _ in taken):
@@ -314,7 +381,21 @@ class Scheduler:
         for s, _, _ in ended:
             self.gen_text.pop(s, None)
         if ended:
-            self.policy.turns_ended(self, ended)
+            self._turns_ended(ended)
+
+    def _turns_ended(self, ended: list[tuple[int, bool, int]]) -> None:
+        """Hand the ended turns (slot, stopped, model-token count) to the policy; finish what it says is done.
+        The slot's next turn starts where this one ended (a parked slot samples no token)."""
+        rows: list[list[int] | None] = [None] * len(ended)
+        if self.policy.reads_turns:
+            rows = self.state.out_tok[torch.tensor([s for s, _, _ in ended], device=self.device)].tolist()
+        turns = []
+        for (s, stopped, step), row in zip(ended, rows):
+            turns.append(EndedTurn(s, self.slot_sample[s], stopped, None if row is None else row[self.slot_turn[s] : step]))
+            self.slot_turn[s] = step
+        done = self.policy.turns_ended(turns)
+        if done:
+            self.finish([s for s, _ in done], [reason for _, reason in done])
 
     def _check_stop_strings(self, slots: list[int], live: list[int], stopped: list[int], step: list[int]) -> None:
         """End each live slot whose text now holds a stop string, at the token that completed it (``live``,
@@ -339,15 +420,10 @@ class Scheduler:
         """The samples in ``slots`` are done: keep their results and free the slots (recorded in the prefix
         cache where the slot holds exactly its prompt and response)."""
         sids = [self.slot_sample[s] for s in slots]
-        sid_t = torch.tensor(sids)
-        self.res_tok[sid_t], self.res_lp[sid_t], self.res_ver[sid_t], self.res_len[sid_t] = self.state.take(slots)
-        for s, sid, reason in zip(slots, sids, reasons):
-            self.reasons[sid] = reason
-            p = self.policy.prompt_of[sid]
-            self.prompt_slots[p].discard(s)
-            holds = None
-            if self.record:  # the slot holds the prompt and every sampled token but the last (never fed)
-                holds = self.policy.prompts[p] + self.res_tok[sid, : int(self.res_len[sid]) - 1].tolist()
+        self.results.keep(sids, self.state.take(slots), reasons)
+        for s, sid in zip(slots, sids):
+            self.contexts.released(sid, s)
+            holds = self.policy.prompts[self.policy.prompt_of[sid]] + self.results.held(sid) if self.record else None
             self.slots.give_back(s, holds)
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
@@ -397,9 +473,7 @@ class Scheduler:
             self.slot_sample[d], self.slot_sample[s] = sid, -1
             self.slot_pos[d], self.slot_pos[s] = self.slot_pos[s], 0
             self.slot_turn[d], self.slot_turn[s] = self.slot_turn[s], 0
-            running = self.prompt_slots[self.policy.prompt_of[sid]]
-            running.discard(s)
-            running.add(d)
+            self.contexts.moved(sid, d, s)
             if s in self.gen_text:
                 self.gen_text[d] = self.gen_text.pop(s)
             self.policy.move(d, s)
@@ -441,14 +515,18 @@ class Scheduler:
         self.version = version
 
     def run(self) -> None:
-        """Run every sample to its end; the results are in ``res_tok``, ``res_lp``, ``res_ver``, ``res_len``
-        and ``reasons``."""
+        """Run every sample to its end; the results are in ``results``."""
         parked = self.policy.parked
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
             self._refresh()
             decoding = any(sid >= 0 and s not in parked for s, sid in enumerate(self.slot_sample))
-            if self.policy.resume(self, block=not decoding and not (self.waiting and self.slots.free),
-                                  can_ride=decoding):
+            resumed = self.policy.resume(block=not decoding and not (self.waiting and self.slots.free),
+                                         can_ride=decoding)
+            if resumed is not None:
+                if resumed.finished:
+                    self.finish(resumed.finished, [""] * len(resumed.finished))  # the session holds the reason
+                if resumed.going:
+                    self.observe(resumed.going, self.extend(resumed.going))
                 continue
             if self.waiting and self.slots.free:
                 self.admit()
