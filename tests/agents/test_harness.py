@@ -214,6 +214,43 @@ def _check_two_calls(model_dir, tok, result) -> None:
         torch.testing.assert_close(torch.tensor(lp), ref[model], atol=2e-3, rtol=0)
 
 
+def test_check_tokens_re_renders_the_trajectorys_conversation(tiny_dir, harness_module):
+    """``check_tokens`` re-renders the conversation from text: 0 differing tokens where the model's turns are the
+    tokenizer's own encodings of their text; "abc" sampled letter by letter re-renders as other tokens, counted
+    (``metric``) or stopping the run (``error``). The model's turns are scripted (each call's budget is 6)."""
+    from torchrlhf.generation.session import run_rounds
+
+    tok = load_tokenizer(tiny_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    letters = [tok.convert_tokens_to_ids(c) for c in "abc"]
+    assert tok.encode("abc", add_special_tokens=False) != letters
+
+    def run(first: list[int], check: str):
+        agent = build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "check_tokens": check}, tok,
+                            max_tokens=16, max_trajectory_tokens=256)
+        runner = HarnessRunner(agent, agent.harness)
+
+        def drive(sessions, seeds):
+            def sample(live, _round):
+                turns = [first if not [c for c in sessions[k].session.calls if c.completion] else
+                         tok.encode("ok", add_special_tokens=False) for k in live]
+                return [(t + [im_end], [0.0] * (len(t) + 1), "stop") for t in turns]
+
+            return run_rounds(sessions, sample)
+
+        try:
+            return runner.run(ROWS[:1], [0], drive)[0][0]
+        finally:
+            runner.close()
+
+    exact = run(tok.encode("abc", add_special_tokens=False), "metric")
+    assert exact.metrics == {"num_turns": 2.0, "harness_splits": 0.0, "token_mismatches": 0.0}
+    split = run(letters, "metric")
+    assert split.response_tokens[:3] == letters and split.metrics["token_mismatches"] > 0
+    with pytest.raises(ValueError, match="re-rendering the conversation from text differs"):
+        run(letters, "error")
+
+
 def test_a_call_that_does_not_extend_the_trajectory_is_split_and_counted(engine, tiny_dir, harness_module):
     tok, (trajectories, _) = _run(engine, tiny_dir, harness_module, "restarts")
     restart = _template(tok, [{"role": "user", "content": "Start over."}])
@@ -347,8 +384,8 @@ def test_config_errors(tiny_dir, tmp_path, monkeypatch):
                     max_tokens=8)
     with pytest.raises(ConfigError, match="rollout.agent.harness"):
         build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="max_turns, check_tokens do not apply to a harness: your agent runs its own"):
-        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "max_turns": 1, "check_tokens": "metric"},
+    with pytest.raises(ConfigError, match="format, max_turns do not apply to a harness: your agent runs its own"):
+        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "max_turns": 1, "format": "tags"},
                     tok, max_tokens=8)
     with pytest.raises(ConfigError, match="harness_timeout_s apply only with a harness"):
         build_agent({"tools": ["calculator"], "harness_timeout_s": 5}, tok, max_tokens=8)

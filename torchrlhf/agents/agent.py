@@ -64,9 +64,10 @@ log = logging.getLogger(__name__)
 
 HARNESS_KEYS = ("harness", "harness_timeout_s", "harness_host", "harness_batch_wait_s")
 # What a harness does not read: its agent runs its own loop, so our turn limits, tool settings, error handling and
-# observation rendering have nothing to act on (a harness reads reward, on_error_score and the HARNESS_KEYS).
+# observation rendering have nothing to act on (a harness reads reward, on_error_score, check_tokens and the
+# HARNESS_KEYS).
 HARNESS_IGNORES = ("format", "tags", "max_turns", "max_tool_response_tokens", "max_parallel_calls", "timeout_s",
-                   "num_workers", "isolate", "on_error", "check_tokens", "observation_role", "observation_prefix")
+                   "num_workers", "isolate", "on_error", "observation_role", "observation_prefix")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ trajectory stays token-exact even when the template would re-render the model's 
 whose prompt does not extend the previous call's tokens starts a new segment (counted: ``harness_splits``),
 sampled in the next ``generate`` once the current one ends (as is a trajectory's first call that comes after
 the others' have started); the trajectory's sample is its last segment, the one that holds the final answer.
+With ``check_tokens``, that segment's conversation is re-rendered from text (its answers as the decoded model
+tokens) and the tokens that differ are counted (``token_mismatches``; ``error`` stops the run on one).
 
 A harness that raises, or runs past ``harness_timeout_s``, gives an error sample (``agent_error``, scored
 ``on_error_score``); a timed-out thread cannot be killed and is left behind (a daemon), its later requests
@@ -47,8 +49,8 @@ from typing import Any
 
 from torchrlhf.agents.agent import Agent
 from torchrlhf.agents.parsing import openai_tool_calls
-from torchrlhf.agents.render import ChatRenderer, row_messages
-from torchrlhf.agents.session import Trajectory
+from torchrlhf.agents.render import ChatRenderer, TokenCheck, row_messages
+from torchrlhf.agents.session import TokenMismatchError, Trajectory
 from torchrlhf.generation.session import TurnResult
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,15 @@ SessionGenerate = Callable[[list[Any], list[int]], list[list[float]]]
 
 @dataclass
 class Call:
-    """One recorded endpoint call: its prompt and sampled tokens, their log-probs, why it stopped."""
+    """One recorded endpoint call: its prompt and sampled tokens, their log-probs, why it stopped, and (a chat
+    call) the request's messages and tools, which ``check_tokens`` re-renders."""
 
     prompt: list[int]
     completion: list[int]
     logps: list[float]
     finish_reason: str
+    messages: list[dict[str, Any]] | None = None
+    tools: Any = None
 
 
 @dataclass
@@ -424,6 +429,8 @@ class HarnessRunner:
         metrics = {"num_turns": float(len(segment)), "harness_splits": float(splits)}
         if not segment:  # no call sampled anything: an empty response after the row's own prompt
             prompt = self.agent.renderer.prompt_tokens(row_messages(session.row) or [{"role": "user", "content": ""}])
+            if self.agent.spec.check_tokens != "off":
+                metrics["token_mismatches"] = 0.0
             traj = Trajectory(prompt_tokens=prompt, finish_reason="error" if error else "stop", error=error,
                               metrics=metrics)
             traj.turn_rewards = [session.reward]
@@ -434,7 +441,30 @@ class HarnessRunner:
         traj.finish_reason = "error" if error else segment[-1].finish_reason
         traj.error = error
         traj.metrics = metrics
+        if self.agent.spec.check_tokens != "off":
+            check = self._check_tokens(segment, traj.prompt_tokens + traj.response_tokens)
+            metrics["token_mismatches"] = float(check.mismatches if check is not None else 0)
+            if check is not None and check.mismatches and self.agent.spec.check_tokens == "error":
+                raise TokenMismatchError(
+                    f"harness: re-rendering the conversation from text differs from the trajectory's tokens at "
+                    f"{check.mismatches} position(s), first at token {check.first_mismatch}")
         return traj, logps
+
+    def _check_tokens(self, segment: Sequence[Call], tokens: list[int]) -> TokenCheck | None:
+        """``check_tokens``: the segment's conversation (its last call's messages, each answer the endpoint gave in
+        them and the last turn as the decoded model tokens) re-rendered from text against the trajectory's tokens.
+        None for a segment of ``/completions`` calls (no conversation to re-render)."""
+        last = segment[-1]
+        if last.messages is None:
+            return None
+        renderer = self._renderer(last.tools)
+        messages = list(last.messages)
+        for call in segment[:-1]:  # the next call's messages start with this call's messages and its answer
+            at = len(call.messages or ())
+            if call.messages is not None and at < len(messages) and messages[at]["role"] == "assistant":
+                messages[at] = {"role": "assistant", "content": renderer.turn_content(call.completion)}
+        messages.append({"role": "assistant", "content": renderer.turn_content(last.completion)})
+        return renderer.check(messages, tokens)
 
 
 class _Segment:
@@ -466,7 +496,10 @@ class _Segment:
         with self.runner._lock:
             request = self._request
             tokens, cut = self.runner._cut_at_stop(list(tokens), _stop_strings(request.body))
-            call = Call(self.tokens, tokens, [], "stop" if cut else finish_reason)
+            chat = request.kind == "chat"
+            call = Call(self.tokens, tokens, [], "stop" if cut else finish_reason,
+                        [_plain(m) for m in request.body["messages"]] if chat else None,
+                        request.body.get("tools") if chat else None)
             self.calls.append(call)
             self.session.calls.append(call)
             self._future = Future()
