@@ -387,7 +387,7 @@ def test_config_errors(tiny_dir, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="format, max_turns do not apply to a harness: your agent runs its own"):
         build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "max_turns": 1, "format": "tags"},
                     tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="harness_timeout_s apply only with a harness"):
+    with pytest.raises(ConfigError, match="harness_timeout_s apply only with a harness or verifiers"):
         build_agent({"tools": ["calculator"], "harness_timeout_s": 5}, tok, max_tokens=8)
     with pytest.raises(ConfigError, match="harness_batch_wait_s must be >= 0, got -1"):
         build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "harness_batch_wait_s": -1}, tok,

@@ -87,8 +87,8 @@ def test_hermes_parallel_calls_and_errors(user_tools):
 
 
 def test_hermes_calls_as_openai_tool_calls():
-    """The endpoint's and the verifiers adapter's view of a turn: OpenAI ``tool_calls`` with JSON-string arguments,
-    the text around them as the content; a block that is no call (not JSON, not closed) stays in the content."""
+    """The endpoint's view of a turn (a harness's, a verifiers episode's): OpenAI ``tool_calls`` with JSON-string
+    arguments, the text around them as the content; a block that is no call (not JSON, not closed) stays in the content."""
     import json
 
     from torchrlhf.agents.parsing import openai_tool_calls

@@ -1,62 +1,85 @@
-"""A verifiers environment module written in the shape verifiers' docs give (``load_environment`` returning a
-``vf.MultiTurnEnv`` with a dataset and a ``vf.Rubric``), loaded by name: ``rollout.agent.verifiers.env: vf_word_env``.
+"""A verifiers 0.4 environment module written the way verifiers' scaffold (``vf-init``) and its textarena taskset give
+it: a ``vf.Taskset`` of ``vf.Task``s with an async ``@vf.reward``, and a ``vf.Env`` whose ``run`` is the multi-turn
+protocol. Loaded by name: ``rollout.agent.verifiers.env: vf_word_env`` (the folder on ``PYTHONPATH``).
 
-The task: say the row's word, then say it again when asked. The rubric gives 1 per model turn that contains the
-word, over the turns (so 0, 0.5 or 1). ``tools=True`` builds a ``vf.ToolEnv`` with an ``add`` tool instead.
+The task: say the row's word, then say it again when the env asks. The reward is the fraction of model turns that
+contain the word (0, 0.5 or 1). Config fields: ``num_examples``; ``split: eval`` gives other words (with their own
+``info``); ``secret``: every task asks the same question (the word is only in ``answer``), a game whose prompt text
+does not tell its tasks apart; ``task.broken``: the reward raises; ``task.tools``: an ``add`` tool (an MCP toolset,
+this module run as ``python -m vf_word_env``).
 """
 
 from __future__ import annotations
 
-import verifiers as vf
-from datasets import Dataset
+from typing import Literal
+
+import verifiers.v1 as vf
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pearl"]
 
 
-class RepeatWordEnv(vf.MultiTurnEnv):
-    async def is_completed(self, messages, state, **kwargs) -> bool:
-        return state["turn"] >= 2
+class WordToolset(vf.Toolset[vf.ToolsetConfig]):
+    TOOL_PREFIX = "word"
 
-    async def env_response(self, messages, state, **kwargs):
-        return [{"role": "user", "content": "Say it again."}], state
-
-
-def turns_with_word(completion, answer, **kwargs) -> float:
-    turns = [m["content"] for m in completion if m["role"] == "assistant"]
-    return sum(answer in t.lower() for t in turns) / max(len(turns), 1)
+    @vf.tool
+    def add(self, a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
 
 
-class RubricDown(vf.Rubric):
-    """A rubric whose scoring itself fails (``broken_rubric=True``); verifiers' own Rubric catches a reward function
-    that raises and scores it 0, so only a failure of ``score_rollout`` reaches the trainer."""
-
-    async def score_rollout(self, *args, **kwargs):
-        raise RuntimeError("the rubric's grader is down")
+class WordData(vf.TaskData):
+    answer: str
+    info: dict = {}
 
 
-def add(a: int, b: int) -> str:
-    """Add two integers.
-
-    Args:
-        a: the first integer.
-        b: the second integer.
-    """
-    return str(a + b)
+class WordTaskConfig(vf.TaskConfig):
+    broken: bool = False
+    tools: bool = False
+    toolset: vf.ToolsetConfig = vf.ToolsetConfig()
 
 
-def load_environment(num_examples: int = 8, tools: bool = False, secret: bool = False, broken_rubric: bool = False,
-                     **kwargs) -> vf.Environment:
-    """``secret=True``: every row asks the same question (the word is only in its ``answer``), a game whose prompt
-    text does not tell its rows apart; the eval rows are then other words with their own ``info``."""
-    def rows(words: list[str], first: int) -> list[dict]:
-        return [{"question": "Say the secret word." if secret else f"Say the word '{w}'.", "answer": w,
-                 "info": {"index": first + i}} for i, w in enumerate(words)]
+class WordTask(vf.Task[WordData, vf.State, WordTaskConfig]):
+    @classmethod
+    def toolsets(cls, config: WordTaskConfig) -> list[vf.Toolset]:
+        return [WordToolset(config.toolset)] if config.tools else []
 
-    dataset = Dataset.from_list(rows(WORDS[:num_examples], 0))
-    eval_dataset = Dataset.from_list(rows(WORDS[::-1][:num_examples], 100)) if secret else dataset
-    rubric = (RubricDown if broken_rubric else vf.Rubric)(funcs=[turns_with_word], weights=[1.0])
-    system = "You repeat words."
-    if tools:
-        return vf.ToolEnv(tools=[add], dataset=dataset, eval_dataset=eval_dataset, rubric=rubric, system_prompt=system,
-                          max_turns=3)
-    return RepeatWordEnv(dataset=dataset, eval_dataset=eval_dataset, rubric=rubric, system_prompt=system, max_turns=3)
+    @vf.reward(weight=1.0)
+    async def turns_with_word(self, trace: vf.Trace) -> float:
+        if self.config.broken:
+            raise RuntimeError("the grader is down")
+        turns = [(m.content or "").lower() for m in trace.assistant_messages]
+        return sum(self.data.answer in t for t in turns) / max(len(turns), 1)
+
+
+class WordConfig(vf.TasksetConfig):
+    num_examples: int = 8
+    split: Literal["train", "eval"] = "train"
+    secret: bool = False
+    task: WordTaskConfig = WordTaskConfig()
+
+
+class WordTaskset(vf.Taskset[WordTask, WordConfig]):
+    def load(self) -> list[WordTask]:
+        words, first = (WORDS, 0) if self.config.split == "train" else (WORDS[::-1], 100)
+        return [WordTask(WordData(prompt="Say the secret word." if self.config.secret else f"Say the word '{w}'.",
+                                  system_prompt="You repeat words.", answer=w, info={"index": first + i}),
+                         self.config.task)
+                for i, w in enumerate(words[: self.config.num_examples])]
+
+
+class WordEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=4)
+
+
+class WordEnv(vf.Env[WordEnvConfig]):
+    async def run(self, task, agents) -> None:
+        async with agents.agent.interaction(task) as chat:
+            segment = await chat.turn()  # a prompted task: the model speaks first
+            if not segment.terminated:
+                await chat.turn("Say it again.")
+
+
+__all__ = ["WordTaskset", "WordEnv"]
+
+if __name__ == "__main__":
+    WordToolset.run()

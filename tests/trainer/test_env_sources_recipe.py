@@ -9,6 +9,7 @@ without it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -64,11 +65,17 @@ def test_openenv_echo_server(tmp_path, monkeypatch):
 
 
 def test_verifiers_module_on_smollm2(tmp_path, monkeypatch):
-    pytest.importorskip("verifiers")
+    """tests/agents/vf_word_env.py (verifiers 0.4): an episode per trajectory, its env asking a second time; verifiers
+    calls the policy through the rollout worker's endpoint."""
+    try:
+        if importlib.util.find_spec("verifiers.v1") is None:
+            raise ModuleNotFoundError
+    except ModuleNotFoundError:
+        pytest.skip("needs verifiers 0.4 (pip install 'torchrlhf[verifiers]')")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AGENTS_TESTS), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "vf"
-    agent = {"verifiers": {"env": "vf_word_env", "args": {"num_examples": 4}}, "reward": "env", "max_turns": 3,
-             "check_tokens": "error"}
+    agent = {"verifiers": {"env": "vf_word_env", "args": {"num_examples": 4}, "val_args": {"split": "eval"}},
+             "reward": "env", "check_tokens": "error"}
     cfg = write_config(tmp_path / "vf.yaml", "smollm2",
                        data={**SMALL["data"], "train_files": [], "val_files": []}, actor=SMALL["actor"],
                        rollout={"agent": agent, "n": 2, "max_tokens": 24, "temperature": 0,
@@ -76,20 +83,24 @@ def test_verifiers_module_on_smollm2(tmp_path, monkeypatch):
                        trainer={"total_steps": 2, "output_dir": str(out), "loggers": ["jsonl"], "test_freq": 2})
     assert_ok(run_recipe(cfg, timeout=400))
     metrics = metrics_of(out)
-    _check(metrics, max_turns=3)
-    # The environment asks twice (its env_response is the second user turn): every trajectory has 2 model turns
-    # unless the token budget ended it first; the rubric's score is a fraction of turns (0, 0.5, 1).
-    assert all(m["num_turns/max"] == 2 and 0.0 <= m["agent/env_reward/mean"] <= 1.0 for m in metrics)
-    assert all(m["critic/score/mean"] == m["agent/env_reward/mean"] for m in metrics)  # reward: env is the rubric
+    assert len(metrics) == 2
+    for m in metrics:
+        assert 1 <= m["num_turns/mean"] and m["num_turns/max"] <= 2  # the env asks twice
+        assert m["agent/agent_error/mean"] == 0 and m["agent/harness_splits/mean"] == 0
+        assert m["agent/token_mismatches/mean"] == 0  # check_tokens: error also stops the run on one
+        assert m["critic/score/mean"] == m["agent/env_reward/mean"]  # reward: env is the episode's trace.reward
     assert (out / "verifiers" / "train.jsonl").read_text().count("\n") == 4
-    # The eval dataset validates (data_source = the env's name). Each sample's score is the rubric's over its own
-    # row's word, recomputed here from the trajectory's model turns: a source that scored another row's answer, or
-    # skipped the rubric on a trajectory the token budget cut, would not give these numbers.
+    # The validation rows are the eval split's words (val_args). Each sample's score is the env's reward over its own
+    # row's word, recomputed here from the trajectory's model turns: a source that scored another row's task, read
+    # the reward from elsewhere, or did not score a trajectory the token budget cut (one turn, finish "length"),
+    # would not give these numbers.
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and {s["data_source"] for s in samples} == {"vf_word_env"}  # val_max_samples rows
+    assert [s["ground_truth"] for s in samples] == ["pearl", "ocean"]
     again = "<|im_start|>user\nSay it again.<|im_end|>\n<|im_start|>assistant\n"
     for s in samples:
-        turns = [t for t in s["trajectory"].split(again) if t]
-        assert s["score"] == sum(s["ground_truth"] in t.lower() for t in turns) / len(turns)
+        turns = s["trajectory"].split(again)
+        assert 1 <= len(turns) <= 2 and all(turns), s
+        assert s["score"] == sum(s["ground_truth"] in t.lower() for t in turns) / len(turns), s
     assert any(s["score"] > 0 for s in samples)  # SmolLM2, greedy, says the word it is asked for
     assert metrics[-1]["val/vf_word_env/acc"] == sum(s["score"] for s in samples) / 2

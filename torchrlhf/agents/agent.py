@@ -9,7 +9,8 @@ Config (``rollout.agent``; every key optional except one of ``tools`` / ``env`` 
         format: hermes             # hermes: <tool_call>{"name":..,"arguments":{..}}</tool_call>; tags: <calc>..</calc>
         tags: {calc: calculator}   # format tags: tag -> tool (its one string argument is the tag's text)
         env: {_component_: torchrlhf.agents.builtin.GuessNumber, low: 1, high: 100}  # see torchrlhf.agents.env
-        verifiers: {env: my_vf_env, args: {}}   # a verifiers environment instead of env (docs/environments.md)
+        verifiers: {env: my_taskset, args: {}}  # a verifiers 0.4 environment: an episode per trajectory, run as a
+                                   #   harness on the endpoint below (`torchrlhf.agents.verifiers_env`)
         max_turns: 4               # model turns (verl: multi_turn.max_assistant_turns)
         max_tool_response_tokens: 256   # longer observations are cut and marked (verl: max_tool_response_length)
         max_parallel_calls: 4      # tool calls run per turn; more become error observations
@@ -44,7 +45,6 @@ same `AgentSession` serves every engine and schedule.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,9 +63,9 @@ log = logging.getLogger(__name__)
 
 
 HARNESS_KEYS = ("harness", "harness_timeout_s", "harness_host", "harness_batch_wait_s")
-# What a harness does not read: its agent runs its own loop, so our turn limits, tool settings, error handling and
-# observation rendering have nothing to act on (a harness reads reward, on_error_score, check_tokens and the
-# HARNESS_KEYS).
+# What a harness (and a verifiers environment, which runs as one) does not read: its agent runs its own loop, so our
+# turn limits, tool settings, error handling and observation rendering have nothing to act on (a harness reads
+# reward, on_error_score, check_tokens and the HARNESS_KEYS).
 HARNESS_IGNORES = ("format", "tags", "max_turns", "max_tool_response_tokens", "max_parallel_calls", "timeout_s",
                    "num_workers", "isolate", "on_error", "observation_role", "observation_prefix")
 
@@ -78,7 +78,7 @@ class AgentSpec:
     format: str = "hermes"
     tags: dict[str, str] = field(default_factory=dict)
     env: dict[str, Any] | None = None
-    verifiers: dict[str, Any] | None = None  # {env: module, args: {...}}: `torchrlhf.agents.verifiers_env`
+    verifiers: dict[str, Any] | None = None  # {env, args, val_args}: `torchrlhf.agents.verifiers_env`
     max_turns: int = 4
     max_tool_response_tokens: int | None = 256
     max_parallel_calls: int = 4
@@ -104,10 +104,11 @@ class AgentSpec:
             (self.tools or self.env or self.verifiers or self.harness, "needs tools, an env, verifiers or a harness"),
             (not (self.env and self.verifiers), "set env or verifiers, not both"),
             (not self.verifiers or (isinstance(self.verifiers, Mapping) and "env" in self.verifiers
-                                    and set(self.verifiers) <= {"env", "args"}),
-             f"verifiers must be {{env: NAME, args: {{...}}}}, got {self.verifiers!r}"),
+                                    and set(self.verifiers) <= {"env", "args", "val_args"}),
+             f"verifiers must be {{env: NAME, args: {{...}}, val_args: {{...}}}}, got {self.verifiers!r}"),
             (not self.verifiers or self.reward != "reward_fn",
-             "verifiers: the rubric scores the trajectory; set reward: env (or sum to add the reward function's)"),
+             "verifiers: the episode's trace.reward scores the trajectory; set reward: env (or sum to add the "
+             "reward function's)"),
             (not (self.harness and (self.tools or self.env or self.verifiers)),
              "harness runs the user's own agent (its tools included): leave tools, env and verifiers unset"),
             (not self.harness or self.reward in ("env", "sum"),
@@ -128,15 +129,19 @@ class AgentSpec:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"rollout.agent: {message}")
-        unused = HARNESS_IGNORES if self.harness else tuple(k for k in HARNESS_KEYS if k != "harness")
+        unused = HARNESS_IGNORES if self.harness or self.verifiers else tuple(k for k in HARNESS_KEYS if k != "harness")
         changed = [f.name for f in dataclasses.fields(self) if f.name in unused and getattr(self, f.name) != (
             f.default_factory() if f.default is dataclasses.MISSING else f.default)]
         if changed and self.harness:
             raise ConfigError(f"rollout.agent: {', '.join(changed)} do not apply to a harness: your agent runs its own "
                               "loop, tools and turns (rollout.max_tokens caps its model tokens, harness_timeout_s its "
                               "time); remove them")
+        if changed and self.verifiers:
+            raise ConfigError(f"rollout.agent: {', '.join(changed)} do not apply to a verifiers environment: its env "
+                              "runs the turns and tools (its seat's max_turns and timeouts; rollout.max_tokens caps "
+                              "the model tokens, harness_timeout_s an episode's time); remove them")
         if changed:
-            raise ConfigError(f"rollout.agent: {', '.join(changed)} apply only with a harness; remove them")
+            raise ConfigError(f"rollout.agent: {', '.join(changed)} apply only with a harness or verifiers; remove them")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AgentSpec:
@@ -174,13 +179,6 @@ class AgentSpec:
             methods = env_tools(env.env_class) if env is not None and is_tool_env(env.env_class) else {}
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise ConfigError(f"rollout.agent.env: {e}") from e
-        if self.verifiers:
-            from torchrlhf.agents.verifiers_env import VerifiersEnv, import_verifiers
-
-            import_verifiers()  # a version outside the supported range fails here, even with the env loaded before
-            env = functools.partial(VerifiersEnv, **self.verifiers)
-            env.env_class = VerifiersEnv  # type: ignore[attr-defined]
-            env()  # loads the environment now (once per process): a missing module fails before training
         if set(methods) & set(tools):
             raise ConfigError(f"rollout.agent: tools and the env's methods share the names {sorted(set(methods) & set(tools))}")
         if methods and self.reward != "reward_fn" and not callable(getattr(env.env_class, "get_reward", None)):
@@ -194,6 +192,10 @@ class AgentSpec:
         return LoadedAgent(tools, env, methods, self._load_harness())
 
     def _load_harness(self) -> Any:
+        if self.verifiers:  # an episode per trajectory, on the harness endpoint; a config error fails here
+            from torchrlhf.agents.verifiers_env import VerifiersEpisodes
+
+            return VerifiersEpisodes(**self.verifiers)
         if not self.harness:
             return None
         try:
@@ -234,6 +236,8 @@ class Agent:
         loaded = spec.load()
         tools, self.env_factory, self.env_tools, self.harness = (loaded.tools, loaded.env_factory, loaded.env_tools,
                                                                  loaded.harness)
+        if spec.verifiers:  # rollout.max_tokens is the policy seat's max_output_tokens
+            self.harness = self.harness.with_max_tokens(self.max_tokens)
         self.tool_env = bool(self.env_tools)  # TRL's shape: reset(**row), methods as tools, optional get_reward
         self.tools = {**tools, **self.env_tools}
         self.parser = ToolCallParser(self.tools, spec.format, spec.tags or None) if self.tools else None

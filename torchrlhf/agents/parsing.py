@@ -126,7 +126,7 @@ class HermesBlock:
 
 def hermes_blocks(text: str) -> list[HermesBlock]:
     """The Hermes tool-call blocks of ``text`` in order (one not closed runs to the end): the one scanner that our
-    parser, the harness endpoint's OpenAI ``tool_calls`` and the verifiers adapter read."""
+    parser and the harness endpoint's OpenAI ``tool_calls`` (which verifiers episodes receive too) read."""
     blocks = []
     for m in re.finditer(r"<tool_call>(.*?)(</tool_call>|$)", text, re.DOTALL):
         if not m.group(2):
