@@ -1,10 +1,12 @@
-"""The calculator task of grpo_calculator_agent_cpu.yaml written as a verifiers environment, in the shape verifiers'
-docs give: ``load_environment`` returns a ``vf.MultiTurnEnv`` with a dataset, few-shot messages and a ``vf.Rubric``.
-It imports nothing from torchrlhf; train it with ``recipes/configs/grpo_calculator_verifiers_cpu.yaml``.
+"""The calculator task of grpo_calculator_agent_cpu.yaml written as a verifiers 0.4 environment, the way verifiers'
+scaffold (``vf-init``) and its textarena taskset give one: a ``vf.Taskset`` of ``vf.Task``s with an async
+``@vf.reward``, and a ``vf.Env`` whose ``run`` is the calculator protocol. It imports nothing from torchrlhf; train it
+with ``recipes/configs/grpo_calculator_verifiers_cpu.yaml``.
 
-The model is asked ``What is a * b * c * d?`` after one demonstration exchange. A turn holding ``<calc>EXPR</calc>``
-gets the result back as the next user message; a turn without one ends the episode. The rubric gives 1 when the
-last "The answer is N." in the model's turns equals the product.
+The model is asked ``What is a * b * c * d?`` after one demonstration exchange (the prompt's first four messages).
+A turn holding ``<calc>EXPR</calc>`` gets the result back as the next user message; a turn without one ends the
+episode (so does the seat's ``max_turns``). The reward is 1 when the last "The answer is N." in the model's turns
+equals the product.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import json
 import operator
 import os
 import re
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 ANSWER = re.compile(r"The answer is\s*(-?[\d,]+)")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+FEW_SHOT = [vf.UserMessage(content="What is 231 * 47?"), vf.AssistantMessage(content="<calc>231 * 47</calc>"),
+            vf.UserMessage(content="10857"), vf.AssistantMessage(content="The answer is 10857.")]
 
 
 def evaluate(expression: str) -> str:
@@ -42,31 +46,42 @@ def evaluate(expression: str) -> str:
         return f"Error: {e}"
 
 
-class CalculatorEnv(vf.MultiTurnEnv):
-    async def is_completed(self, messages, state, **kwargs) -> bool:
-        return messages[-1]["role"] == "assistant" and not CALL.search(messages[-1]["content"])
-
-    async def env_response(self, messages, state, **kwargs):
-        results = [evaluate(expr) for expr in CALL.findall(messages[-1]["content"])]
-        return [{"role": "user", "content": "\n".join(results)}], state
+class CalculatorData(vf.TaskData):
+    answer: str
 
 
-def correct_answer(completion, answer, **kwargs) -> float:
-    said = [m.group(1) for m in (ANSWER.search(t["content"]) for t in completion if t["role"] == "assistant") if m]
-    return 1.0 if said and said[-1].replace(",", "") == str(answer) else 0.0
+class CalculatorTask(vf.Task[CalculatorData]):
+    @vf.reward(weight=1.0)
+    async def correct_answer(self, trace: vf.Trace) -> float:
+        said = [m.group(1) for m in (ANSWER.search(t.content or "") for t in trace.assistant_messages) if m]
+        return 1.0 if said and said[-1].replace(",", "") == self.data.answer else 0.0
 
 
-def _rows(name: str, limit: int | None) -> Dataset:
-    """The question and answer of each row of ``recipes/data/calculator_{name}.jsonl`` (its last user message)."""
-    with open(os.path.join(DATA, f"calculator_{name}.jsonl")) as f:
-        rows = [json.loads(line) for line in f][:limit]
-    return Dataset.from_list([{"question": r["prompt"][-1]["content"], "answer": r["ground_truth"]} for r in rows])
+class CalculatorConfig(vf.TasksetConfig):
+    split: Literal["train", "test"] = "train"
+    num_tasks: int | None = None
+    """The first this many problems of ``recipes/data/calculator_{split}.jsonl`` (all of them when unset)."""
 
 
-def load_environment(num_train: int | None = None, num_eval: int | None = None, **kwargs) -> vf.Environment:
-    few_shot = [{"role": "user", "content": "What is 231 * 47?"},
-                {"role": "assistant", "content": "<calc>231 * 47</calc>"},
-                {"role": "user", "content": "10857"},
-                {"role": "assistant", "content": "The answer is 10857."}]
-    return CalculatorEnv(dataset=_rows("train", num_train), eval_dataset=_rows("test", num_eval), few_shot=few_shot,
-                         rubric=vf.Rubric(funcs=[correct_answer], weights=[1.0]), max_turns=3, **kwargs)
+class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorConfig]):
+    def load(self) -> list[CalculatorTask]:
+        with open(os.path.join(DATA, f"calculator_{self.config.split}.jsonl")) as f:
+            rows = [json.loads(line) for line in f][: self.config.num_tasks]
+        return [CalculatorTask(CalculatorData(prompt=[*FEW_SHOT, vf.UserMessage(content=r["prompt"][-1]["content"])],
+                                              answer=r["ground_truth"]), self.config.task)
+                for r in rows]
+
+
+class CalculatorEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=3)
+
+
+class CalculatorEnv(vf.Env[CalculatorEnvConfig]):
+    async def run(self, task, agents) -> None:
+        async with agents.agent.interaction(task) as chat:
+            segment = await chat.turn()
+            while not segment.terminated and (calls := CALL.findall(segment.last_reply)):
+                segment = await chat.turn("\n".join(evaluate(e) for e in calls))
+
+
+__all__ = ["CalculatorTaskset", "CalculatorEnv"]

@@ -19,6 +19,7 @@ from torchrlhf.agents.session import agent_columns
 from torchrlhf.config import ConfigError
 from torchrlhf.generation.session import run_rounds
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORD_ENV = {"env": "vf_word_env", "args": {"num_examples": 2}}
 AGAIN = "<|im_start|>user\nSay it again.<|im_end|>\n<|im_start|>assistant\n"
@@ -188,6 +189,24 @@ def test_tool_calls_run_on_the_tasks_toolset(smollm2_tok, tmp_path, word_env_pat
     assert "<|im_start|>tool\nerror: unknown tool 'mul'" in whole and whole.endswith(f"{AGAIN}apple<|im_end|>")
     assert traj.env_reward == 0.5 and traj.metrics["num_turns"] == 4.0  # 2 of the 4 model turns say the word
     assert traj.metrics["token_mismatches"] == 0.0 and traj.metrics["harness_splits"] == 0.0
+
+
+@needs_verifiers
+def test_a_module_file_runs_the_calculator_recipe_env(smollm2_tok, tmp_path):
+    """``env: path/to/module.py`` loads a module that is not installed: here the demo's recipes/envs/vf_calculator.py."""
+    node = {"env": os.path.join(REPO, "recipes", "envs", "vf_calculator.py"), "args": {"num_tasks": 2},
+            "val_args": {"split": "test"}}
+    row = rows_of(node, tmp_path)[0]
+    assert row["prompt"][-1] == {"role": "user", "content": "What is 124 * 76 * 74 * 24?"}  # after the few-shot exchange
+    assert row["prompt"][1] == {"role": "assistant", "content": "<calc>231 * 47</calc>"}
+    assert row["ground_truth"] == "16737024" and row["data_source"] == "vf_calculator"  # the file's stem names it
+    right = ["<calc>124 * 76 * 74 * 24</calc>", "The answer is 16737024."]
+    traj, = run(smollm2_tok, node, [row], lambda row, k: right[k], check_tokens="error")
+    assert text(smollm2_tok, traj) == (f"{right[0]}<|im_end|>\n<|im_start|>user\n16737024<|im_end|>\n"
+                                       f"<|im_start|>assistant\n{right[1]}<|im_end|>")
+    assert traj.env_reward == 1.0
+    wrong, = run(smollm2_tok, node, [row], lambda row, k: "The answer is 16737.")
+    assert wrong.env_reward == 0.0 and wrong.metrics["num_turns"] == 1.0  # no <calc>: the env ends the episode
 
 
 @needs_verifiers
