@@ -21,9 +21,10 @@ runtime config are replaced, its turn limits and timeouts kept), and ``rollout.m
 ``max_output_tokens``: verifiers refuses the turn after the budget is spent and scores the episode as it stands.
 
 The trajectory's reward is the seat's ``trace.reward`` (the weighted ``@vf.reward`` hooks, and what ``Env.finalize``
-records). A trace that is not ``ok`` (a reward or ``Env.run`` that raised, a harness or model-call failure, a
-timeout) raises `EpisodeError`, which the harness runner counts (``agent/agent_error``) and scores
-``on_error_score``: verifiers leaves a failed trace's rewards unset, so it is never a silent 0.
+records). An episode that is not ``ok`` (a reward or ``Env.run`` that raised, a harness or model-call failure, the
+episode's deadline) raises `EpisodeError`, which the harness runner counts (``agent/agent_error``) and scores
+``on_error_score``: verifiers leaves a failed trace's rewards unset, so it is never a silent 0. (A seat's stage
+deadline is a stop, as a limit is: verifiers scores that trace.)
 
 The rows: `verifiers_data_files` writes the taskset's tasks (``args``; ``val_args`` for the validation rows) as
 prompt files; each row carries the task's identity (its split, ``idx`` and ``key``), by which the episode finds
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 SUPPORTED = (">=0.4", "<0.5")  # the verifiers.v1 API of 0.4.x; the extra `torchrlhf[verifiers]` pins the same range
 KEY_VAR = "TORCHRLHF_VERIFIERS_KEY"  # the env variable verifiers reads our endpoint's API key from (any value)
 MODEL = "policy"  # the model name in verifiers' requests (our endpoint serves the policy under any name)
-SPLITS = ("train", "val")
+_LOADING = threading.Lock()  # the first trajectories of a process load the tasks and the envs once, not each
 
 
 class EpisodeError(RuntimeError):
@@ -280,11 +281,12 @@ class VerifiersEpisodes:
         if split not in self.source.configs or not isinstance(idx, int):
             raise EpisodeError(f"the row names no task of the environment (verifiers_split={split!r}, "
                                f"verifiers_idx={idx!r}); its rows come from verifiers_data_files")
-        task = _tasks(self.env, *keys, split).get(idx)
+        with _LOADING:
+            task = _tasks(self.env, *keys, split).get(idx)
+            env = _serving_env(self.env, *keys, split, self.max_tokens)
         if task is None or task.key != row.get("verifiers_key"):
             raise EpisodeError(f"{split} task {idx} of {self.source.name!r} is not the task its row was written from "
                                "(does the taskset's load() give the same tasks in every process?)")
-        env = _serving_env(self.env, *keys, split, self.max_tokens)
         os.environ.setdefault(KEY_VAR, "torchrlhf")
         ctx = vf.ModelContext(model=MODEL, client=vf.EvalClientConfig(base_url=base_url, api_key_var=KEY_VAR))
         episode = _Loop.run(env.run_episode(task, ctx))
