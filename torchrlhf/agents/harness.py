@@ -297,6 +297,8 @@ class HarnessRunner:
         for session in sessions.values():
             if not session.done and now > session.deadline:
                 session.done, session.error = True, "timeout"
+                log.warning("harness ran past harness_timeout_s=%gs (%d calls answered): an error sample",
+                            self.agent.spec.harness_timeout_s, len(session.calls))
 
     def _call_harness(self, sid: str, session: _Session) -> None:
         try:
