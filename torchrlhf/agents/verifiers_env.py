@@ -256,7 +256,7 @@ class VerifiersEpisodes:
     Args:
         env: the taskset's module name, or a module file.
         args: its TasksetConfig fields (training rows).
-        val_args: the fields of the validation rows, merged over ``args``.
+        val_args: the fields of the validation rows (their top-level keys replace those of ``args``).
         max_tokens: the seat's ``max_output_tokens`` (``rollout.max_tokens``); `Agent` sets it.
     """
 
@@ -272,6 +272,7 @@ class VerifiersEpisodes:
             raise ConfigError(f"rollout.agent.verifiers.env={env!r}: {e}") from e
 
     def with_max_tokens(self, max_tokens: int) -> VerifiersEpisodes:
+        """The same episodes with the seat's ``max_output_tokens`` (the agent knows ``rollout.max_tokens``)."""
         return VerifiersEpisodes(self.env, self.args, self.val_args, max_tokens)
 
     def __call__(self, base_url: str, row: Mapping[str, Any]) -> float:
