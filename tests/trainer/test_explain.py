@@ -188,7 +188,7 @@ def test_dry_run_lists_the_judge_memory_per_rank(tiny_model_dir, tmp_path):
     # one whole judge engine on rank 1: fp32 weights + K and V of 256 slots x 4096 tokens for every layer
     cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir, placement={"judge": [1]},
                             actor={"batching": {"ppo_micro_batch_size_per_device": 8}},
-                            judge={"model_path": tiny_model_dir, "max_tokens": 4, "batch_size": 2,
+                            judge={"model_path": tiny_model_dir, "sampling": {"max_tokens": 4}, "batch_size": 2,
                                    "engine": {"max_batch_size": 256, "max_seq_len": 4096}})
     text = explain(load_recipe_config(load_config(cfg_path), 2), 2)
     assert "  actor     ranks 0,1: FSDP2 over 2 × TP 1 (mesh dp_shard=2, tp=1)" in text

@@ -91,7 +91,7 @@ def test_log_probs_and_gradient_equal_peft(model_dir, shared_prefix):
     batch.pop("old_log_probs")  # one optimizer step per rollout: the update uses its own log-probs (ratio 1)
     kw = grouped(grad_clip=0.0, ppo_mini_batch_size=3, rollout_n=2, ppo_micro_batch_size_per_device=2,
                  shared_prefix=shared_prefix, lora=LORA)
-    actor = ActorWorker(model_dir, **{**kw, "optim": {"_component_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0}})
+    actor = ActorWorker(model_dir, **{**kw, "optim": {"_component_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0, "clip_grad": 0.0}})
     randomize_b(actor)
     before = adapters(actor)
     peft = peft_model(model_dir, before)
