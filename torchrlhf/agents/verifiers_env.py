@@ -88,13 +88,13 @@ def taskset_id(env: str) -> str:
             raise ConfigError(f"rollout.agent.verifiers.env={env!r}: verifiers imports a taskset by its top-level "
                               "module name; give that name, or the path of a module file (envs/my_taskset.py)")
         return env
-    path = os.path.abspath(env)
+    path = os.path.realpath(env)  # one file reached through a symlink is still one module
     if not os.path.isfile(path):
         raise ConfigError(f"rollout.agent.verifiers.env: file not found: {env}")
     name = os.path.splitext(os.path.basename(path))[0]
     loaded = sys.modules.get(name)
     if loaded is not None:
-        if os.path.abspath(getattr(loaded, "__file__", "") or "") != path:
+        if os.path.realpath(getattr(loaded, "__file__", "") or "") != path:
             raise ConfigError(f"rollout.agent.verifiers.env={env!r}: a module named {name!r} is already imported "
                               f"from {getattr(loaded, '__file__', None)}; rename the file")
         return name
