@@ -6,7 +6,6 @@ the rollout/training log-prob mismatch) when given; the weights are treated as c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,7 +182,3 @@ class PolicyLoss:
         """The rollout correction as `rollout_is_weights` takes it."""
         return {"level": self.rollout_is, "mode": self.rollout_is_mode, "threshold": self.rollout_is_threshold}
 
-    @classmethod
-    def of(cls, value: PolicyLoss | Mapping[str, Any] | None) -> PolicyLoss:
-        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
-        return value if isinstance(value, cls) else cls(**(value or {}))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -49,7 +47,3 @@ class ValueLoss:
         if self.cliprange_value is not None and not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value: must be positive (or null: unclipped), got {self.cliprange_value}")
 
-    @classmethod
-    def of(cls, value: ValueLoss | Mapping[str, Any] | None) -> ValueLoss:
-        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
-        return value if isinstance(value, cls) else cls(**(value or {}))

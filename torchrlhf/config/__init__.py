@@ -11,6 +11,6 @@ Every problem raises `ConfigError` (a ValueError), never ``sys.exit``.
 from torchrlhf.config._errors import ConfigError
 from torchrlhf.config._instantiate import get_component, instantiate, load_callable
 from torchrlhf.config._parse import apply_overrides, load_config, parse_args
-from torchrlhf.config._validate import schema_from_signature, validate
+from torchrlhf.config._validate import as_section, schema_from_signature, validate
 
-__all__ = ["ConfigError", "apply_overrides", "get_component", "instantiate", "load_callable", "load_config", "parse_args", "schema_from_signature", "validate"]
+__all__ = ["ConfigError", "as_section", "apply_overrides", "get_component", "instantiate", "load_callable", "load_config", "parse_args", "schema_from_signature", "validate"]

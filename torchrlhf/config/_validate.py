@@ -187,3 +187,9 @@ def schema_from_signature(fn: Any, *, name: str, exclude: tuple[str, ...] = ()) 
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
     return dataclasses.make_dataclass(name, required + optional)
+
+
+def as_section(cls: type[T], value: T | Mapping[str, Any] | None) -> T:
+    """A section object from itself, a mapping (a notebook's dict), or None (its defaults): the one way a
+    constructor takes a checked section such as `PolicyLoss` without checking one it was given again."""
+    return value if isinstance(value, cls) else cls(**(value or {}))

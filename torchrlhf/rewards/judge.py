@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +75,6 @@ class ParserSpec:
         if self.fn is not None:
             load_callable(self.fn, what="judge.parser.fn")  # fail at start, with a clear error
 
-    @classmethod
-    def of(cls, value: ParserSpec | Mapping[str, Any] | None) -> ParserSpec:
-        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
-        return value if isinstance(value, cls) else cls(**(value or {}))
 
 
 class VerdictParser:

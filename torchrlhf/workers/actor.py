@@ -17,6 +17,7 @@ import torch
 
 from torchrlhf.algorithms import PolicyLoss, agg_loss, compute_policy_loss, kl_penalty
 from torchrlhf.algorithms.rollout_is import rollout_is_weights
+from torchrlhf.config import as_section
 from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
@@ -75,7 +76,7 @@ class ActorWorker(FSDPWorker):
         if self.lora is not None and freeze:
             raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")
         self.freeze = freeze
-        self.loss = PolicyLoss.of(loss)
+        self.loss = as_section(PolicyLoss, loss)
         self.shared_prefix = shared_prefix
         rollout_is = self.loss.rollout_is is not None
         self.loss_metrics = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchrlhf.algorithms import ValueLoss, compute_value_loss
+from torchrlhf.config import as_section
 from torchrlhf.data import Batch
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
@@ -61,7 +62,7 @@ class CriticWorker(FSDPWorker):
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
-        self.loss = ValueLoss.of(loss)
+        self.loss = as_section(ValueLoss, loss)
         self.shared_prefix = shared_prefix
         self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,

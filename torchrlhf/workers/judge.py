@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchrlhf.config import get_component
+from torchrlhf.config import as_section, get_component
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.hybrid.broadcast import local_shard
@@ -62,10 +62,6 @@ class JudgeSampling:
         return SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
                               seed=self.seed, logprobs=False)
 
-    @classmethod
-    def of(cls, value: JudgeSampling | Mapping[str, Any] | None) -> JudgeSampling:
-        """The section from a mapping (a notebook's dict), itself, or the defaults for None."""
-        return value if isinstance(value, cls) else cls(**(value or {}))
 
 
 class JudgeWorker(Worker):
@@ -118,8 +114,8 @@ class JudgeWorker(Worker):
             raise ValueError(f"judge: need batch_size >= 1 and timeout_s >= 0, got {batch_size}, {timeout_s}")
         self.template = check_template(template)
         self.apply_chat_template = apply_chat_template
-        self.parser = VerdictParser(ParserSpec.of(parser))
-        sampling = JudgeSampling.of(sampling)
+        self.parser = VerdictParser(as_section(ParserSpec, parser))
+        sampling = as_section(JudgeSampling, sampling)
         self.sampling = sampling.params()
         self.batch_size, self.timeout_s = batch_size, float(timeout_s)
         self.on_failure_score, self.weight = float(on_failure_score), float(weight)
