@@ -251,8 +251,8 @@ def test_tail_compaction_keeps_results(monkeypatch):
     from torchrlhf.generation.scheduler import Scheduler
 
     calls = []
-    original = Scheduler._compact
-    monkeypatch.setattr(Scheduler, "_compact", lambda self, live: (calls.append(list(live)), original(self, live)))
+    original = Scheduler.compact
+    monkeypatch.setattr(Scheduler, "compact", lambda self, live: (calls.append(list(live)), original(self, live)))
     model = tiny_model()
     lengths = [4, 8, 3, 10, 5, 7, 6, 9, 4, 6]
     params = SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[61, 33, 43, 91, 22])

@@ -459,7 +459,7 @@ class Scheduler:
             self.slot_pos[s] += length
 
     # ---------------------------------------------------------------- decode
-    def _compact(self, live: list[int]) -> None:
+    def compact(self, live: list[int]) -> None:
         """Move live samples into the lowest slots so decode runs over a short span."""
         targets = [s for s in range(len(live)) if self.slot_sample[s] < 0]
         movers = [s for s in live if s >= len(live)]
@@ -483,7 +483,7 @@ class Scheduler:
         live = [s for s, sid in enumerate(self.slot_sample) if sid >= 0]
         span = live[-1] + 1
         if not self.waiting and span >= 8 and len(live) <= span // 2:
-            self._compact(live)
+            self.compact(live)
             live = list(range(len(live)))
             span = len(live)
         span = max(span, self.min_span)

@@ -21,19 +21,22 @@ which autograd skips because the embeddings are frozen, are counted anyway (≤ 
 backward: an upper bound). Work a pass does twice by choice is not counted (as in PaLM's MFU): the fused LM head's recompute in its
 backward, activation checkpointing's second forward.
 
-The peak is per device in the dtype of the pass: given (``trainer.peak_flops``) or measured once per
-process by `matmul_peak` (on CPU with this thread's intra-op threads: a rank's "device" is its threads).
+The peak is per device in the dtype of the pass: given (``trainer.peak_flops``) or measured by `matmul_peak`
+(on CPU with this thread's intra-op threads: a rank's "device" is its threads), once per host and kept in the
+calibration file (`utils.calibration`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from torchrlhf.models.parallelize import find_transformer_blocks
+from torchrlhf.utils import calibration
 
 TRAIN_FORWARDS = 3  # forward + backward (activation and weight gradients)
 
@@ -113,13 +116,19 @@ def set_peak_flops(value: float | None) -> None:
 
 
 def peak_flops(dtype: torch.dtype, device: torch.device) -> float:
-    """The given peak, else `matmul_peak` for ``dtype`` on ``device``, measured once per process and thread count."""
+    """The given peak, else `matmul_peak` for ``dtype`` on ``device`` at this thread count, measured once per host
+    (kept in the calibration file) and read once per process."""
     if _given_peak is not None:
         return _given_peak
-    key = (device.type, dtype, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    key = (device.type, dtype, threads)
     if key not in _measured:
-        _measured[key] = matmul_peak(dtype, device)
+        name = f"matmul_peak/{calibration.device_name(device)}/{dtype}/threads={threads}/torch={torch.__version__}"
+        _measured[key] = calibration.measured(name, lambda: matmul_peak(dtype, device))
     return _measured[key]
+
+
+_LAYOUTS = {"x @ w.T": lambda a, b: a @ b.t(), "g @ w": lambda a, b: a @ b, "g.T @ x": lambda a, b: a.t() @ b}
 
 
 def matmul_peak(dtype: torch.dtype, device: torch.device, size: int | None = None, min_seconds: float = 0.2) -> float:
@@ -130,28 +139,36 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, size: int | None = Non
     and 2048 (``size``: that one only). A CPU's fp32 rate is flat from 1024 on, but AMX bf16 is not: on the
     Intel host 1024 read 1560-1910 GFLOP/s and 2048 2560-2870, the rate the model's own GEMMs reach
     (2470-2650 at 1888 x 576 x 1536). The best of several runs, so that another process's burst does not
-    lower it. On a CPU without bf16 instructions bf16 GEMMs differ by 10x between layouts: the best is the peak.
+    lower it. On a CPU without bf16 instructions bf16 GEMMs differ by 10x between layouts: the best is the peak,
+    and a larger size reads only the layout that was best at the smaller one (a slow layout at 2048 costs
+    minutes there).
     """
     device = torch.device(device)
     sizes = (size,) if size else ((1024, 2048) if device.type == "cpu" else (4096,))
-    return max(_square_gemm_rate(n, dtype, device, min_seconds) for n in sizes)
+    layouts, best = list(_LAYOUTS), 0.0
+    for n in sizes:
+        rates = {name: _square_gemm_rate(n, _LAYOUTS[name], dtype, device, min_seconds) for name in layouts}
+        layouts = [max(rates, key=rates.__getitem__)]
+        best = max(best, *rates.values())
+    return best
 
 
-def _square_gemm_rate(n: int, dtype: torch.dtype, device: torch.device, min_seconds: float) -> float:
+def _square_gemm_rate(
+    n: int, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device,
+    min_seconds: float,
+) -> float:
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, generator=g, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for gemm in (lambda: a @ b.t(), lambda: a @ b, lambda: a.t() @ b):
-        gemm()  # warm-up: kernel selection, caches
+    gemm(a, b)  # warm-up: kernel selection, caches
+    sync()
+    best, spent, runs = float("inf"), 0.0, 0
+    while spent < min_seconds or runs < 3:
+        start = time.perf_counter()
+        gemm(a, b)
         sync()
-        spent, runs = 0.0, 0
-        while spent < min_seconds or runs < 3:
-            start = time.perf_counter()
-            gemm()
-            sync()
-            took = time.perf_counter() - start
-            best, spent, runs = min(best, took), spent + took, runs + 1
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
     return 2.0 * n**3 / best
 
 
