@@ -79,7 +79,7 @@ def train_overrides(model_dir: str, micro: int, output_dir: str) -> list[str]:
             "rollout.max_tokens=256", "rollout.engine.max_batch_size=128", "rollout.engine.max_seq_len=320",
             "data.max_prompt_length=64", "actor.batching.ppo_mini_batch_size=16",
             f"actor.batching.ppo_micro_batch_size_per_device={micro}", f"trainer.total_steps={RECIPE_STEPS}",
-            "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.resume=disable",
+            "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.checkpoint.save_freq=0", "trainer.checkpoint.resume=disable",
             f"trainer.output_dir={output_dir}", "trainer.loggers=[console,jsonl]"]
 
 
@@ -103,8 +103,8 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
     py = sys.executable
     recipe = [py, "recipes/ppo.py", "--config", "recipes/configs/grpo_arithmetic_cpu.yaml",
               f"trainer.total_steps={RECIPE_STEPS}", f"trainer.output_dir={os.path.join(output_dir, 'recipe')}",
-              "trainer.resume=disable",
-              "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=0",
+              "trainer.checkpoint.resume=disable",
+              "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.checkpoint.save_freq=0",
               "trainer.loggers=[console,jsonl]", "actor.dtype=bfloat16"]
     found = [
         Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *CUDA_TESTS], 150),

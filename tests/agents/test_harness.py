@@ -138,10 +138,10 @@ ROWS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "index"
 PARAMS = SamplingParams(temperature=1.0, max_tokens=16, logprobs=True)
 
 
-def _run(engine, tiny_dir, harness_module, name, rows=ROWS, **spec):
+def _run(engine, tiny_dir, harness_module, name, rows=ROWS, timeout_s: float = 300.0, **spec):
     tok = load_tokenizer(tiny_dir)
-    agent = build_agent({"harness": f"{harness_module}:{name}", "reward": "env", **spec}, tok, max_tokens=16,
-                        max_trajectory_tokens=256)
+    agent = build_agent({"harness": {"fn": f"{harness_module}:{name}", "timeout_s": timeout_s}, "reward": "env", **spec},
+                        tok, max_tokens=16, max_trajectory_tokens=256)
     runner = HarnessRunner(agent, agent.harness)
     try:
         return tok, runner.run(rows, [7 + i for i in range(len(rows))], functools.partial(sample_sessions, engine.generate, PARAMS))
@@ -226,7 +226,7 @@ def test_check_tokens_re_renders_the_trajectorys_conversation(tiny_dir, harness_
     assert tok.encode("abc", add_special_tokens=False) != letters
 
     def run(first: list[int], check: str):
-        agent = build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "check_tokens": check}, tok,
+        agent = build_agent({"harness": {"fn": f"{harness_module}:two_calls"}, "reward": "env", "check_tokens": check}, tok,
                             max_tokens=16, max_trajectory_tokens=256)
         runner = HarnessRunner(agent, agent.harness)
 
@@ -303,7 +303,7 @@ def test_an_openai_agents_sdk_agent_calls_its_tool_through_the_endpoint(tiny_dir
         return run_rounds(segments, lambda live, round_: [(turns[round_], [-0.5] * len(turns[round_]), "stop")
                                                           for _ in live])
 
-    agent = build_agent({"harness": "sdk_harness:run_agent", "reward": "env"}, tok, max_tokens=64,
+    agent = build_agent({"harness": {"fn": "sdk_harness:run_agent"}, "reward": "env"}, tok, max_tokens=64,
                         max_trajectory_tokens=256)
     runner = HarnessRunner(agent, agent.harness)
     try:
@@ -337,7 +337,7 @@ def test_concurrent_calls_of_one_trajectory_are_both_answered(engine, tiny_dir, 
             return gather(self, sessions, pending)
 
         monkeypatch.setattr(HarnessRunner, "_gather", gather_both)  # (a call that never comes: queue.Empty)
-    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "concurrent_calls", harness_timeout_s=20.0)
+    _, (trajectories, _) = _run(engine, tiny_dir, harness_module, "concurrent_calls", timeout_s=20.0)
     for traj in trajectories:
         assert traj.env_reward == 2.0 and not traj.error
         assert traj.metrics == {"num_turns": 1.0, "harness_splits": 1.0}
@@ -362,7 +362,7 @@ def test_completions_endpoint(engine, tiny_dir, harness_module):
 
 @pytest.mark.parametrize("name", ["raises", "hangs", "not_a_number"])
 def test_a_failing_or_hanging_harness_is_an_error_sample(engine, tiny_dir, harness_module, name):
-    _, (trajectories, logps) = _run(engine, tiny_dir, harness_module, name, harness_timeout_s=1.0)
+    _, (trajectories, logps) = _run(engine, tiny_dir, harness_module, name, timeout_s=1.0)
     assert [t.error for t in trajectories] == [True] * len(ROWS)
     assert all(t.finish_reason == "error" for t in trajectories)
 
@@ -378,19 +378,24 @@ def test_config_errors(tiny_dir, tmp_path, monkeypatch):
     harness_module = "plain_harness"
     tok = load_tokenizer(tiny_dir)
     with pytest.raises(ConfigError, match="set reward: env"):
-        build_agent({"harness": f"{harness_module}:two_calls"}, tok, max_tokens=8)
+        build_agent({"harness": {"fn": f"{harness_module}:two_calls"}}, tok, max_tokens=8)
     with pytest.raises(ConfigError, match="leave tools, env and verifiers unset"):
-        build_agent({"harness": f"{harness_module}:two_calls", "tools": ["calculator"], "reward": "env"}, tok,
+        build_agent({"harness": {"fn": f"{harness_module}:two_calls"}, "tools": ["calculator"], "reward": "env"}, tok,
                     max_tokens=8)
-    with pytest.raises(ConfigError, match="rollout.agent.harness"):
-        build_agent({"harness": f"{harness_module}:missing", "reward": "env"}, tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="format, max_turns do not apply to a harness: your agent runs its own"):
-        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "max_turns": 1, "format": "tags"},
-                    tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="harness_timeout_s apply only with a harness or verifiers"):
-        build_agent({"tools": ["calculator"], "harness_timeout_s": 5}, tok, max_tokens=8)
-    with pytest.raises(ConfigError, match="harness_batch_wait_s must be >= 0, got -1"):
-        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env", "harness_batch_wait_s": -1}, tok,
+    with pytest.raises(ConfigError, match="rollout.agent.harness.fn: "):
+        build_agent({"harness": {"fn": f"{harness_module}:missing"}, "reward": "env"}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="tool_calls.format, max_turns do not apply to a harness: your agent runs its"):
+        build_agent({"harness": {"fn": f"{harness_module}:two_calls"}, "reward": "env", "max_turns": 1,
+                     "tool_calls": {"format": "tags"}}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="harness.timeout_s apply only with a harness or verifiers"):
+        build_agent({"tools": ["calculator"], "harness": {"timeout_s": 5}}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match="rollout.agent.harness.batch_wait_s: must be >= 0, got -1"):
+        build_agent({"harness": {"fn": f"{harness_module}:two_calls", "batch_wait_s": -1}, "reward": "env"}, tok,
+                    max_tokens=8)
+    with pytest.raises(ConfigError, match="rollout.agent.harness: moved to rollout.agent.harness.fn"):
+        build_agent({"harness": f"{harness_module}:two_calls", "reward": "env"}, tok, max_tokens=8)
+    with pytest.raises(ConfigError, match=r"rollout.agent.harness: unknown key 'timeout' \(did you mean 'timeout_s'"):
+        build_agent({"harness": {"fn": f"{harness_module}:two_calls", "timeout": 5}, "reward": "env"}, tok,
                     max_tokens=8)
 
 
@@ -517,7 +522,7 @@ def test_a_requests_stop_strings_end_its_turn(tiny_dir, tmp_path, monkeypatch):
         turn = first if len(drives) == 1 else second
         return run_rounds(segments, lambda live, round_: [(turn, [-0.25] * len(turn), "stop") for _ in live])
 
-    agent = build_agent({"harness": "stop_harness:run_agent", "reward": "env"}, tok, max_tokens=64,
+    agent = build_agent({"harness": {"fn": "stop_harness:run_agent"}, "reward": "env"}, tok, max_tokens=64,
                         max_trajectory_tokens=256)
     runner = HarnessRunner(agent, agent.harness)
     try:
@@ -550,7 +555,7 @@ def test_the_harness_is_imported_once_per_rank(tiny_dir, tmp_path):
     (tmp_path / "counted_harness.py").write_text(
         f"with open({str(imports)!r}, 'a') as f:\n    f.write('imported\\n')\n\n\n"
         "def run_agent(base_url, row):\n    return 0.0\n")
-    spec = AgentSpec(harness=f"{tmp_path / 'counted_harness.py'}:run_agent", reward="env")
+    spec = AgentSpec(harness={"fn": f"{tmp_path / 'counted_harness.py'}:run_agent"}, reward="env")
     spec.check()  # the controller's config check
     agent = build_agent(pickle.loads(pickle.dumps(spec)), load_tokenizer(tiny_dir), max_tokens=8)  # the worker
     runner = HarnessRunner(agent, agent.harness)

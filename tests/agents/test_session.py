@@ -35,7 +35,7 @@ def full_render(tok, messages, tools=None) -> list[int]:
 
 
 def calc_agent(tok, max_tokens=200, **overrides):
-    cfg = {"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"}, "isolate": False,
+    cfg = {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"calc": "calculator"}}, "isolate": False,
            "check_tokens": "metric", **overrides}
     return build_agent(cfg, tok, max_tokens=max_tokens)
 
@@ -106,7 +106,7 @@ def test_tool_role_template_with_tools_and_parallel_hermes_calls(smollm2_tok, us
 
 def test_bad_tools_become_counted_error_observations(smollm2_tok, user_tools):
     tools = ["agent_user_tools:boom", "agent_user_tools:sleepy", "agent_user_tools:number", "agent_user_tools:echo"]
-    with build_agent({"tools": tools, "timeout_s": 2.0, "num_workers": 2, "max_parallel_calls": 5}, smollm2_tok,
+    with build_agent({"tools": tools, "timeout_s": 2.0, "num_workers": 2, "tool_calls": {"max_parallel": 5}}, smollm2_tok,
                      max_tokens=300) as agent:
         s = AgentSession(agent, {"prompt": QUESTION})
         calls = [{"name": "boom", "arguments": {"text": "x"}}, {"name": "sleepy", "arguments": {"seconds": 60}},
@@ -185,6 +185,12 @@ def test_bad_config_fails_before_anything_runs(user_tools):
         AgentSpec.from_config({"tools": ["agent_user_tools:missing"]})
     with pytest.raises(ConfigError, match="unknown key 'max_turn'"):
         AgentSpec.from_config({"tools": ["calculator"], "max_turn": 3})
+    with pytest.raises(ConfigError, match="rollout.agent.tags: moved to rollout.agent.tool_calls.tags"):
+        AgentSpec.from_config({"tools": ["calculator"], "tags": {"calc": "calculator"}})
+    with pytest.raises(ConfigError, match="rollout.agent.tool_calls.max_parallel: must be >= 1, got 0"):
+        AgentSpec.from_config({"tools": ["calculator"], "tool_calls": {"max_parallel": 0}})
+    with pytest.raises(ConfigError, match="rollout.agent.observation.role: must be 'auto', 'tool' or 'user'"):
+        AgentSpec.from_config({"tools": ["calculator"], "observation": {"role": "assistant"}})
     with pytest.raises(ConfigError, match="needs an env"):
         AgentSpec.from_config({"tools": ["calculator"], "reward": "env"})
     with pytest.raises(ConfigError, match="unexpected keyword"):
@@ -194,7 +200,7 @@ def test_bad_config_fails_before_anything_runs(user_tools):
 def test_config_from_yaml(smollm2_tok, user_tools):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create("tools: [calculator]\nformat: tags\ntags: {calc: calculator}\ncheck_tokens: off\n"
+    cfg = OmegaConf.create("tools: [calculator]\ntool_calls: {format: tags, tags: {calc: calculator}}\ncheck_tokens: off\n"
                            "env: {_component_: agent_user_tools.Counter, start: 2}\nreward: sum\nmax_turns: 3\n")
     spec = AgentSpec.from_config(cfg)
     assert spec.check_tokens == "off" and spec.tools == ("calculator",) and spec.env["start"] == 2
@@ -233,7 +239,7 @@ def test_max_turns_budgets_and_length(smollm2_tok):
 
     prompt = AgentSession(calc_agent(tok), {"prompt": QUESTION}).prompt_tokens
     cap = len(prompt) + len(call) + 5  # room for the call, not for the observation (15 tokens) + 1
-    s = AgentSession(build_agent({"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"},
+    s = AgentSession(build_agent({"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"calc": "calculator"}},
                                   "isolate": False}, tok, max_tokens=200, max_trajectory_tokens=cap), {"prompt": QUESTION})
     assert s.turn_budget() == len(call) + 5
     with pytest.raises(ValueError, match="a turn has 1 to turn_budget"):
@@ -244,7 +250,7 @@ def test_max_turns_budgets_and_length(smollm2_tok):
 
 def test_long_observation_is_truncated_with_a_marker(smollm2_tok, user_tools):
     tok = smollm2_tok
-    agent = build_agent({"tools": ["agent_user_tools:echo"], "format": "tags", "isolate": False,
+    agent = build_agent({"tools": ["agent_user_tools:echo"], "tool_calls": {"format": "tags"}, "isolate": False,
                          "max_tool_response_tokens": 12, "check_tokens": "metric"}, tok, max_tokens=300)
     s = AgentSession(agent, {"prompt": QUESTION})
     long = " ".join(str(i) for i in range(100))

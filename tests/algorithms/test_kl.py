@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from torchrlhf.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from torchrlhf.algorithms import AdaptiveKLController, FixedKLController, KLControl, apply_kl_penalty, kl_penalty
 
 LN2 = math.log(2.0)
 
@@ -73,6 +73,20 @@ def test_adaptive_controller_by_hand():
     assert f.value == 0.3
     with pytest.raises(ValueError, match="target_kl"):
         AdaptiveKLController(0.1, 0.0, 10)
+
+
+def test_kl_ctrl_section_builds_its_controller_and_checks_itself():
+    fixed = KLControl().controller()  # the defaults: fixed at 0.001
+    assert isinstance(fixed, FixedKLController) and fixed.value == 0.001
+    adaptive = KLControl(type="adaptive", kl_coef=0.1, target_kl=6.0, horizon=10000).controller()
+    adaptive.update(current_kl=12.0, n_steps=100)
+    assert isinstance(adaptive, AdaptiveKLController) and adaptive.value == pytest.approx(0.1002)
+    KLControl(target_kl=0.0)  # a fixed controller reads neither target_kl nor horizon
+    for kwargs, match in [({"type": "adaptive", "target_kl": 0.0}, "target_kl: must be > 0"),
+                          ({"type": "adaptive", "horizon": 0}, "horizon: must be > 0"),
+                          ({"kl_coef": -0.1}, "kl_coef: must be >= 0"), ({"type": "pid"}, "type: must be")]:
+        with pytest.raises(ValueError, match=match):
+            KLControl(**kwargs)
 
 
 def test_apply_kl_penalty_by_hand():

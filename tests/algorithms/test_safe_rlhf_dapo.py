@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from torchrlhf.algorithms import LagrangeMultiplier, combine_safe_advantages, filter_groups, overlong_penalty
+from torchrlhf.algorithms import (
+    LagrangeMultiplier,
+    Lagrangian,
+    OverlongBuffer,
+    combine_safe_advantages,
+    filter_groups,
+    overlong_penalty,
+)
 
 
 def test_lagrange_multiplier_by_hand():
@@ -15,6 +22,16 @@ def test_lagrange_multiplier_by_hand():
     assert restored.value == pytest.approx(1.6)
     with pytest.raises(ValueError, match="init"):
         LagrangeMultiplier(init=-1.0, lr=0.1, threshold=0.0)
+
+
+def test_lagrangian_section_is_the_multipliers_arguments():
+    lm = Lagrangian(init=1.5, lr=0.5, threshold=0.2, max_value=1.6).multiplier()
+    assert (lm.value, lm.lr, lm.threshold, lm.max_value) == (1.5, 0.5, 0.2, 1.6)
+    assert lm.update(2.2) == pytest.approx(1.6)
+    default = Lagrangian().multiplier()  # the defaults of the flat keys it replaced
+    assert (default.value, default.lr, default.threshold, default.max_value) == (1.0, 0.05, 0.0, None)
+    with pytest.raises(ValueError, match="init: must be >= 0"):
+        Lagrangian(init=-1.0)
 
 
 def test_combine_safe_advantages_by_hand():
@@ -35,6 +52,11 @@ def test_overlong_penalty_by_hand():
     torch.testing.assert_close(overlong_penalty(torch.tensor([19]), 20, 4, 0.5), torch.tensor([-0.375]))
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         overlong_penalty(lengths, 20, 0, 1.0)
+    section = OverlongBuffer(len=4, penalty_factor=0.5)
+    assert section.enabled and not OverlongBuffer().enabled
+    torch.testing.assert_close(section.penalty(lengths, 20), overlong_penalty(lengths, 20, 4, 0.5))
+    with pytest.raises(ValueError, match="len: must be >= 0"):
+        OverlongBuffer(len=-1)
 
 
 def test_filter_groups():

@@ -10,7 +10,7 @@ Fast: nothing loads a model. Conventions for writing the pages:
   ``torchrun``) is checked in full: the script exists; a recipe command's config, overrides and flags
   validate as the recipe would validate them; a tool's flags parse with its own argparse parser;
   torchrun's flags parse with torchrun's. Write whole commands, not ``...`` abbreviations.
-- An inline code span that is a config key (``actor.lr``, ``trainer.resume: auto``) must name a key the
+- An inline code span that is a config key (``actor.lr``, ``trainer.checkpoint.resume: auto``) must name a key the
   schema has; one that is a ``torchrlhf.`` dotted name must import.
 - Paths under recipes/, tools/, tests/, docs/ and torchrlhf/ must exist.
 """
@@ -330,7 +330,7 @@ def schema_keys(sandbox) -> set[str]:
 
 
 def test_config_keys_named_in_prose_exist(schema_keys):
-    """`actor.lr`, `trainer.resume: auto`, `rollout.engine._component_`: a renamed key breaks this test."""
+    """`actor.lr`, `trainer.checkpoint.resume: auto`, `rollout.engine._component_`: a renamed key breaks this test."""
     pattern = re.compile(rf"({'|'.join(SECTIONS)})\.([\w.]+?)(?:\s*[=:].*)?")
     named = {(page, m.group(1) + "." + m.group(2)) for page, span in _inline_spans()
              if (m := pattern.fullmatch(span))}

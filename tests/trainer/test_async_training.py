@@ -23,7 +23,7 @@ def _config(tmp_path: Path, tiny: str, name: str, steps: int, mode: str = "async
             actor: dict | None = None, test_freq: int = 0, rollout: dict | None = None, sections: dict | None = None,
             **async_training) -> tuple[Path, Path]:
     out = tmp_path / name
-    trainer = {"total_steps": steps, "mode": mode, "save_freq": save_freq, "output_dir": str(out),
+    trainer = {"total_steps": steps, "mode": mode, "checkpoint": {"save_freq": save_freq}, "output_dir": str(out),
                "loggers": ["jsonl"], "test_freq": test_freq}
     return write_config(tmp_path / f"{name}_{steps}.yaml", tiny, trainer=trainer, async_training=async_training,
                         placement=SPLIT["placement"], actor={**SPLIT["actor"], **(actor or {})},
@@ -145,7 +145,7 @@ def test_stream_schedule_with_dapo_dynamic_sampling(tiny_model_dir, tmp_path):
     and the trainer still gets full batches within the staleness bound."""
     cfg, out = _config(tmp_path, tiny_model_dir, "dapo", 4, max_staleness=1, schedule="stream")
     reward_fn = Path(__file__).with_name("reward_fns.py")
-    assert_ok(run_recipe(cfg, "algorithm.filter_groups=true", "algorithm.max_num_gen_batches=30",
+    assert_ok(run_recipe(cfg, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=30",
                          f"reward.reward_fn={reward_fn}:odd_length", nproc=3))
     metrics = metrics_of(out)
     assert len(metrics) == 4
@@ -163,7 +163,7 @@ def test_deterministic_schedule_runs_dapo_and_remax(tiny_model_dir, tmp_path, ca
     scheduled version) and ReMax's greedy baselines run under the deterministic schedule too."""
     cfg, out = _config(tmp_path, tiny_model_dir, f"det_{case}", 3, max_staleness=1, schedule="deterministic")
     reward_fn = Path(__file__).with_name("reward_fns.py")
-    overrides = {"dapo": ("algorithm.filter_groups=true", "algorithm.max_num_gen_batches=30",
+    overrides = {"dapo": ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=30",
                           f"reward.reward_fn={reward_fn}:odd_length"),
                  "remax": ("algorithm.adv_estimator=remax", "rollout.n=1", "data.train_batch_size=8",
                            "actor.batching.ppo_mini_batch_size=8", "actor.batching.ppo_micro_batch_size_per_device=8")}
@@ -185,7 +185,7 @@ def test_stream_dapo_scores_with_a_reward_model_on_the_rollout_ranks(tiny_model_
     cfg = write_config(tmp_path / "dapo_rm.yaml", tiny_model_dir, trainer=trainer, actor=SPLIT["actor"],
                        async_training={"max_staleness": 1}, reward_model={"model_path": "${model_path}"},
                        placement={"actor": [0], "rollout": [1, 2], "reward_model": [2]},
-                       algorithm={"filter_groups": True, "max_num_gen_batches": 30})
+                       algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 30}})
     assert_ok(run_recipe(cfg, nproc=3))
     metrics = metrics_of(out)
     assert len(metrics) == 3 and all(0 <= m["rollout/staleness/max"] <= 1 for m in metrics)
@@ -255,7 +255,7 @@ def test_a_dead_rank_of_a_tensor_parallel_rollout_replica_drops_the_replica(tiny
               "die_at_generate": 3}
     out = tmp_path / "tp_death"
     trainer = {"total_steps": 5, "mode": "async", "output_dir": str(out), "loggers": ["jsonl"], "test_freq": 0,
-               "save_freq": 0}
+               "checkpoint": {"save_freq": 0}}
     cfg = write_config(tmp_path / "tp_death.yaml", tiny_model_dir, trainer=trainer,
                        async_training={"max_staleness": 1}, actor=SPLIT["actor"],
                        placement={"actor": [0], "rollout": [1, 2, 3, 4]}, rollout={"engine": engine, "tp_size": 2})

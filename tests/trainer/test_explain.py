@@ -142,8 +142,8 @@ def test_flops_per_step_worked_out_by_hand(tiny_model_dir, tmp_path, shared):
 def test_dry_run_explains_an_agents_budgets(tiny_model_dir, tmp_path):
     cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir,
                             rollout={"max_tokens": 40, "engine": {"max_seq_len": 160},
-                                     "agent": {"tools": ["calculator"], "format": "tags",
-                                               "tags": {"calc": "calculator"}, "max_turns": 3}})
+                                     "agent": {"tools": ["calculator"], "max_turns": 3,
+                                               "tool_calls": {"format": "tags", "tags": {"calc": "calculator"}}}})
     ok = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg_path), "--dry-run"],
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert ok.returncode == 0, ok.stderr

@@ -76,7 +76,7 @@ def test_split_placement_syncs_adapters_and_resumes(tiny_model_dir, tmp_path):
                 "placement": {"actor": [0], "rollout": [1]}}
 
     def config(out: Path, steps: int, save_freq: int) -> Path:
-        trainer = {"total_steps": steps, "save_freq": save_freq, "test_freq": 0, "output_dir": str(out),
+        trainer = {"total_steps": steps, "checkpoint": {"save_freq": save_freq}, "test_freq": 0, "output_dir": str(out),
                    "loggers": ["jsonl"]}
         return write_config(tmp_path / f"{out.name}{steps}.yaml", tiny_model_dir, trainer=trainer, **sections)
 

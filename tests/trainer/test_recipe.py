@@ -86,7 +86,8 @@ ALGORITHMS = {
     "reinforce_pp_baseline": ({"algorithm": {"adv_estimator": "reinforce_pp_baseline"}}, []),
     "remax": ({"algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1},
                "actor": {"batching": {"ppo_micro_batch_size_per_device": 4}}}, ["timing_s/gen_baseline"]),
-    "dapo": ({"algorithm": {"adv_estimator": "grpo", "filter_groups": True, "overlong_buffer_len": 4},
+    "dapo": ({"algorithm": {"adv_estimator": "grpo", "filter_groups": {"enable": True},
+                            "overlong_buffer": {"len": 4}},
               "actor": {"loss": {"clip_ratio_high": 0.28, "agg_mode": "token-mean"}}},
              ["train/num_gen_batches", "train/dropped_groups", "reward/overlong_penalty_mean"]),
     "dr_grpo_seq_mean": ({"algorithm": {"adv_estimator": "dr_grpo"},
@@ -94,13 +95,14 @@ ALGORITHMS = {
     "gspo": ({"actor": {"loss": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}}}, []),
     "cispo": ({"actor": {"loss": {"policy_loss": "cispo", "clip_ratio_low": 1.0, "clip_ratio_high": 4.0}}}, []),
     "grpo_kl_loss": ({"actor": {"loss": {"use_kl_loss": True, "kl_loss_type": "low_var_kl"}}}, ["actor/kl_loss", "timing_s/ref"]),
-    "ppo_kl_in_reward_rm": ({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True, "kl_ctrl_type": "adaptive"},
+    "ppo_kl_in_reward_rm": ({"algorithm": {"adv_estimator": "gae", "use_kl_in_reward": True,
+                                           "kl_ctrl": {"type": "adaptive"}},
                              "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4,
                                         "ppo_micro_batch_size_per_device": 16}},
                              "reward_model": {"model_path": "${model_path}"}},
                             ["actor/reward_kl_penalty", "actor/kl_coef", "critic/vf_loss",
                              "training/rollout_probs_diff_max"]),
-    "safe_rlhf": ({"algorithm": {"adv_estimator": "reinforce_pp", "cost_threshold": 0.0},
+    "safe_rlhf": ({"algorithm": {"adv_estimator": "reinforce_pp", "lagrangian": {"threshold": 0.0}},
                    "reward_model": {"model_path": "${model_path}"}, "cost_model": {"model_path": "${model_path}"}},
                   ["safe_rlhf/lambda", "safe_rlhf/cost_mean"]),
 }
@@ -176,7 +178,8 @@ def test_two_ranks_resume_continues_the_same_run(tiny_model_dir, tmp_path):
     common = {"actor": {"optim": {"lr": 3e-2}, "batching": {"ppo_micro_batch_size_per_device": 4}}, "trainer": {"test_freq": 0}}
 
     def config(out: Path, steps: int, save_freq: int) -> Path:
-        trainer = {"total_steps": steps, "save_freq": save_freq, "output_dir": str(out), "loggers": ["jsonl"]}
+        trainer = {"total_steps": steps, "checkpoint": {"save_freq": save_freq}, "output_dir": str(out),
+                   "loggers": ["jsonl"]}
         return write_config(tmp_path / f"{out.name}{steps}.yaml", tiny_model_dir, actor=common["actor"],
                             trainer=trainer)
 
@@ -204,7 +207,7 @@ def test_split_placement_syncs_weights_and_resumes(tiny_model_dir, tmp_path):
                 "placement": {"actor": [0, 1], "rollout": [2, 3]}, "rollout": {"weight_sync_bucket_mb": 1}}
 
     def config(out: Path, steps: int, save_freq: int) -> Path:
-        trainer = {"total_steps": steps, "save_freq": save_freq, "test_freq": 0, "output_dir": str(out),
+        trainer = {"total_steps": steps, "checkpoint": {"save_freq": save_freq}, "test_freq": 0, "output_dir": str(out),
                    "loggers": ["jsonl"]}
         return write_config(tmp_path / f"{out.name}{steps}.yaml", tiny_model_dir, trainer=trainer, **sections)
 
@@ -252,7 +255,7 @@ def test_default_config_one_step_on_smollm2(tmp_path):
     """The README's main job (SmolLM2, GRPO, 2 ranks), cut to one step with validation and a checkpoint."""
     out = tmp_path / "out"
     proc = run_recipe(ROOT / "recipes/configs/grpo_arithmetic_cpu.yaml", "trainer.total_steps=1",
-                      "trainer.test_freq=1", "trainer.save_freq=1", f"trainer.output_dir={out}",
+                      "trainer.test_freq=1", "trainer.checkpoint.save_freq=1", f"trainer.output_dir={out}",
                       "data.val_max_samples=8", nproc=2)
     assert_ok(proc)
     before, m = metrics_of(out)

@@ -1,4 +1,4 @@
-"""Automatic recovery from a lost rank: torchrun restarts the job and ``trainer.resume=auto`` goes on.
+"""Automatic recovery from a lost rank: torchrun restarts the job and ``trainer.checkpoint.resume=auto`` goes on.
 
 A rank SIGKILLs itself once (`custom_components.KillOnceActor`, guarded by a marker file) at the update of
 step 4, after the checkpoint of step 2 and after step 3 was logged. Under ``torchrun --max-restarts=1`` the
@@ -23,7 +23,7 @@ def _config(tmp: Path, model_dir: str, name: str, kill_rank: int) -> Path:
     actor = {"_component_": "custom_components.KillOnceActor", "kill_rank": kill_rank,
              "kill_at_update": KILL_AT_UPDATE, "marker": str(tmp / f"{name}.killed"), "optim": {"lr": 3e-2},
              "batching": {"ppo_micro_batch_size_per_device": 4}}
-    trainer = {"total_steps": STEPS, "save_freq": SAVE_FREQ, "test_freq": 0, "output_dir": str(out),
+    trainer = {"total_steps": STEPS, "checkpoint": {"save_freq": SAVE_FREQ}, "test_freq": 0, "output_dir": str(out),
                "loggers": ["console", "jsonl"]}
     return write_config(tmp / f"{name}.yaml", model_dir, actor=actor, trainer=trainer)
 
@@ -54,15 +54,16 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_metrics(tiny_model_dir, 
 def test_a_second_run_of_a_finished_job_says_it_has_nothing_to_train(tiny_model_dir, tmp_path):
     """The newcomer's snag: the same command again resumes the finished run (resume=auto) and trains nothing."""
     out = tmp_path / "out"
-    trainer = {"total_steps": 1, "save_freq": 1, "test_freq": 0, "output_dir": str(out), "loggers": ["console", "jsonl"]}
+    trainer = {"total_steps": 1, "checkpoint": {"save_freq": 1}, "test_freq": 0, "output_dir": str(out),
+               "loggers": ["console", "jsonl"]}
     config = write_config(tmp_path / "c.yaml", tiny_model_dir, trainer=trainer)
     assert_ok(run_recipe(config))
     again = run_recipe(config)
     assert_ok(again)
     want = (f"torchrlhf: resumed from {out / 'global_step_1'}: total_steps=1 already reached; nothing to train; "
-            "trainer.resume=disable or a new trainer.output_dir starts afresh")
+            "trainer.checkpoint.resume=disable or a new trainer.output_dir starts afresh")
     assert want in again.stdout, again.stdout
     assert [m["step"] for m in metrics_of(out)] == [1]
-    fresh = run_recipe(config, "trainer.resume=disable")
+    fresh = run_recipe(config, "trainer.checkpoint.resume=disable")
     assert_ok(fresh)
     assert "resumed from" not in fresh.stdout and "step 1:" in fresh.stdout, fresh.stdout

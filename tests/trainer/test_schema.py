@@ -61,8 +61,8 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"critic": {"model_path": "${model_path}"}}, "a critic is configured but algorithm.adv_estimator=grpo does not "
                                                   "use values; remove the critic section (critic=null) or use an "
                                                   "estimator that does (gae"),
-    ({"algorithm": {"adv_estimator": "reinforce_pp", "filter_groups": True}},
-     "algorithm.filter_groups (DAPO dynamic sampling) drops groups of equal rewards: it needs a group estimator "
+    ({"algorithm": {"adv_estimator": "reinforce_pp", "filter_groups": {"enable": True}}},
+     "algorithm.filter_groups.enable (DAPO dynamic sampling) drops groups of equal rewards: it needs a group estimator "
      "("),
     ({"algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1}, "cost_model": {"model_path": "${model_path}"}},
      "Safe-RLHF (cost_model) estimates the cost's advantage with algorithm.adv_estimator, which here needs what the "
@@ -100,6 +100,33 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"actor": {"grad_clip": 0.5}}, "actor.grad_clip: moved to actor.optim.clip_grad"),
     ({"critic": {"model_path": "${model_path}", "cliprange_value": 0.2}},
      "critic.cliprange_value: moved to critic.loss.cliprange_value"),
+    # the algorithm's, the trainer's checkpoint and the agent's keys that became sections
+    ({"algorithm": {"kl_coef": 0.01}}, "algorithm.kl_coef: moved to algorithm.kl_ctrl.kl_coef"),
+    ({"algorithm": {"kl_target": 0.1}}, "algorithm.kl_target: moved to algorithm.kl_ctrl.target_kl"),
+    ({"algorithm": {"filter_groups": True}}, "algorithm.filter_groups: moved to algorithm.filter_groups.enable"),
+    ({"algorithm": {"overlong_buffer_len": 4}}, "algorithm.overlong_buffer_len: moved to algorithm.overlong_buffer.len"),
+    ({"algorithm": {"cost_threshold": 0.5}}, "algorithm.cost_threshold: moved to algorithm.lagrangian.threshold"),
+    ({"algorithm": {"lagrangian_max": 10.0}}, "algorithm.lagrangian_max: moved to algorithm.lagrangian.max_value"),
+    ({"trainer": {"save_freq": 5}}, "trainer.save_freq: moved to trainer.checkpoint.save_freq"),
+    ({"trainer": {"keep_last_checkpoints": 2}}, "trainer.keep_last_checkpoints: moved to trainer.checkpoint.keep_last"),
+    ({"trainer": {"resume": "disable"}}, "trainer.resume: moved to trainer.checkpoint.resume"),
+    ({"rollout": {"agent": {"harness": "m:f", "harness_timeout_s": 5, "reward": "env"}}},
+     "rollout.agent.harness: moved to rollout.agent.harness.fn\n  - rollout.agent.harness_timeout_s: moved to "
+     "rollout.agent.harness.timeout_s"),
+    ({"rollout": {"agent": {"tools": ["calculator"], "format": "tags", "max_parallel_calls": 2}}},
+     "rollout.agent.format: moved to rollout.agent.tool_calls.format\n  - rollout.agent.max_parallel_calls: moved "
+     "to rollout.agent.tool_calls.max_parallel"),
+    ({"rollout": {"agent": {"tools": ["calculator"], "observation_role": "user"}}},
+     "rollout.agent.observation_role: moved to rollout.agent.observation.role"),
+    # a section checks its own keys, named by their full path
+    ({"algorithm": {"kl_ctrl": {"type": "adaptive", "target_kl": 0.0}}},
+     "algorithm.kl_ctrl.target_kl: must be > 0 (type adaptive), got 0.0"),
+    ({"algorithm": {"kl_ctrl": {"type": "pid"}}}, "algorithm.kl_ctrl.type: expected one of ['fixed', 'adaptive']"),
+    ({"algorithm": {"lagrangian": {"init": -1.0}}}, "algorithm.lagrangian.init: must be >= 0, got -1.0"),
+    ({"algorithm": {"overlong_buffer": {"len": -1}}}, "algorithm.overlong_buffer.len: must be >= 0 (0: off), got -1"),
+    ({"algorithm": {"overlong_buffer": {"len": 16}}}, "algorithm.overlong_buffer.len (16) exceeds rollout.max_tokens (8)"),
+    ({"trainer": {"checkpoint": {"keep_lst": 2}}}, "trainer.checkpoint.keep_lst: unknown key (did you mean "
+                                                   "'keep_last'?)"),
     ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
     # the judge's engine has the rollout engine's schema: a typo fails here, not on the judge's ranks
     ({"judge": {"model_path": "${model_path}", "engine": {"max_batch_sise": 8}}},
@@ -121,9 +148,9 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
      "async_training.prompts_per_call must be in [1, data.train_batch_size=4], got 5"),
     ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"schedule": "fast"}},
      "async_training.schedule"),
-    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": True},
+    ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"filter_groups": {"enable": True}},
       "reward_model": {"model_path": "${model_path}"}},
-     "algorithm.filter_groups (DAPO dynamic sampling) with trainer.mode=async needs each sample's full score on the "
+     "algorithm.filter_groups.enable (DAPO dynamic sampling) with trainer.mode=async needs each sample's full score on the "
      "rollout thread"),
     ({"placement": {"actor": [0], "rollout": [1]}, "algorithm": {"adv_estimator": "remax"},
       "reward_model": {"model_path": "${model_path}"}, "rollout": {"n": 1}},
@@ -144,10 +171,10 @@ def test_bad_async_config_is_refused(tmp_path, sections, message):
 
 
 @pytest.mark.parametrize("sections", [
-    {"algorithm": {"filter_groups": True}, "async_training": {"schedule": "deterministic"}},
+    {"algorithm": {"filter_groups": {"enable": True}}, "async_training": {"schedule": "deterministic"}},
     {"algorithm": {"adv_estimator": "remax"}, "async_training": {"schedule": "deterministic"}, "rollout": {"n": 1},
      "actor": {"batching": {"ppo_micro_batch_size_per_device": 4}}},
-    {"algorithm": {"filter_groups": True}, "reward_model": {"model_path": "${model_path}"},
+    {"algorithm": {"filter_groups": {"enable": True}}, "reward_model": {"model_path": "${model_path}"},
      "placement": {"actor": [0], "rollout": [1, 2], "reward_model": [2]}},
 ])
 def test_async_runs_what_the_one_rollout_path_allows(tmp_path, sections):
@@ -174,9 +201,13 @@ def test_every_problem_is_reported_at_once(tmp_path):
 @pytest.mark.parametrize("agent, message", [
     ({"tools": ["no_such_tool"]}, "rollout.agent.tools:"),
     ({"env": {"_component_": "torchrlhf.data.Batch"}}, "rollout.agent.env:"),
-    ({"format": "xml", "tools": ["calculator"]}, "rollout.agent: format must be 'hermes' or 'tags'"),
+    ({"tool_calls": {"format": "xml"}, "tools": ["calculator"]}, "rollout.agent.tool_calls.format: must be 'hermes' or "
+                                                                  "'tags'"),
     ({}, "rollout.agent: needs tools, an env, verifiers or a harness"),
-    ({"harness": "no_such_module:run_agent", "reward": "env"}, "rollout.agent.harness:"),
+    ({"harness": {"fn": "no_such_module:run_agent"}, "reward": "env"}, "rollout.agent.harness.fn:"),
+    ({"harness": {"fn": "m:f", "timeout_s": 0}, "reward": "env"}, "rollout.agent.harness.timeout_s: must be > 0, got 0"),
+    ({"tools": ["calculator"], "observation": {"role": "system"}},
+     "rollout.agent.observation.role: must be 'auto', 'tool' or 'user', got 'system'"),
 ])
 def test_a_bad_agent_is_refused_before_anything_loads(tmp_path, agent, message):
     with pytest.raises(ConfigError) as e:
@@ -269,10 +300,11 @@ def test_the_optimizer_offload_setting_reaches_the_colocated_rollout_worker(tmp_
 
 def test_cli_bad_key_exits_2_before_any_work(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", "/models/tiny", trainer={"output_dir": str(tmp_path / "out")})
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg), "actor.optim.lr=1", "algorithm.kl_coeff=0.1"],
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(cfg), "actor.optim.lr=1",
+                           "algorithm.kl_ctrl.kl_coeff=0.1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2
-    assert "algorithm.kl_coeff: unknown key (did you mean 'kl_coef'?)" in proc.stderr
+    assert "algorithm.kl_ctrl.kl_coeff: unknown key (did you mean 'kl_coef'?)" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -312,7 +344,7 @@ def test_a_users_estimator_is_checked_by_the_traits_it_registers(tmp_path, monke
            "got 1" in str(e.value)
     assert "a critic is configured but algorithm.adv_estimator=best_of_group does not use values" in str(e.value)
     with pytest.raises(ConfigError, match=r"needs a group estimator \(best_of_group, dr_grpo, .*\), not reinforce_pp"):
-        _check(tmp_path, algorithm={"adv_estimator": "reinforce_pp", "filter_groups": True})
+        _check(tmp_path, algorithm={"adv_estimator": "reinforce_pp", "filter_groups": {"enable": True}})
 
 
 def test_checked_sections_cross_to_the_workers_as_themselves(tmp_path):
@@ -333,3 +365,33 @@ def test_checked_sections_cross_to_the_workers_as_themselves(tmp_path):
     assert isinstance(actor["optim"], dict) and actor["optim"]["clip_grad"] == 0.5
     judge = section_kwargs(cfg, "judge")
     assert judge["parser"] == ParserSpec(regex=r"(\d)") and judge["sampling"] == JudgeSampling(max_tokens=4)
+
+
+def test_algorithm_trainer_and_agent_sections_are_typed_and_cross_to_the_workers_as_themselves(tmp_path):
+    """The ``algorithm`` sections (`KLControl`, `FilterGroups`, `OverlongBuffer`, `Lagrangian`), ``trainer.checkpoint``
+    and the agent's (``tool_calls``, ``observation``, ``harness``) are their classes, with the old flat defaults;
+    the rollout workers receive the `AgentSpec` with its sections as they are, through a pickle."""
+    import pickle
+
+    from torchrlhf.agents.agent import AgentSpec, HarnessSpec, ObservationSpec, ToolCallSpec
+    from torchrlhf.algorithms import FilterGroups, KLControl, Lagrangian, OverlongBuffer
+    from torchrlhf.trainer.build import role_specs
+    from torchrlhf.trainer.config import CheckpointConfig
+
+    defaults = _check(tmp_path)
+    assert defaults.algorithm.kl_ctrl == KLControl(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000)
+    assert defaults.algorithm.filter_groups == FilterGroups(enable=False, max_num_gen_batches=10)
+    assert defaults.algorithm.overlong_buffer == OverlongBuffer(len=0, penalty_factor=1.0)
+    assert defaults.algorithm.lagrangian == Lagrangian(init=1.0, lr=0.05, threshold=0.0, max_value=None)
+    assert defaults.trainer.checkpoint == CheckpointConfig(save_freq=0, keep_last=None, resume="auto")
+    cfg = _check(tmp_path, algorithm={"kl_ctrl": {"type": "adaptive", "kl_coef": 0.01}},
+                 trainer={"checkpoint": {"save_freq": 2, "keep_last": 1}},
+                 rollout={"agent": {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"c": "calculator"},
+                                                                            "max_parallel": 2},
+                                    "observation": {"role": "user", "prefix": "> "}}})
+    assert cfg.algorithm.kl_ctrl.controller().value == 0.01 and cfg.trainer.checkpoint.keep_last == 1
+    agent = role_specs(cfg, 1)["rollout"][2]["agent"]
+    assert agent is cfg.rollout.agent and pickle.loads(pickle.dumps(agent)) == agent
+    assert agent.tool_calls == ToolCallSpec(format="tags", tags={"c": "calculator"}, max_parallel=2)
+    assert agent.observation == ObservationSpec(role="user", prefix="> ") and agent.harness == HarnessSpec()
+    assert AgentSpec(tools=("calculator",), harness=None).harness.fn is None  # harness: null, no harness

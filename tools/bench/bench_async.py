@@ -65,7 +65,7 @@ def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[s
            f"reward.reward_fn={Path(__file__).resolve()}:e_fraction", "reward.isolate=false",
            f"placement.actor={actor}".replace(" ", ""), f"placement.rollout={rollout}".replace(" ", ""),
            f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
-           "trainer.save_freq=0", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", *extra]
+           "trainer.checkpoint.save_freq=0", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:

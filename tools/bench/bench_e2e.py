@@ -97,7 +97,7 @@ def main() -> None:
         f"rollout.max_tokens={args.max_tokens}", f"actor.batching.ppo_mini_batch_size={args.prompts}",
         f"actor.batching.ppo_micro_batch_size_per_device={args.micro}",
         *ENGINES[args.engine](args.prompts * args.n // world),
-        f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
+        f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.checkpoint.save_freq=0",
         "trainer.output_dir=/tmp/torchrlhf_bench_e2e", "trainer.loggers=[jsonl]",
     ]
     raw = load_config(os.path.join(ROOT, "recipes/configs/grpo_arithmetic_cpu.yaml"), overrides, add_missing=True)

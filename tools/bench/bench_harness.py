@@ -37,9 +37,9 @@ from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.rewards.calculator import compute_score
 
 ROOT = Path(__file__).resolve().parents[2]
-NATIVE = {"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"}, "max_turns": 3,
+NATIVE = {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"calc": "calculator"}}, "max_turns": 3,
           "max_tool_response_tokens": 32, "reward": "reward_fn"}
-HARNESS = {"harness": str(ROOT / "recipes/harness/calculator_agent.py") + ":run_agent", "reward": "env"}
+HARNESS = {"harness": {"fn": str(ROOT / "recipes/harness/calculator_agent.py") + ":run_agent"}, "reward": "env"}
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=True)
     native = build_agent(NATIVE, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
     harness_agent = build_agent(HARNESS, tok, max_tokens=args.max_tokens, max_trajectory_tokens=320)
-    runner = HarnessRunner(harness_agent, load_callable(HARNESS["harness"]))
+    runner = HarnessRunner(harness_agent, load_callable(HARNESS["harness"]["fn"]))
 
     def run_native() -> tuple[float, int, float]:
         sessions = [AgentSession(native, row) for row in rows]

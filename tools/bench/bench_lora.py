@@ -140,8 +140,8 @@ def run_recipe(out: str, overrides: list[str], nproc: int) -> list[dict]:
     """The recipe under torchrun with ``overrides``; its metrics.jsonl rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(REPO, "recipes", "ppo.py"), "--config", CONFIG, f"trainer.output_dir={out}",
-           "trainer.loggers=[jsonl]", "trainer.resume=disable", "trainer.val_before_train=false",
-           "trainer.test_freq=0", "trainer.save_freq=0", *overrides]
+           "trainer.loggers=[jsonl]", "trainer.checkpoint.resume=disable", "trainer.val_before_train=false",
+           "trainer.test_freq=0", "trainer.checkpoint.save_freq=0", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:

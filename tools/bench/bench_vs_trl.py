@@ -79,7 +79,7 @@ def run_torchrlhf(s: dict, args: argparse.Namespace, work: Path) -> tuple[list[f
         "actor.dtype=float32", "actor.loss.use_kl_loss=false", f"actor.batching.ppo_mini_batch_size={s['prompts']}",
         f"actor.batching.ppo_micro_batch_size_per_device={b}", "actor.optim.lr=1e-6", "algorithm.use_kl_in_reward=false",
         f"rollout.engine.max_batch_size={b}", f"rollout.engine.max_seq_len={s['prompt_len'] + s['max_tokens']}",
-        f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.save_freq=0",
+        f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "trainer.checkpoint.save_freq=0",
         "trainer.val_before_train=false",
     ]
     rows = [r for r in run_recipe(s["config"], overrides, out, args.threads) if "timing_s/step" in r]
@@ -145,7 +145,7 @@ LEARN = dict(config="grpo_arithmetic_learn.yaml", train="recipes/data/arithmetic
 def learn_torchrlhf(args: argparse.Namespace, work: Path) -> tuple[list[float], dict[int, float]]:
     """The learning config as shipped, validated every ``eval_every`` steps: (step seconds, {step: accuracy})."""
     overrides = [f"trainer.total_steps={args.max_steps}", f"trainer.test_freq={args.eval_every}",
-                 "trainer.val_before_train=true", "trainer.save_freq=0", "trainer.resume=disable"]
+                 "trainer.val_before_train=true", "trainer.checkpoint.save_freq=0", "trainer.checkpoint.resume=disable"]
     rows = run_recipe(LEARN["config"], overrides, work / "torchrlhf", args.threads)
     times = [r["timing_s/step"] for r in sorted(rows, key=lambda r: r["step"]) if "timing_s/step" in r]
     acc = {r["step"]: r["val/arithmetic/acc"] for r in rows if "val/arithmetic/acc" in r}

@@ -30,7 +30,7 @@ def run_seed(config: str, seed: int, out_dir: str, overrides: list[str]) -> floa
     """Train one seed in a fresh process; returns its wall time in seconds."""
     cmd = [sys.executable, os.path.join(REPO, "recipes", "ppo.py"), "--config", config,
            f"trainer.seed={seed}", f"data.seed={seed}", f"actor.seed={seed}",
-           f"trainer.output_dir={out_dir}", "trainer.loggers=[console,jsonl]", "trainer.resume=disable", *overrides]
+           f"trainer.output_dir={out_dir}", "trainer.loggers=[console,jsonl]", "trainer.checkpoint.resume=disable", *overrides]
     print("$", " ".join(cmd), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO)

@@ -31,7 +31,8 @@ from torchrlhf.models import load_tokenizer, smollm2_model_dir  # noqa: E402
 from torchrlhf.rewards import get_reward_fn  # noqa: E402
 from torchrlhf.rewards._numbers import NUMBER_RE, parse_number  # noqa: E402
 
-CALCULATOR_AGENT = {"tools": ["calculator"], "format": "tags", "tags": {"calc": "calculator"}, "isolate": False}
+CALCULATOR_AGENT = {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"calc": "calculator"}},
+                    "isolate": False}
 
 
 @torch.no_grad()

@@ -61,8 +61,8 @@ def base_config(model_dir: str, data_dir: Path) -> dict[str, Any]:
         "rollout": {"n": 4, "max_tokens": 8, "engine": {"max_batch_size": 16, "max_seq_len": 80}},
         "algorithm": {"adv_estimator": "grpo"},
         "reward": {"isolate": False},
-        "trainer": {"total_steps": STEPS, "save_freq": STEPS, "loggers": ["jsonl"], "test_freq": 0,
-                    "val_before_train": False, "resume": "disable"},
+        "trainer": {"total_steps": STEPS, "checkpoint": {"save_freq": STEPS, "resume": "disable"},
+                    "loggers": ["jsonl"], "test_freq": 0, "val_before_train": False},
     }
 
 

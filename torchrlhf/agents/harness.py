@@ -1,6 +1,6 @@
 """Black-box agent harnesses: a user's agent function talks to the policy through an OpenAI-compatible endpoint.
 
-``rollout.agent.harness: pkg.mod:run_agent`` is called once per trajectory, in a thread of its own, as
+``rollout.agent.harness.fn: pkg.mod:run_agent`` is called once per trajectory, in a thread of its own, as
 ``run_agent(base_url, row) -> float``: ``base_url`` is a per-trajectory ``http://127.0.0.1:PORT/<session>/v1``
 for ``openai.OpenAI(base_url=..., api_key="unused")``, ``row`` the data row, the return value the reward
 (``reward: env``). The endpoint serves ``/chat/completions`` (tool calls parsed from the model's Hermes
@@ -26,9 +26,9 @@ the others' have started); the trajectory's sample is its last segment, the one 
 With ``check_tokens``, that segment's conversation is re-rendered from text (its answers as the decoded model
 tokens) and the tokens that differ are counted (``token_mismatches``; ``error`` stops the run on one).
 
-A harness that raises, or runs past ``harness_timeout_s``, gives an error sample (``agent_error``, scored
+A harness that raises, or runs past ``harness.timeout_s``, gives an error sample (``agent_error``, scored
 ``on_error_score``); a timed-out thread cannot be killed and is left behind (a daemon), its later requests
-refused. The server binds to loopback (``harness_host``): anyone who reaches it can sample the policy.
+refused. The server binds to loopback (``harness.host``): anyone who reaches it can sample the policy.
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ class HarnessRunner:
     the recorded calls into trajectories.
 
     Args:
-        agent: the run's `Agent`: its renderer, budgets, ``on_error`` and ``spec.harness_*`` settings. The
+        agent: the run's `Agent`: its renderer, budgets, ``on_error`` and ``spec.harness`` settings. The
             first calls are sampled together once every live trajectory has sent one, or when none has come
-            for ``harness_batch_wait_s`` (the other harnesses are busy with their own work; 0.05 s split a
+            for ``harness.batch_wait_s`` (the other harnesses are busy with their own work; 0.05 s split a
             step's first calls, as 16 harness threads start, into batches of 1-2 and 14-15).
         harness: ``run_agent(base_url, row) -> float``.
     """
@@ -172,8 +172,8 @@ class HarnessRunner:
     def __init__(self, agent: Agent, harness: Harness) -> None:
         self.agent, self.harness = agent, harness
         spec = agent.spec
-        self.batch_wait_s = spec.harness_batch_wait_s
-        self.server = HarnessServer(spec.harness_host, wait_s=spec.harness_timeout_s + 5.0)
+        self.batch_wait_s = spec.harness.batch_wait_s
+        self.server = HarnessServer(spec.harness.host, wait_s=spec.harness.timeout_s + 5.0)
         self._renderers: dict[str, ChatRenderer] = {}
         self._lock = threading.Lock()  # a session's calls: written by the engine's thread and the router
 
@@ -184,7 +184,7 @@ class HarnessRunner:
     def run(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int],
             drive: SessionGenerate) -> tuple[list[Trajectory], list[list[float]]]:
         """One trajectory per row (``seeds[i]`` seeds row i's calls); each with its model-token log-probs."""
-        timeout = self.agent.spec.harness_timeout_s
+        timeout = self.agent.spec.harness.timeout_s
         sessions = {uuid.uuid4().hex: _Session(dict(row), int(seed)) for row, seed in zip(rows, seeds, strict=True)}
         for sid, session in sessions.items():
             session.deadline = time.monotonic() + timeout
@@ -297,8 +297,8 @@ class HarnessRunner:
         for session in sessions.values():
             if not session.done and now > session.deadline:
                 session.done, session.error = True, "timeout"
-                log.warning("harness ran past harness_timeout_s=%gs (%d calls answered): an error sample",
-                            self.agent.spec.harness_timeout_s, len(session.calls))
+                log.warning("harness ran past harness.timeout_s=%gs (%d calls answered): an error sample",
+                            self.agent.spec.harness.timeout_s, len(session.calls))
 
     def _call_harness(self, sid: str, session: _Session) -> None:
         try:

@@ -239,7 +239,7 @@ class AgentSession:
 
     def _run_tools(self, calls: list[ToolCall | CallError], future: Future) -> None:
         spec, tools = self._agent.spec, self._agent.tools
-        limit = spec.max_parallel_calls
+        limit = spec.tool_calls.max_parallel
         outcomes: list[Future | CallError] = []
         env_calls: list[Future | CallError] = []  # this turn's calls of the environment's methods, finished
         for i, call in enumerate(calls):

@@ -3,12 +3,13 @@ on-policy distillation."""
 
 from torchrlhf.algorithms.advantages import ADV_ESTIMATORS, compute_advantage, group_ids
 from torchrlhf.algorithms.aggregation import AGG_MODES, agg_loss
-from torchrlhf.algorithms.dapo import filter_groups, overlong_penalty
+from torchrlhf.algorithms.dapo import FilterGroups, OverlongBuffer, filter_groups, overlong_penalty
 from torchrlhf.algorithms.distill import distill_advantages, reverse_kl_advantage
 from torchrlhf.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
+    KLControl,
     apply_kl_penalty,
     kl_penalty,
 )
@@ -17,7 +18,7 @@ from torchrlhf.algorithms.masked import masked_mean, masked_sum, masked_var, mas
 from torchrlhf.algorithms.policy_loss import POLICY_LOSSES, PolicyLoss, compute_policy_loss
 from torchrlhf.algorithms.registry import Registry
 from torchrlhf.algorithms.rollout_is import ROLLOUT_IS_LEVELS, ROLLOUT_IS_MODES, rollout_is_weights
-from torchrlhf.algorithms.safe_rlhf import LagrangeMultiplier, combine_safe_advantages
+from torchrlhf.algorithms.safe_rlhf import LagrangeMultiplier, Lagrangian, combine_safe_advantages
 from torchrlhf.algorithms.value_loss import ValueLoss, compute_value_loss
 
 __all__ = [
@@ -28,8 +29,12 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "ROLLOUT_IS_MODES",
     "AdaptiveKLController",
+    "FilterGroups",
     "FixedKLController",
+    "KLControl",
     "LagrangeMultiplier",
+    "Lagrangian",
+    "OverlongBuffer",
     "PolicyLoss",
     "Registry",
     "ValueLoss",

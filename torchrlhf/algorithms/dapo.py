@@ -1,4 +1,8 @@
-"""DAPO helpers: overlong reward shaping and the dynamic-sampling group filter."""
+"""DAPO helpers: overlong reward shaping and the dynamic-sampling group filter, and their config sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,3 +32,39 @@ def filter_groups(index: Index, scores: torch.Tensor) -> tuple[torch.Tensor, int
     g_min = s.new_full((n_groups,), torch.inf).scatter_reduce(0, gid, s, "amin")
     keep_group = g_max > g_min
     return keep_group[gid], int((~keep_group).sum())
+
+
+@dataclass(frozen=True)
+class FilterGroups:
+    """The ``algorithm.filter_groups`` section (verl's): DAPO's dynamic sampling. With ``enable``, only prompt groups
+    whose rewards differ train (`filter_groups`); rollouts continue until a batch is full, and a step that has
+    generated more than ``max_num_gen_batches`` batches' worth of prompts fails (the data is too easy or too hard;
+    values below 1 count as 1)."""
+
+    enable: bool = False
+    max_num_gen_batches: int = 10
+
+
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """The ``algorithm.overlong_buffer`` section: DAPO's soft overlong punishment (`overlong_penalty`). A response
+    longer than ``rollout.max_tokens - len`` tokens loses up to ``penalty_factor`` of reward, linearly over the last
+    ``len`` tokens; ``len: 0`` turns it off."""
+
+    len: int = 0
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.len < 0:
+            raise ValueError(f"len: must be >= 0 (0: off), got {self.len}")
+        if not self.penalty_factor >= 0:
+            raise ValueError(f"penalty_factor: must be >= 0, got {self.penalty_factor}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.len > 0
+
+    def penalty(self, response_lengths: torch.Tensor, max_response_length: int) -> torch.Tensor:
+        """`overlong_penalty` of each response [B]."""
+        return overlong_penalty(response_lengths, max_response_length, overlong_buffer_len=self.len,
+                                penalty_factor=self.penalty_factor)

@@ -1,6 +1,10 @@
 """KL estimators between the policy and the reference, and the KL-in-reward controllers."""
 
+from __future__ import annotations
+
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -66,6 +70,37 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+@dataclass(frozen=True)
+class KLControl:
+    """The ``algorithm.kl_ctrl`` section (verl's ``algorithm.kl_ctrl``): the coefficient of the KL penalty folded
+    into the reward (``algorithm.use_kl_in_reward``), checked when it is built.
+
+    ``type: fixed`` keeps ``kl_coef``; ``adaptive`` starts from it and moves it towards ``target_kl``, by at most
+    ±20% per ``horizon`` samples (`AdaptiveKLController`).
+    """
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.type not in ("fixed", "adaptive"):
+            raise ValueError(f"type: must be 'fixed' or 'adaptive', got {self.type!r}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.type == "adaptive" and not self.target_kl > 0:
+            raise ValueError(f"target_kl: must be > 0 (type adaptive), got {self.target_kl}")
+        if self.type == "adaptive" and not self.horizon > 0:
+            raise ValueError(f"horizon: must be > 0 (type adaptive), got {self.horizon}")
+
+    def controller(self) -> FixedKLController | AdaptiveKLController:
+        """A new controller at ``kl_coef``."""
+        if self.type == "adaptive":
+            return AdaptiveKLController(self.kl_coef, self.target_kl, self.horizon)
+        return FixedKLController(self.kl_coef)
 
 
 def apply_kl_penalty(

@@ -1,5 +1,9 @@
 """Safe-RLHF: a Lagrange multiplier trades reward against a cost constraint E[cost] <= threshold."""
 
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
 import torch
 
 
@@ -22,6 +26,30 @@ class LagrangeMultiplier:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+@dataclass(frozen=True)
+class Lagrangian:
+    """The ``algorithm.lagrangian`` section (Safe-RLHF, used when a ``cost_model`` is configured): the
+    `LagrangeMultiplier`'s arguments. lambda starts at ``init`` and moves by ``lr`` times the batch's mean cost
+    minus ``threshold`` (the cost the constraint allows), clamped to [0, ``max_value``] (None: no upper bound)."""
+
+    init: float = 1.0
+    lr: float = 0.05
+    threshold: float = 0.0
+    max_value: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.init >= 0:
+            raise ValueError(f"init: must be >= 0, got {self.init}")
+        if not self.lr >= 0:
+            raise ValueError(f"lr: must be >= 0, got {self.lr}")
+        if self.max_value is not None and not self.max_value >= 0:
+            raise ValueError(f"max_value: must be >= 0 or null, got {self.max_value}")
+
+    def multiplier(self) -> LagrangeMultiplier:
+        """A new `LagrangeMultiplier` at ``init``."""
+        return LagrangeMultiplier(**asdict(self))
 
 
 def combine_safe_advantages(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchrlhf import algorithms
+from torchrlhf.algorithms import OverlongBuffer
 from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.data import Batch
 from torchrlhf.generation.sampling import SamplingParams
@@ -49,12 +50,12 @@ class Scorer:
 
     def __init__(self, reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]], *,
                  reward_model: Any = None, cost_model: Any = None, judge: Any = None, rule_weight: float = 1.0,
-                 judge_weight: float = 1.0, max_tokens: int, overlong_buffer_len: int = 0,
-                 overlong_penalty_factor: float = 1.0, agent: Any = None) -> None:
+                 judge_weight: float = 1.0, max_tokens: int, overlong_buffer: OverlongBuffer | None = None,
+                 agent: Any = None) -> None:
         self.reward_fn, self.reward_model, self.cost_model = reward_fn, reward_model, cost_model
         self.judge, self.rule_weight, self.judge_weight = judge, float(rule_weight), float(judge_weight)
         self.max_tokens = max_tokens
-        self.overlong_buffer_len, self.overlong_penalty_factor = overlong_buffer_len, overlong_penalty_factor
+        self.overlong_buffer = overlong_buffer or OverlongBuffer()  # ``algorithm.overlong_buffer``: off by default
         self.agent = agent  # the rollout.agent spec: how a trajectory's score is composed
         self._lock = threading.Lock()
 
@@ -82,11 +83,8 @@ class Scorer:
             scores = at_last_token(outcome, gen["response_mask"])
         if self.rule_weight != 1.0:
             scores = self.rule_weight * scores
-        if self.overlong_buffer_len > 0:
-            penalty = algorithms.overlong_penalty(
-                gen["response_mask"].sum(-1), max_response_length=self.max_tokens,
-                overlong_buffer_len=self.overlong_buffer_len, penalty_factor=self.overlong_penalty_factor,
-            )
+        if self.overlong_buffer.enabled:
+            penalty = self.overlong_buffer.penalty(gen["response_mask"].sum(-1), max_response_length=self.max_tokens)
             metrics["reward/overlong_penalty_mean"] = penalty.float().mean().item()
             scores = scores + at_last_token(penalty, gen["response_mask"])
         gen["token_level_scores"] = scores
@@ -139,7 +137,7 @@ class GroupFilter:
     """DAPO's dynamic sampling: only prompt groups whose rewards differ train (`algorithms.filter_groups`).
 
     Schedules count the groups filtered out since the trainer's last batch; more than ``limit``
-    (``algorithm.max_num_gen_batches`` × ``data.train_batch_size``) means the data is too hard or too easy
+    (``algorithm.filter_groups.max_num_gen_batches`` × ``data.train_batch_size``) means the data is too hard or too easy
     for the model, and `check` stops the run saying so instead of generating forever.
     """
 
@@ -156,7 +154,7 @@ class GroupFilter:
         if filtered > self.limit:
             raise RuntimeError(
                 f"dynamic sampling: {filtered} prompt groups with constant rewards since the trainer's last batch "
-                f"(more than {self.limit}: algorithm.max_num_gen_batches x data.train_batch_size); the data may be "
+                f"(more than {self.limit}: algorithm.filter_groups.max_num_gen_batches x data.train_batch_size); the data may be "
                 "too hard or too easy for the model")
 
 

@@ -109,8 +109,7 @@ def build_scorer(cfg: RecipeConfig, groups: dict[str, Any], reward_fn: Any) -> S
     return Scorer(reward_fn, reward_model=groups.get("reward_model"), cost_model=groups.get("cost_model"),
                   judge=groups.get("judge"), rule_weight=cfg.reward.weight,
                   judge_weight=cfg.judge.weight if cfg.judge is not None else 1.0,
-                  max_tokens=cfg.rollout.max_tokens, overlong_buffer_len=algo.overlong_buffer_len,
-                  overlong_penalty_factor=algo.overlong_penalty_factor, agent=cfg.rollout.agent)
+                  max_tokens=cfg.rollout.max_tokens, overlong_buffer=algo.overlong_buffer, agent=cfg.rollout.agent)
 
 
 def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], scorer: Scorer,
@@ -121,8 +120,9 @@ def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], s
     replicas = Replicas(groups["rollout"], colocated=colocated, pad_id=prompts.pad_id,
                         lose_replicas=may_lose_rollout_replicas(cfg, ranks))
     algo, a = cfg.algorithm, cfg.async_training
-    group_filter = GroupFilter(cfg.rollout.n, max(1, algo.max_num_gen_batches) * cfg.data.train_batch_size) \
-        if algo.filter_groups else None
+    filtering = algo.filter_groups
+    group_filter = GroupFilter(cfg.rollout.n, max(1, filtering.max_num_gen_batches) * cfg.data.train_batch_size) \
+        if filtering.enable else None
     greedy_baseline = algorithms.ADV_ESTIMATORS[algo.adv_estimator].greedy_baseline
     pipeline = RolloutPipeline(scorer, cfg.rollout.sampling(), remax=greedy_baseline,
                                group_filter=group_filter, models_in_unit=models_in_unit(cfg, world_size))

@@ -73,7 +73,7 @@ class CheckpointManager:
             found = self.complete_checkpoints()
             return found[-1][1] if found else None
         if not os.path.exists(os.path.join(resume, COMPLETE)):
-            raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker)")
+            raise FileNotFoundError(f"trainer.checkpoint.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker)")
         return resume
 
     @staticmethod
@@ -83,7 +83,7 @@ class CheckpointManager:
             return torch.load(file, weights_only=True)
         except Exception as e:
             raise RuntimeError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e}); it may be "
-                               "corrupted: resume from an earlier checkpoint (trainer.resume=<its path>)") from e
+                               "corrupted: resume from an earlier checkpoint (trainer.checkpoint.resume=<its path>)") from e
 
     def _prune(self) -> None:
         if not self.keep_last:

@@ -1,8 +1,9 @@
 """Typed sections of a recipe config that the controller itself consumes.
 
 Worker sections (``actor``, ``critic``, ``reward_model``, ...) mirror the worker
-constructors instead; these dataclasses cover the dataflow's own knobs. Keys are
-flat and mirror the attributes one to one.
+constructors instead; these dataclasses cover the dataflow's own knobs. Keys mirror
+the attributes one to one; a group of keys that belong together is a section of its own
+(``algorithm.kl_ctrl``, ``trainer.checkpoint``), a frozen dataclass that checks itself.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from torchrlhf.agents.agent import AgentSpec
+from torchrlhf.algorithms import FilterGroups, KLControl, Lagrangian, OverlongBuffer
+from torchrlhf.config import as_section
 from torchrlhf.generation.sampling import SamplingParams
 
 
@@ -30,31 +33,34 @@ class DistillConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimation, KL and algorithm-specific knobs."""
+    """Advantage estimation, KL and algorithm-specific knobs.
+
+    ``kl_ctrl`` (`torchrlhf.algorithms.KLControl`): the coefficient of the KL penalty folded into the reward when
+    ``use_kl_in_reward`` (PPO-style; KL as a loss lives in ``actor.loss``). DAPO: ``filter_groups``
+    (`torchrlhf.algorithms.FilterGroups`, dynamic sampling) and ``overlong_buffer``
+    (`torchrlhf.algorithms.OverlongBuffer`, overlong reward shaping). Safe-RLHF: ``lagrangian``
+    (`torchrlhf.algorithms.Lagrangian`), the cost constraint's Lagrange multiplier, used when a cost model is
+    configured.
+    """
 
     adv_estimator: str = "grpo"
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True
-    # KL penalty folded into the reward (PPO-style); KL as a loss lives in the actor section.
     use_kl_in_reward: bool = False
     kl_penalty: str = "k1"
-    kl_ctrl_type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
-    # DAPO: dynamic sampling and overlong reward shaping.
-    filter_groups: bool = False
-    max_num_gen_batches: int = 10
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    # Safe-RLHF: the cost constraint's Lagrange multiplier (used when a cost model is configured).
-    cost_threshold: float = 0.0
-    lagrangian_init: float = 1.0
-    lagrangian_lr: float = 0.05
-    lagrangian_max: float | None = None
+    kl_ctrl: KLControl = field(default_factory=KLControl)
+    filter_groups: FilterGroups = field(default_factory=FilterGroups)
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    lagrangian: Lagrangian = field(default_factory=Lagrangian)
     # On-policy distillation from the ``teacher`` section's model (off when None).
     distill: DistillConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.kl_ctrl = as_section(KLControl, self.kl_ctrl)
+        self.filter_groups = as_section(FilterGroups, self.filter_groups)
+        self.overlong_buffer = as_section(OverlongBuffer, self.overlong_buffer)
+        self.lagrangian = as_section(Lagrangian, self.lagrangian)
 
 
 @dataclass
@@ -122,6 +128,21 @@ class ProfileConfig:
             raise ValueError(f"roles: listed twice in {self.roles}")
 
 
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``trainer.checkpoint``: `torchrlhf.trainer.checkpointing.CheckpointManager`'s settings, under
+    ``trainer.output_dir``.
+
+    ``save_freq``: a checkpoint every that many steps and after the last one (0: none). ``keep_last``: only the
+    newest complete checkpoints are kept (None or 0: all). ``resume``: ``auto`` (the latest complete checkpoint
+    under ``trainer.output_dir``, if any), ``disable``, or a checkpoint's path.
+    """
+
+    save_freq: int = 0
+    keep_last: int | None = None
+    resume: str = "auto"
+
+
 @dataclass
 class TrainerConfig:
     """The loop: length, validation, checkpoints, logging.
@@ -132,6 +153,8 @@ class TrainerConfig:
     doing (method, seconds, the collective it waits in, its stack; `runtime.stall`); 0 turns it off.
     ``peak_flops``: one device's peak FLOP/s, the denominator of the ``perf/mfu/*`` metrics (`utils.flops`);
     None: each rank measures its matmul peak in each role's dtype once, at start-up.
+    ``checkpoint``: when checkpoints are written, how many are kept and which one a run resumes from
+    (`CheckpointConfig`).
     ``profile``: torch.profiler traces of chosen steps (`ProfileConfig`; off by default).
     """
 
@@ -141,10 +164,8 @@ class TrainerConfig:
     critic_warmup: int = 0
     test_freq: int = 0
     val_before_train: bool = False
-    save_freq: int = 0
-    keep_last_checkpoints: int | None = None
     output_dir: str = "outputs/run"
-    resume: str = "auto"  # "auto" (latest complete checkpoint), "disable", or a checkpoint path
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     project_name: str = "torchrlhf"
     experiment_name: str = "run"
@@ -154,6 +175,7 @@ class TrainerConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
+        self.checkpoint = as_section(CheckpointConfig, self.checkpoint)
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(f"peak_flops: must be > 0 (FLOP/s per device) or null, got {self.peak_flops}")
 

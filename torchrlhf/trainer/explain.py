@@ -312,11 +312,11 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
         out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
     agent = cfg.rollout.agent
-    if agent is not None and (agent.harness or agent.verifiers):
+    if agent is not None and (agent.harness.fn or agent.verifiers):
         what = (f"verifiers environment {agent.verifiers['env']} (an episode per trajectory, its policy seat on an "
-                if agent.verifiers else f"harness {agent.harness} (an ")
-        out.append(f"      agent: {what}OpenAI-compatible endpoint on {agent.harness_host}), "
-                   f"≤ {cfg.rollout.max_tokens} model tokens over all calls, ≤ {agent.harness_timeout_s:g}s per "
+                if agent.verifiers else f"harness {agent.harness.fn} (an ")
+        out.append(f"      agent: {what}OpenAI-compatible endpoint on {agent.harness.host}), "
+                   f"≤ {cfg.rollout.max_tokens} model tokens over all calls, ≤ {agent.harness.timeout_s:g}s per "
                    f"trajectory; reward: {agent.reward}")
     elif agent is not None:
         what = ", ".join(filter(None, [f"tools {list(agent.tools)}" if agent.tools else "",

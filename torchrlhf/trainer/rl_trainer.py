@@ -101,19 +101,10 @@ class RLTrainer:
         self.temperature = rollout_cfg.sampling().logprob_temperature  # of the rollout log-probs and the recomputed ones
         self.global_step = 0
         self.weight_version = 0  # actor updates so far; every sample records the version that generated it
-        self.kl_ctrl = _make_kl_controller(algorithm)
-        self.lagrange = (
-            algorithms.LagrangeMultiplier(
-                init=algorithm.lagrangian_init,
-                lr=algorithm.lagrangian_lr,
-                threshold=algorithm.cost_threshold,
-                max_value=algorithm.lagrangian_max,
-            )
-            if safe_rlhf
-            else None
-        )
+        self.kl_ctrl = algorithm.kl_ctrl.controller()
+        self.lagrange = algorithm.lagrangian.multiplier() if safe_rlhf else None
         self.profiler = profiler or StepProfiler()
-        self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=trainer_cfg.keep_last_checkpoints)
+        self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=trainer_cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -141,7 +132,8 @@ class RLTrainer:
                 self.global_step % self.trainer_cfg.test_freq == 0 or last
             ):
                 metrics.update(self.validate())
-            if self.trainer_cfg.save_freq > 0 and (self.global_step % self.trainer_cfg.save_freq == 0 or last):
+            save_freq = self.trainer_cfg.checkpoint.save_freq
+            if save_freq > 0 and (self.global_step % save_freq == 0 or last):
                 with timer("save_checkpoint", metrics):
                     self.save_checkpoint(metrics)
             self.logger.log(metrics, step=self.global_step)
@@ -309,7 +301,7 @@ class RLTrainer:
         return state
 
     def _maybe_resume(self) -> None:
-        path = self.checkpoints.resolve(self.trainer_cfg.resume)
+        path = self.checkpoints.resolve(self.trainer_cfg.checkpoint.resume)
         if path is None:
             return
         state = self.checkpoints.load_controller_state(path)
@@ -332,15 +324,9 @@ class RLTrainer:
         total = self.trainer_cfg.total_steps
         if self.global_step >= total:
             self.logger.message(f"torchrlhf: resumed from {path}: total_steps={total} already reached; nothing to "
-                                "train; trainer.resume=disable or a new trainer.output_dir starts afresh")
+                                "train; trainer.checkpoint.resume=disable or a new trainer.output_dir starts afresh")
         else:
             self.logger.message(f"torchrlhf: resumed from {path} at step {self.global_step} of {total}")
-
-
-def _make_kl_controller(algo: AlgorithmConfig):
-    if algo.kl_ctrl_type == "adaptive":
-        return algorithms.AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-    return algorithms.FixedKLController(algo.kl_coef)
 
 
 def _pop_perf(batch: Batch) -> dict[str, float]:

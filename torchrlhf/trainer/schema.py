@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from torchrlhf import algorithms
+from torchrlhf.agents.agent import MOVED_KEYS as AGENT_MOVED_KEYS
 from torchrlhf.config import ConfigError, get_component, schema_from_signature, validate
 from torchrlhf.rewards import RewardManager
 from torchrlhf.rewards.judge import check_template
@@ -110,6 +111,22 @@ MOVED_KEYS = {
     "judge.parser_fn": "judge.parser.fn",
     "judge.parse_timeout_s": "judge.parser.timeout_s",
     **{f"judge.{key}": f"judge.sampling.{key}" for key in ("max_tokens", "temperature", "top_p", "seed")},
+    "algorithm.kl_ctrl_type": "algorithm.kl_ctrl.type",
+    "algorithm.kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "algorithm.kl_target": "algorithm.kl_ctrl.target_kl",
+    "algorithm.kl_horizon": "algorithm.kl_ctrl.horizon",
+    "algorithm.filter_groups": "algorithm.filter_groups.enable",  # was a bool; a mapping is the section
+    "algorithm.max_num_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
+    "algorithm.overlong_buffer_len": "algorithm.overlong_buffer.len",
+    "algorithm.overlong_penalty_factor": "algorithm.overlong_buffer.penalty_factor",
+    "algorithm.lagrangian_init": "algorithm.lagrangian.init",
+    "algorithm.lagrangian_lr": "algorithm.lagrangian.lr",
+    "algorithm.cost_threshold": "algorithm.lagrangian.threshold",
+    "algorithm.lagrangian_max": "algorithm.lagrangian.max_value",
+    "trainer.save_freq": "trainer.checkpoint.save_freq",
+    "trainer.keep_last_checkpoints": "trainer.checkpoint.keep_last",
+    "trainer.resume": "trainer.checkpoint.resume",
+    **{f"rollout.agent.{old}": f"rollout.agent.{new}" for old, new in AGENT_MOVED_KEYS.items()},
 }
 
 
@@ -396,6 +413,9 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _estimator_errors(cfg)
     if algo.use_kl_in_reward and actor.loss.use_kl_loss:
         errors.append("algorithm.use_kl_in_reward and actor.loss.use_kl_loss are both on: choose one KL term")
+    if algo.overlong_buffer.len > rollout.max_tokens:
+        errors.append(f"algorithm.overlong_buffer.len ({algo.overlong_buffer.len}) exceeds rollout.max_tokens "
+                      f"({rollout.max_tokens}): the penalty starts that many tokens before the response limit")
     max_seq_len = getattr(rollout.engine, "max_seq_len", None)
     if max_seq_len is not None and data.max_prompt_length + rollout.max_tokens > max_seq_len:
         errors.append(f"data.max_prompt_length ({data.max_prompt_length}) + rollout.max_tokens ({rollout.max_tokens}) "
@@ -489,8 +509,8 @@ def _estimator_errors(cfg: RecipeConfig) -> list[str]:
     if estimator.greedy_baseline and n != 1:
         errors.append(f"algorithm.adv_estimator={name} samples one response per prompt beside a greedy baseline: "
                       f"set rollout.n=1, got {n}")
-    if cfg.algorithm.filter_groups and not estimator.group:
-        errors.append(f"algorithm.filter_groups (DAPO dynamic sampling) drops groups of equal rewards: it needs a "
+    if cfg.algorithm.filter_groups.enable and not estimator.group:
+        errors.append(f"algorithm.filter_groups.enable (DAPO dynamic sampling) drops groups of equal rewards: it needs a "
                       f"group estimator ({', '.join(registry.having('group'))}), not {name}")
     if cfg.cost_model is not None and (estimator.values or estimator.greedy_baseline):
         plain = sorted(k for k, e in registry.items() if not (e.values or e.greedy_baseline))
@@ -515,7 +535,7 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
         errors.append("async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1 "
                       "(the ranks of a TP group could not agree on when to swap weights mid-trajectory)")
     name = cfg.algorithm.adv_estimator
-    full_score = {"algorithm.filter_groups (DAPO dynamic sampling)": cfg.algorithm.filter_groups,
+    full_score = {"algorithm.filter_groups.enable (DAPO dynamic sampling)": cfg.algorithm.filter_groups.enable,
                   f"algorithm.adv_estimator={name} (a greedy baseline)": algorithms.ADV_ESTIMATORS[name].greedy_baseline}
     if not models_in_unit(cfg, world_size):
         for what in [k for k, needed in full_score.items() if needed]:
@@ -643,7 +663,7 @@ def load_recipe_config(cfg: Any, world_size: int) -> Any:
         raise ConfigError(f"a recipe config must be a mapping, got {type(cfg).__name__}")
     container = _resolved(cfg) if isinstance(cfg, DictConfig) else cfg
     unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_KEYS.items() if _has_key(container, key)]
-    unsupported += [f"{key}: moved to {new}" for key, new in MOVED_KEYS.items() if _has_key(container, key)]
+    unsupported += [f"{key}: moved to {new}" for key, new in MOVED_KEYS.items() if _moved(container, key, new)]
     if unsupported:
         raise ConfigError("unsupported config keys:\n" + "\n".join(f"  - {u}" for u in unsupported))
     recipe = validate(container, recipe_schema(chosen_components(container)))
@@ -668,3 +688,15 @@ def _has_key(container: Mapping, dotted: str) -> bool:
             return False
         node = node[part]
     return True
+
+
+def _moved(container: Mapping, old: str, new: str) -> bool:
+    """Whether the config sets the moved key ``old``. A key that became a section of its own name
+    (``algorithm.filter_groups: true`` -> ``algorithm.filter_groups.enable``) is the old key only as a plain value:
+    a mapping (or null, the section's defaults) is the section."""
+    if not _has_key(container, old):
+        return False
+    if not new.startswith(old + "."):
+        return True
+    value = functools.reduce(lambda node, part: node[part], old.split("."), container)
+    return value is not None and not isinstance(value, Mapping)
