@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrlhf.utils import calibration, flops
+from torchrlhf.utils import calibration
 
 
 @pytest.fixture
