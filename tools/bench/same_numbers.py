@@ -73,15 +73,38 @@ def merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_old_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` in the keys a ref from before a regrouping reads: every key this tree's ``MOVED_KEYS`` moved
+    goes back to where it was, and a section left empty goes."""
+    from torchrlhf.trainer.schema import MOVED_KEYS
+
+    config, values = OmegaConf.create(config), {}
+    for old, new in MOVED_KEYS.items():
+        parent, _, leaf = new.rpartition(".")
+        node = OmegaConf.select(config, parent) if parent else config
+        if node is not None and leaf in node:
+            values[old] = node.pop(leaf)
+            if not node and parent:  # a section now empty: the ref does not know it
+                grand, _, name = parent.rpartition(".")
+                (OmegaConf.select(config, grand) if grand else config).pop(name)
+    for old, value in values.items():
+        OmegaConf.update(config, old, value, force_add=True)
+    return OmegaConf.to_container(config)
+
+
 def run(tree: Path, config: dict[str, Any], ranks: int, out: Path) -> tuple[list[dict[str, Any]], dict]:
-    """Train with the recipe of ``tree``; returns (metrics per step, the final actor weights)."""
+    """Train with the recipe of ``tree``; returns (metrics per step, the final actor weights). A ref that
+    refuses this tree's keys as unsupported gets them where it kept them (`with_old_keys`)."""
     config = merged(config, {"trainer": {"output_dir": str(out)}})
     path = out.with_suffix(".yaml")
-    OmegaConf.save(OmegaConf.create(config), path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(tree / "recipes" / "ppo.py"), "--config", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tree)}
-    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    for attempt in (config, with_old_keys(config)):
+        OmegaConf.save(OmegaConf.create(attempt), path)
+        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        if "unsupported config keys" not in p.stdout + p.stderr:
+            break
     if p.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{(p.stdout + p.stderr)[-3000:]}")
     flat = out / "flat.pt"
