@@ -94,7 +94,7 @@ def with_old_keys(config: dict[str, Any]) -> dict[str, Any]:
 
 def run(tree: Path, config: dict[str, Any], ranks: int, out: Path) -> tuple[list[dict[str, Any]], dict]:
     """Train with the recipe of ``tree``; returns (metrics per step, the final actor weights). A ref that
-    refuses this tree's keys as unsupported gets them where it kept them (`with_old_keys`)."""
+    refuses this tree's config gets the keys where it kept them (`with_old_keys`)."""
     config = merged(config, {"trainer": {"output_dir": str(out)}})
     path = out.with_suffix(".yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
@@ -103,7 +103,7 @@ def run(tree: Path, config: dict[str, Any], ranks: int, out: Path) -> tuple[list
     for attempt in (config, with_old_keys(config)):
         OmegaConf.save(OmegaConf.create(attempt), path)
         p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-        if "unsupported config keys" not in p.stdout + p.stderr:
+        if "torchrlhf: config error:" not in p.stdout + p.stderr:
             break
     if p.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{(p.stdout + p.stderr)[-3000:]}")
