@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml
     python recipes/ppo.py --config recipes/configs/grpo_arithmetic_cpu.yaml trainer.total_steps=2  # one process
     python recipes/ppo.py --config X.yaml --dry-run --world-size 8   # what it would do; loads no weights
+    python recipes/ppo.py --config X.yaml --plan --world-size 8      # the fastest mapping, written as a config
 
 Every rank parses and validates the config (a bad key fails before any model loads), then `launch`
 makes rank 0 the single controller: it builds the worker groups and runs `RLTrainer.fit`, the
@@ -17,33 +18,55 @@ import sys
 
 from torchrlhf.config import ConfigError, parse_args
 from torchrlhf.runtime import exit_every_rank, launch
+from torchrlhf.plan.cli import calibrate_here, hardware_profile, plan_command, simulated_lines
 from torchrlhf.trainer.explain import explain
 from torchrlhf.trainer.run import load, run
 
 
-def _take_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
-    """Remove ``--dry-run`` and ``--world-size N`` from the command line (the rest is config and overrides)."""
-    rest, dry_run, world = [], False, None
+FLAGS = {"--dry-run": bool, "--plan": bool, "--calibrate": bool, "--world-size": int, "--nodes": int,
+         "--hardware": str, "--hardware-out": str, "--plan-out": str, "--threads": int, "--response-len": int}
+
+
+def _take_flags(argv: list[str]) -> tuple[list[str], dict]:
+    """Remove the ``--flag [value]`` options of `FLAGS` from the command line (the rest is config and overrides)."""
+    rest, flags = [], {}
     it = iter(argv)
     for arg in it:
-        if arg == "--dry-run":
-            dry_run = True
-        elif arg == "--world-size" or arg.startswith("--world-size="):
-            value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--world-size needs a positive integer, got {value!r}")
-            world = int(value)
-        else:
+        name = arg.split("=", 1)[0]
+        if name not in FLAGS:
             rest.append(arg)
-    return rest, dry_run, world
+            continue
+        kind = FLAGS[name]
+        if kind is bool:
+            flags[name] = True
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
+        if kind is int and (not value.isdigit() or int(value) < 1):
+            raise ConfigError(f"{name} needs a positive integer, got {value!r}")
+        if not value:
+            raise ConfigError(f"{name} needs a value")
+        flags[name] = kind(value)
+    return rest, flags
 
 
-USAGE = """usage: recipes/ppo.py --config X.yaml [--dry-run [--world-size N]] [key=value | +key=value | ~key ...]
+USAGE = """usage: recipes/ppo.py --config X.yaml [--dry-run | --plan] [--world-size N] [key=value | +key=value | ~key ...]
+       recipes/ppo.py --calibrate [--config X.yaml] [--hardware-out FILE] [--threads N]
 
-  --config X.yaml   the recipe config (recipes/configs/*.yaml)
-  --dry-run         print what the config would do (roles, ranks, batches, memory) without loading weights
-  --world-size N    the dry run's number of ranks (default: torchrun's WORLD_SIZE, else 1)
-  key=value         override a config key (+key=value adds one, ~key removes one)"""
+  --config X.yaml     the recipe config (recipes/configs/*.yaml)
+  --dry-run           print what the config would do (roles, ranks, batches, memory; with --hardware, the
+                      simulated time of each stage) without loading weights
+  --plan              rank the placements, layouts, micro-batches and schedules of this config on --world-size
+                      ranks (--nodes M nodes) by simulated step time; print the best and write it as a config
+  --world-size N      the dry run's or the plan's number of ranks (default: torchrun's WORLD_SIZE, else 1)
+  --nodes M           nodes the plan's ranks are spread over (default 1)
+  --hardware H        a hardware profile: a shipped name (h100, cpu_epyc_2core) or a file (default: the profile
+                      --calibrate wrote for this machine)
+  --plan-out FILE     where --plan writes its config (default: <trainer.output_dir>/plan_w<N>.yaml)
+  --response-len L    the mean response length --plan assumes (default: rollout.max_tokens)
+  --calibrate         measure this machine's hardware profile (about a minute) and write it (--hardware-out FILE,
+                      default ~/.cache/torchrlhf/hardware.yaml); with --config, on its actor's architecture
+  --threads N         threads per rank for --calibrate (default 1, as torchrun's ranks)
+  key=value           override a config key (+key=value adds one, ~key removes one)"""
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -53,21 +76,33 @@ def cli(argv: list[str] | None = None) -> None:
         print(USAGE)
         return
     try:
-        argv, dry_run, world = _take_flags(args)
-        world_size = world or int(os.environ.get("WORLD_SIZE", "1"))
+        argv, flags = _take_flags(args)
+        world_size = flags.get("--world-size") or int(os.environ.get("WORLD_SIZE", "1"))
+        if flags.get("--calibrate"):
+            config = parse_args(argv)[0] if argv else None
+            print(f"torchrlhf: hardware profile written to {calibrate_here(config, flags)}")
+            return
         path, overrides = parse_args(argv)
         # User modules in the project folder import by name (my_env.Env), as under `python -m`: Python put
         # this script's folder first on the path, not the folder the run started in.
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         cfg, raw = load(path, overrides, world_size)  # the schema checks every key
+        hardware = (hardware_profile(flags.get("--hardware"), required=bool(flags.get("--plan")))
+                    if flags.get("--dry-run") or flags.get("--plan") else None)
     except (ConfigError, FileNotFoundError) as e:  # every rank finds it: printed once, whichever rank exits first
         exit_every_rank(f"torchrlhf: config error: {e}", 2)
-    if dry_run:
+    if flags.get("--dry-run") or flags.get("--plan"):
         if rank == 0:
             try:
-                print(explain(cfg, world_size))
-            except (OSError, ValueError) as e:  # a model path without a config.json, ...
+                if flags.get("--plan"):
+                    print(plan_command(cfg, path, overrides, world_size, flags.get("--nodes", 1), hardware,
+                                       flags.get("--plan-out"), flags.get("--response-len")))
+                else:
+                    print(explain(cfg, world_size))
+                    if hardware is not None:
+                        print(simulated_lines(cfg, world_size, hardware))
+            except (ConfigError, OSError, ValueError) as e:  # a model path without a config.json, ...
                 print(f"torchrlhf: config error: {e}", file=sys.stderr)
                 sys.exit(2)
         return

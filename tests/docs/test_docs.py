@@ -143,10 +143,11 @@ def _torchrun_world(args: list[str]) -> tuple[int, list[str]]:
 def _check_recipe(where: str, args: list[str], world: int | None) -> None:
     from torchrlhf.trainer.run import load
 
-    if "--help" in args or "-h" in args:
+    if "--help" in args or "-h" in args or "--calibrate" in args:
         return
     ppo = _recipe_cli()
-    rest, _, flag_world = ppo._take_flags(args)
+    rest, flags = ppo._take_flags(args)
+    flag_world = flags.get("--world-size")
     path, overrides = ppo.parse_args(rest)
     # a placeholder for the user's own model (/path/to/Qwen2.5-7B-Instruct): a directory that exists; for a
     # distillation teacher (exported from a SmolLM2 run), a model with the student's tokenizer

@@ -29,7 +29,7 @@ MEASURE = r"""
 import re, sys, torch
 from torchrlhf.models.loading import load_causal_lm
 from torchrlhf.models.lm_head import LogProbHead
-from torchrlhf.trainer.memory import _actor_loss
+from torchrlhf.trainer.memory import actor_loss
 from torchrlhf.utils.optim import build_optimizer
 
 def kib(key):
@@ -44,7 +44,7 @@ ids = torch.randint(0, 1000, (micro, p + r))
 mask, pos = torch.ones_like(ids), torch.arange(p + r).expand(micro, p + r)
 
 def step():
-    _actor_loss(model, ids, mask, pos, r, False).backward()
+    actor_loss(model, ids, mask, pos, r, False).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -133,12 +133,15 @@ def smollm2_gguf_path() -> Path:
     return p
 
 
+USER_CACHE = Path.home() / ".cache" / "torchrlhf"  # what torchrlhf keeps per user: converted models, readings
+
+
 def default_cache_dir() -> Path:
     """`$TORCHRLHF_CACHE` if set, else ~/.cache/torchrlhf/smollm2-135m-instruct."""
     env = os.environ.get("TORCHRLHF_CACHE")
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "torchrlhf" / SMOLLM2_CACHE_NAME
+    return USER_CACHE / SMOLLM2_CACHE_NAME
 
 
 def _is_complete_model_dir(d: Path) -> bool:

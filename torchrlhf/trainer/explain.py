@@ -69,6 +69,10 @@ class ModelShape:
     flops: TransformerFlops  # the model FLOP counts of `torchrlhf.utils.flops`
     adapter_params: int = 0  # with ``lora``: the adapters' parameters (``params`` counts the base only)
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Keys and values of one token over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
 
 def model_shape(path: str, lora: Any = None) -> ModelShape:
     """Parameter count and dimensions from the model directory's config, built on the meta device (with the
@@ -309,7 +313,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     slots = getattr(engine, "max_batch_size", None)
     seq = getattr(engine, "max_seq_len", None)
     if slots and seq:
-        memory["KV cache"] = 2 * shape.layers * slots * seq * shape.kv_heads * shape.head_dim * dtype_bytes / tp
+        memory["KV cache"] = slots * seq * shape.kv_bytes_per_token(dtype_bytes) / tp
         out.append(f"      KV cache: {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank")
     agent = cfg.rollout.agent
     if agent is not None and (agent.harness.fn or agent.verifiers):
@@ -341,8 +345,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         slots, seq = (getattr(engine, k, None) for k in ("max_batch_size", "max_seq_len"))
         kv = ""
         if isinstance(slots, int) and isinstance(seq, int):
-            memory["KV cache"] = (2 * j_shape.layers * slots * seq * j_shape.kv_heads * j_shape.head_dim
-                                  * _bytes(judge.dtype) / tp)
+            memory["KV cache"] = slots * seq * j_shape.kv_bytes_per_token(_bytes(judge.dtype)) / tp
             kv = f", KV cache {slots} slots × {seq} tokens = {_gib(memory['KV cache'])} per rank"
         sleeps = "; held only while judging (judge.sleep)" if judge.sleep else ""
         engines = f", {len(ranks['judge']) // tp} engine(s) of TP {tp}" if tp > 1 else ""

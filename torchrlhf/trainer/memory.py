@@ -136,7 +136,7 @@ def trace_micro_batch(
                         values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
                         loss = (values.float() ** 2).mean()
                     else:
-                        loss = _actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
+                        loss = actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
                 if train:
                     loss.backward()
                     optimizer.step()
@@ -150,7 +150,7 @@ def trace_micro_batch(
     return by_kind
 
 
-def _actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
+def actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
     """`ActorWorker.micro_batch_loss` on the dense path: log-probs and entropy of the response positions
     from the `LogProbHead` (no logits), the PPO loss with its entropy term (and the KL loss)."""
     seq = input_ids.shape[1]
@@ -193,4 +193,4 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["trace_micro_batch", "as_held", "KINDS"]
+__all__ = ["KINDS", "actor_loss", "as_held", "trace_micro_batch"]

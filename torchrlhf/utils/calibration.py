@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from torchrlhf.models.loading import USER_CACHE
+
 ENV = "TORCHRLHF_CALIBRATION"
 
 
@@ -29,7 +31,7 @@ def calibration_file() -> Path | None:
     env = os.environ.get(ENV)
     if env is not None:
         return Path(env).expanduser() if env else None
-    return Path.home() / ".cache" / "torchrlhf" / "calibration.json"
+    return USER_CACHE / "calibration.json"
 
 
 def device_name(device: torch.device) -> str:

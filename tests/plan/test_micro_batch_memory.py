@@ -1,0 +1,41 @@
+"""The planner's extrapolated micro-batch memory against a direct trace of the whole model (`trace_micro_batch`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrlhf.models.loading import save_tiny_model
+from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
+from torchrlhf.trainer.memory import trace_micro_batch
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory) -> str:
+    # blocks outweigh the embedding (vocabulary 256), so a shallow copy's peak falls where the whole model's does
+    return str(save_tiny_model(tmp_path_factory.mktemp("deep"), tokenizer_from=None, vocab_size=256, hidden_size=64,
+                               intermediate_size=256, num_hidden_layers=12))
+
+
+@pytest.mark.parametrize("kind", ["train", "value", "forward"])
+def test_rows_extrapolate_to_a_direct_trace(deep_model_dir, kind):
+    common = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
+    direct = trace_micro_batch(deep_model_dir, micro=5, train=kind != "forward", value_head=kind == "value", **common)
+    estimate = micro_batch_memory(deep_model_dir, kind=kind, micro=5, **common)
+    assert sum(estimate.values()) == pytest.approx(sum(direct.values()), rel=0.02)
+    for k in ("parameters", "optimizer states"):
+        assert estimate.get(k, 0.0) == pytest.approx(direct.get(k, 0.0), rel=1e-6)
+
+
+def test_a_deep_model_extrapolates_from_two_shallow_depths(deep_model_dir):
+    common = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
+    direct = trace_micro_batch(deep_model_dir, micro=3, train=True, **common)
+    estimate = micro_batch_memory(deep_model_dir, kind="train", micro=3, depths=(3, 6), layers=12, **common)
+    assert sum(estimate.values()) == pytest.approx(sum(direct.values()), rel=0.03)
+    assert estimate["parameters"] == pytest.approx(direct["parameters"], rel=1e-6)
+
+
+def test_shallow_depths_keep_the_blocks_heavier_than_the_rest():
+    # 80 layers of 10 M block weights, 40 M elsewhere: 4 x 40 / 10 = 16 layers, then 32
+    assert shallow_depths(80, 80 * 10_000_000, 40_000_000) == (16, 32)
+    assert shallow_depths(30, 30 * 3_500_000, 28_000_000) is None  # SmolLM2: its embedding outweighs 32 layers

@@ -1,0 +1,123 @@
+"""The simulator's arithmetic on cases computed by hand: one stage of each kind, and a step colocated against split."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchrlhf.plan.hardware import DecodeCost, HardwareProfile, Link, PassCost
+from torchrlhf.plan.simulate import (
+    Mapping,
+    Problem,
+    Role,
+    Workload,
+    collective_s,
+    generate_s,
+    pass_s,
+    step_estimate,
+    weight_sync_s,
+)
+from torchrlhf.trainer.explain import ModelShape
+from torchrlhf.utils.flops import TransformerFlops
+
+# 2 layers, 1000 block weights, 2 heads of 4, hidden 8, vocabulary 10; 2000 parameters in all
+FLOPS = TransformerFlops(layers=2, block_params=1000, heads=2, head_dim=4, hidden=8, head_out=10)
+MODEL = ModelShape(params=2000, layers=2, hidden=8, vocab=10, kv_heads=1, head_dim=4, flops=FLOPS)
+
+
+def profile(units: int | None = None, **changes) -> HardwareProfile:
+    fields = dict(name="hand", source="test", memory_gib=1.0, matmul_tflops={"float32": 1.0},
+                  memory_bandwidth_gbps=1.0, train=PassCost(0.25, 0.5), forward=PassCost(0.5, 0.1),
+                  decode=DecodeCost(0.5, 0.01), intra_node=Link(2.0, 100.0), inter_node=Link(1.0, 1000.0),
+                  step_overhead_s=0.0, compute_units_per_node=units)
+    fields.update(changes)
+    return HardwareProfile(**fields)
+
+
+def test_a_forward_pass_is_its_calls_plus_its_flops_at_the_forward_rate():
+    # 4 samples of 3 + 2 tokens on one rank, micro-batches of 2: 2 calls.
+    # tokens 20; keys 4 * (1 + 2 + 3 + 4 + 5) = 60; scored 4 * 2 = 8
+    # FLOPs 2 * 1000 * 20 + 4 * 2 * 2 * 4 * 60 + 2 * 8 * 10 * 8 = 40 000 + 3 840 + 1 280 = 45 120
+    seconds = pass_s(MODEL, Role(ranks=1, log_prob_micro=2), profile(), dtype="float32", samples=4, prompt_len=3,
+                     response_len=2, train=False, node_size=1, busy=1)
+    assert seconds == pytest.approx(2 * 0.1 + 45_120 / (1e12 * 0.5), rel=1e-12)
+
+
+def test_a_training_pass_counts_three_forwards_the_optimizer_and_fsdp_traffic():
+    # 2 ranks (dp 2), 4 samples of 3 + 2 tokens, micro 1: 2 samples per rank -> 2 calls; one optimizer step.
+    # FLOPs 3 * 45 120 over 2 ranks at 0.25 of 1 TFLOP/s; AdamW 2000 / 2 parameters * 28 bytes at 1 GB/s;
+    # FSDP2 per call: 2000 * (2 - 1) / 2 parameters * (2 gathers * 4 + 4) bytes and 2 layers * 3 collectives of 100 µs
+    seconds = pass_s(MODEL, Role(ranks=2, micro=1), profile(), dtype="float32", samples=4, prompt_len=3,
+                     response_len=2, train=True, node_size=2, busy=2, optimizer_steps=1)
+    compute = 2 * 0.5 + 3 * 45_120 / 2 / (1e12 * 0.25) + 1000 * 28 / 1e9
+    fsdp = 2 * (6 * 100e-6 + 1000 * 12 / 2e9)
+    assert seconds == pytest.approx(compute + fsdp, rel=1e-12)
+
+
+def test_ranks_beyond_a_cpus_compute_units_share_them():
+    alone = pass_s(MODEL, Role(ranks=1), profile(units=1), dtype="float32", samples=4, prompt_len=3, response_len=2,
+                   train=False, node_size=2, busy=1)
+    shared = pass_s(MODEL, Role(ranks=1), profile(units=1), dtype="float32", samples=4, prompt_len=3,
+                    response_len=2, train=False, node_size=2, busy=2)
+    assert shared == pytest.approx(2 * alone, rel=1e-12)  # two ranks on one unit: each at half speed, calls too
+
+
+def test_decode_is_its_steps_at_the_roofline_bound_plus_a_prefill():
+    # one replica, 2 prompts x n 2 = 4 slots, prompts of 3 tokens, 5 decode steps of a 4-token response.
+    # prefill: 2 prompts of 3 tokens: FLOPs 2 * 1000 * 6 + 4 * 2 * 2 * 4 * (2 * 6) + 2 * 8 * 10 * 2 = 13 088
+    # a step reads 2000 * 4 bytes of weights + 4 slots * (3 + 2) keys * (2 * 2 * 1 * 4 * 4 = 64 bytes) = 9 280 bytes
+    #   (9.28 µs at 1 GB/s) against FLOPs 2 * 1000 * 4 + 4 * 2 * 2 * 4 * 20 + 2 * 8 * 10 * 4 = 9 920 (9.92 ps): memory
+    seconds = generate_s(MODEL, Role(ranks=1), profile(), dtype="float32", prompts=2, n=2, prompt_len=3,
+                         decode_steps=5, response_len=4, max_slots=8, node_size=1, busy=1)
+    prefill = 0.1 + 13_088 / (1e12 * 0.5)
+    step = 0.01 + 9_280 / 1e9 / 0.5
+    assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
+
+
+def test_decode_waves_when_samples_exceed_the_slots():
+    one_wave = generate_s(MODEL, Role(ranks=1), profile(), dtype="float32", prompts=2, n=2, prompt_len=3,
+                          decode_steps=5, response_len=4, max_slots=4, node_size=1, busy=1)
+    two_waves = generate_s(MODEL, Role(ranks=1), profile(), dtype="float32", prompts=4, n=2, prompt_len=3,
+                           decode_steps=5, response_len=4, max_slots=4, node_size=1, busy=1)
+    assert two_waves == pytest.approx(2 * one_wave, rel=1e-12)
+
+
+def test_a_collective_is_latency_plus_bytes_over_bandwidth_on_the_link_it_crosses():
+    hw = profile()
+    assert collective_s(hw.intra_node, 4e9, calls=3) == pytest.approx(3 * 100e-6 + 2.0)
+    # split: the actor's rank 0 broadcasts 2000 x 4 bytes to rank 1, layer by layer (2 calls); ranks 0 and 1 on one
+    # node of 2 ranks, then on two nodes of 1
+    split = weight_sync_s(MODEL, Role(ranks=1), Role(ranks=1, first=1), hw, dtype="float32", node_size=2)
+    assert split == pytest.approx(2 * 100e-6 + 8000 / 2e9)
+    across = weight_sync_s(MODEL, Role(ranks=1), Role(ranks=1, first=1), hw, dtype="float32", node_size=1)
+    assert across == pytest.approx(2 * 1000e-6 + 8000 / 1e9)
+    # colocated on 2 ranks: each gathers the other half, 2 layers
+    colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2)
+    assert colocated == pytest.approx(2 * 100e-6 + 1000 * 4 / 2e9)
+
+
+def _problem() -> Problem:
+    return Problem(models={"actor": MODEL}, dtypes={"actor": "float32", "rollout": "float32"},
+                   workload=Workload(prompts=2, n=2, prompt_len=3, response_len=4, longest_response=4),
+                   mini_batches={"actor": 1}, epochs={"actor": 1}, old_log_prob=False, reference=True,
+                   shared_prefix={"actor": False, "critic": False}, max_slots=8)
+
+
+def test_a_synchronous_step_adds_its_stages_and_an_asynchronous_one_takes_the_slower_side():
+    hw = profile(step_overhead_s=0.3)
+    colocated = Mapping({"actor": Role(2), "rollout": Role(2)})
+    split = Mapping({"actor": Role(1), "rollout": Role(1, first=1)})
+    streamed = Mapping({"actor": Role(1), "rollout": Role(1, first=1)}, mode="async", max_staleness=1,
+                       prompts_per_call=2)
+    for mapping in (colocated, split):
+        est = step_estimate(_problem(), mapping, hw, node_size=2)
+        assert [s.name for s in est.stages] == ["generate", "ref", "update_actor", "weight_sync"]
+        assert est.seconds == pytest.approx(sum(s.seconds for s in est.stages) + 0.3, rel=1e-12)
+    sync = step_estimate(_problem(), split, hw, node_size=2)
+    async_ = step_estimate(_problem(), streamed, hw, node_size=2)
+    gen = async_.by_stage()["generate"]
+    assert gen == pytest.approx(sync.by_stage()["generate"], rel=1e-12)  # one call of both prompts
+    train = sum(v for k, v in async_.by_stage().items() if k != "generate")
+    assert async_.seconds == pytest.approx(max(gen, train) + 0.3, rel=1e-12)
+    assert async_.seconds < sync.seconds
+    # split: one engine decodes all 4 samples; colocated, two engines decode 2 each
+    assert sync.by_stage()["generate"] > step_estimate(_problem(), colocated, hw, node_size=2).by_stage()["generate"]

@@ -1,0 +1,133 @@
+"""The planner's simulator against measured step times on this machine.
+
+Runs the SmolLM2 GRPO arithmetic recipe (and, with ``--ppo``, PPO with a critic on a tiny model) for 3 steps under
+several mappings (colocated / split, sync / async, micro-batch budgets; world size 2 and 4), each a fresh torchrun,
+and compares the mean of steps 2-3's ``timing_s/step`` with the simulator's estimate for the same mapping
+(`torchrlhf.plan`) from a hardware profile calibrated here first (``--hardware`` reuses one). Responses ignore EOS
+so that every run decodes exactly ``rollout.max_tokens`` tokens per sample: the workload is the same in the
+simulator and the run.
+
+    python tools/bench/bench_plan.py [--hardware FILE] [--ppo] [--steps 3]
+
+Prints one row per mapping (predicted, measured, error), then, per world size, the planner's own pick (searched
+over every mapping, run and measured) against the best measured row, and ``Kendall tau T`` and ``max error E %``
+over the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from torchrlhf.plan.calibrate import calibrate  # noqa: E402
+from torchrlhf.plan.hardware import load_hardware, save_hardware  # noqa: E402
+from torchrlhf.plan.auto import plan  # noqa: E402
+from torchrlhf.plan.problem import config_mapping, plan_input  # noqa: E402
+from torchrlhf.plan.simulate import step_estimate  # noqa: E402
+from torchrlhf.trainer.run import load  # noqa: E402
+
+GRPO = "recipes/configs/grpo_arithmetic_cpu.yaml"
+WORKLOAD = ["data.train_batch_size=8", "rollout.n=4", "rollout.max_tokens=24", "rollout.ignore_eos=true",
+            "actor.batching.ppo_mini_batch_size=8", "trainer.val_before_train=false", "trainer.test_freq=0",
+            "trainer.checkpoint.save_freq=0", "trainer.loggers=[jsonl]", "rollout.engine.max_batch_size=32"]
+SPLIT = ["placement.actor=[0]", "placement.rollout=[1]"]
+SPLIT4 = ["placement.actor=[0,1]", "placement.rollout=[2,3]"]
+ASYNC = ["trainer.mode=async", "async_training.max_staleness=1", "async_training.prompts_per_call=8"]
+MAPPINGS = [  # (world size, overrides)
+    (2, ["actor.batching.ppo_micro_batch_size_per_device=16"]),
+    (2, ["actor.batching.ppo_micro_batch_size_per_device=4"]),
+    (2, SPLIT + ["actor.batching.ppo_micro_batch_size_per_device=16"]),
+    (2, SPLIT + ASYNC + ["actor.batching.ppo_micro_batch_size_per_device=16"]),
+    (4, ["actor.batching.ppo_micro_batch_size_per_device=8"]),
+    (4, ["actor.batching.ppo_micro_batch_size_per_device=2"]),
+    (4, SPLIT4 + ["actor.batching.ppo_micro_batch_size_per_device=8"]),
+    (4, SPLIT4 + ASYNC[:2] + ["async_training.prompts_per_call=4", "actor.batching.ppo_micro_batch_size_per_device=8"]),
+]
+
+
+def measure(world: int, overrides: list[str], out: Path, steps: int) -> dict[str, float]:
+    """Mean ``timing_s/*`` of steps 2.. of a fresh torchrun of the recipe."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = ["torchrun", f"--nproc_per_node={world}", "recipes/ppo.py", "--config", GRPO, *WORKLOAD, *overrides,
+           f"trainer.total_steps={steps}", f"trainer.output_dir={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "timing_s/step" in r and r["step"] > 1]
+    keys = {k for r in rows for k in r if k.startswith("timing_s/")}
+    return {k.split("/", 1)[1]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in sorted(keys)}
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    pairs = list(combinations(range(len(a)), 2))
+    score = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1) for i, j in pairs if a[i] != a[j] and b[i] != b[j])
+    return score / len(pairs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hardware", help="a profile file; default: calibrate here first")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", type=int, nargs="*", help="mapping indices to run")
+    args = parser.parse_args()
+    if args.hardware:
+        hw = load_hardware(args.hardware)
+    else:
+        hw = calibrate("cpu", threads=1)
+        print(f"calibrated: {save_hardware(hw, Path(tempfile.gettempdir()) / 'bench_plan_hardware.yaml')}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (world, overrides) in enumerate(MAPPINGS):
+            if args.only and i not in args.only:
+                continue
+            cfg, _ = load(ROOT / GRPO, [*WORKLOAD, *overrides], world)
+            data = plan_input(cfg)
+            predicted = step_estimate(data.problem, config_mapping(cfg, world), hw, node_size=world)
+            stages = measure(world, overrides, Path(tmp) / f"run{i}", args.steps)
+            measured = stages["step"]
+            rows.append((i, world, overrides, predicted.seconds, measured, predicted))
+            print(f"[{i}] world {world} {' '.join(overrides) or '(colocated)'}: predicted {predicted.seconds:.2f} s "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in predicted.by_stage().items())}), measured {measured:.2f} s "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in stages.items() if k != 'step')}), error {100 * (predicted.seconds / measured - 1):+.0f} %", flush=True)
+        pick = {}
+        for world in sorted({r[1] for r in rows}):
+            cfg, _ = load(ROOT / GRPO, [*WORKLOAD, "actor.batching.ppo_micro_batch_size_per_device=1"], world)
+            best = plan(cfg, world, hardware=hw).best
+            measured = measure(world, best.overrides, Path(tmp) / f"pick{world}", args.steps)
+            pick[world] = (best, measured["step"])
+            print(f"planner's pick at world size {world}: {' '.join(best.overrides)}: predicted "
+                  f"{best.estimate.seconds:.2f} s, measured {measured['step']:.2f} s "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in measured.items() if k != 'step')})", flush=True)
+    predicted, measured = [r[3] for r in rows], [r[4] for r in rows]
+    print("\n| # | world | mapping | predicted s | measured s | error |")
+    print("|---|---|---|---|---|---|")
+    for i, world, overrides, p, m, _ in rows:
+        print(f"| {i} | {world} | {' '.join(overrides) or 'colocated'} | {p:.2f} | {m:.2f} | {100 * (p / m - 1):+.0f} % |")
+    for world in sorted({r[1] for r in rows}):
+        of_world = [r for r in rows if r[1] == world]
+        best_measured = min(of_world, key=lambda r: r[4])
+        best_predicted = min(of_world, key=lambda r: r[3])
+        print(f"world {world}: best measured [{best_measured[0]}] {best_measured[4]:.2f} s; the simulator's best of "
+              f"these [{best_predicted[0]}] measured {best_predicted[4]:.2f} s "
+              f"({100 * (best_predicted[4] / best_measured[4] - 1):+.0f} %)")
+        if world in pick:
+            best, seconds = pick[world]
+            print(f"world {world}: the planner's own pick measured {seconds:.2f} s "
+                  f"({100 * (seconds / best_measured[4] - 1):+.0f} % against the best of the table; predicted "
+                  f"{best.estimate.seconds:.2f} s, error {100 * (best.estimate.seconds / seconds - 1):+.0f} %)")
+    print(f"Kendall tau {kendall_tau(predicted, measured):.2f}")
+    print(f"max error {max(abs(p / m - 1) for p, m in zip(predicted, measured)) * 100:.0f} %")
+
+
+if __name__ == "__main__":
+    main()

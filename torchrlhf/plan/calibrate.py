@@ -1,0 +1,304 @@
+"""Measure a hardware profile on this machine: short probes of every rate the simulator uses.
+
+    python recipes/ppo.py --calibrate [--hardware-out FILE] [--threads N] [--device cuda]
+
+- **matmul peak** per dtype (`torchrlhf.utils.flops.matmul_peak`, kept in the calibration file);
+- **training and forward passes** of the run's architecture (SmolLM2's by default; random weights) at two
+  micro-batch sizes: the time model
+  ``call_s + FLOPs / (peak · efficiency)`` through both points gives the efficiency and the cost per call;
+- **decode**: the native engine at two batch sizes (EOS ignored), fitted as ``step_s + bound / efficiency``, once
+  with weights of its own (a rollout apart) and once on the training model's (colocated);
+- **memory bandwidth**: a large copy;
+- **concurrency** (CPU): a GEMM loop in every compute unit at once against one alone (SMT siblings and a shared
+  memory bus slow each rank down when all compute);
+- **collectives**: two processes on this node, all-reduce of 4 KiB and 32 MiB (gloo on CPU, NCCL on GPU): latency
+  and bandwidth. Across nodes is not probed: the profile copies the node's link, and says so in ``source``;
+- **FSDP2 in a step**: the same passes sharded over two processes against one: the latency and bandwidth of FSDP2's
+  traffic as a training step sees it (`probe_fsdp`).
+
+On a CPU each rank is ``--threads`` threads (torchrun's ranks run 1), and the probes run at that many.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost
+from torchrlhf.utils import calibration
+from torchrlhf.utils.flops import TransformerFlops, causal_keys, peak_flops
+
+# SmolLM2-135M's architecture (random weights): the default probe model
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     head_dim=64, num_hidden_layers=30, vocab_size=49152, max_position_embeddings=2048)
+SEQ = 64  # prompt 32 + response 32
+ROWS = (1, 4)  # the two micro-batch sizes the passes are timed at
+
+
+def _best(fn: Callable[[], None], repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
+    """(intercept, slope) of the line through (x1, t1) and (x2, t2), both kept ≥ 0."""
+    slope = max((t2 - t1) / (x2 - x1), 1e-18)
+    return max(t1 - slope * x1, 0.0), slope
+
+
+def probe_model(config_dir: str | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The architecture of ``config_dir``'s config.json (no weights read), else SmolLM2's, with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchrlhf.models.loading import build_tiny_causal_lm
+
+    if config_dir is None:
+        return build_tiny_causal_lm(SMOLLM2_SHAPE, dtype=dtype).to(device)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=dtype).to(device)
+
+
+def time_passes(model: torch.nn.Module, device: torch.device) -> dict[tuple[bool, int], float]:
+    """Seconds of a training (forward + loss + backward) and a forward pass of ``model`` at 1 and 4 rows of `SEQ`
+    tokens (the best of 3): ``{(train, rows): seconds}``."""
+    from torchrlhf.trainer.memory import actor_loss
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for train in (True, False):
+        for rows in ROWS:
+            ids = torch.randint(3, 1000, (rows, SEQ), generator=torch.Generator().manual_seed(rows)).to(device)
+            mask, pos = torch.ones_like(ids), torch.arange(SEQ, device=device).expand(rows, SEQ)
+
+            def step() -> None:
+                with torch.set_grad_enabled(train):
+                    loss = actor_loss(model, ids, mask, pos, SEQ // 2, False)
+                if train:
+                    loss.backward()
+                    model.zero_grad(set_to_none=True)
+                sync()
+
+            out[train, rows] = _best(step, repeats=3)
+    return out
+
+
+def probe_passes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[PassCost, PassCost, dict[tuple[bool, int], float]]:
+    """Training (forward + loss + backward; the optimizer step is timed by the bandwidth) and forward passes at 1
+    and 4 rows of `SEQ` tokens, and the times they were fitted through."""
+    from torchrlhf.models.lm_head import LogProbHead
+
+    LogProbHead.install(model)
+    counts = TransformerFlops.from_model(model)
+    peak = peak_flops(dtype, device)
+    times = time_passes(model, device)
+    costs = []
+    for train in (True, False):
+        count = counts.train if train else counts.forward
+        points = [(count(rows * SEQ, rows * causal_keys(SEQ), rows * SEQ // 2), times[train, rows]) for rows in ROWS]
+        call_s, per_flop = _fit(*points[0], *points[1])
+        costs.append(PassCost(efficiency=min(1.0, 1 / (per_flop * peak)), call_s=call_s))
+    return costs[0], costs[1], times
+
+
+def probe_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 256 MiB copy (read + write)."""
+    src = torch.empty(64 << 20, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = _best(lambda: (dst.copy_(src), sync()), repeats=5)
+    return 2 * src.numel() * 4 / seconds
+
+
+def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, bandwidth: float
+                 ) -> tuple[DecodeCost, DecodeCost]:
+    """The native engine's decode at batch 4 and 32 (32 sampled tokens, EOS ignored) against its roofline bound,
+    fitted as ``step_s + bound / efficiency``: an engine that owns its weights (a rollout on ranks of its own; on a
+    CPU its projections prepacked), and one decoding ``model``'s own (a colocated rollout)."""
+    from torchrlhf.data.batch import Batch
+    from torchrlhf.generation import NativeEngine, SamplingParams
+
+    counts = TransformerFlops.from_model(model)
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    width = torch.empty((), dtype=dtype).element_size()
+    peak = peak_flops(dtype, device)
+    sampling = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+
+    def fit(engine: NativeEngine) -> DecodeCost:
+        points = []
+        for batch in (4, 32):
+            ids = torch.randint(3, 1000, (batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
+            prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            seconds = _best(lambda: engine.generate(prompts, sampling), repeats=1)
+            context = 32 + 16
+            bound = max((params * width + batch * context * kv_per_token) / bandwidth,
+                        counts.forward(batch, batch * context, batch) / peak)
+            points.append((bound, seconds / 32))
+        step_s, per_bound = _fit(*points[0], *points[1])
+        return DecodeCost(efficiency=min(1.0, 1 / per_bound), step_s=step_s)
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        owned = fit(NativeEngine(d, max_batch_size=32, max_seq_len=SEQ + 32, device=device, dtype=dtype))
+    shared = fit(NativeEngine(model, max_batch_size=32, max_seq_len=SEQ + 32, device=device, dtype=dtype))
+    return owned, shared
+
+
+def _collective_worker(rank: int, init: str, backend: str, threads: int, out: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+    result = []
+    for nbytes in (4 << 10, 32 << 20):
+        t = torch.ones(nbytes // 4, device=device)
+        seconds = _best(lambda: (dist.all_reduce(t), sync()), repeats=5)
+        result.append((2 * nbytes / 2, seconds))  # a ring all-reduce moves 2 (n-1)/n of the bytes per rank
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _gemm_worker(rank: int, threads: int, start_file: str, out: str) -> None:
+    torch.set_num_threads(threads)
+    a = torch.randn(512, 512)
+    while not os.path.exists(start_file):  # every process starts timing together
+        time.sleep(0.001)
+    rate = 2 * 512**3 / _best(lambda: [a @ a for _ in range(20)], repeats=3) * 20
+    Path(f"{out}.{rank}").write_text(json.dumps(rate))
+
+
+def probe_concurrency(units: int, threads: int) -> float:
+    """How much slower a rank computes when every compute unit of the node computes at once (SMT siblings, a shared
+    memory bus): a GEMM loop in ``units`` processes together against the same loop alone (CPU only)."""
+    if units < 2:
+        return 1.0
+    rates = []
+    for procs in (1, units):
+        with tempfile.TemporaryDirectory() as d:
+            start, out = os.path.join(d, "go"), os.path.join(d, "rate")
+            ctx = mp.get_context("spawn")
+            workers = [ctx.Process(target=_gemm_worker, args=(r, threads, start, out)) for r in range(procs)]
+            for w in workers:
+                w.start()
+            time.sleep(2.0)  # let them import
+            Path(start).touch()
+            for w in workers:
+                w.join()
+            rates.append(sum(json.loads(Path(f"{out}.{r}").read_text()) for r in range(procs)) / procs)
+    return max(1.0, rates[0] / rates[1])
+
+
+def _fsdp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
+                 out: str) -> None:
+    from torchrlhf.models.lm_head import LogProbHead
+    from torchrlhf.models.parallelize import parallelize
+    from torchrlhf.runtime.mesh import build_mesh
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = probe_model(model_dir, getattr(torch, dtype), device)
+    LogProbHead.install(model)
+    parallelize(model, dp_mesh=build_mesh(torch.tensor([0, 1]), ("dp",), device.type))
+    times = time_passes(model, device)
+    if rank == 0:
+        Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
+    dist.destroy_process_group()
+
+
+def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, params: int,
+               layers: int, alone: dict[tuple[bool, int], float]) -> Link:
+    """FSDP2's collectives as a training step runs them: the passes of `time_passes` sharded over 2 processes, against
+    the same rows in one process (``alone``). The extra time of a training pass (2 gathers and a reduce-scatter per
+    layer) and of a forward (a gather per layer) gives the latency and the bandwidth of that traffic, whatever it
+    shares the cores with (on a CPU, gloo's threads and the copies in and out of its buffers)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "fsdp")
+        mp.spawn(_fsdp_worker, args=(f"file://{d}/store", backend, threads, model_dir, str(dtype).split(".")[-1], out),
+                 nprocs=2, join=True)
+        sharded = {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
+    width = torch.empty((), dtype=dtype).element_size()
+    extra = {train: sum(max(0.0, sharded[train, r] - alone[train, r]) for r in ROWS) / len(ROWS)
+             for train in (True, False)}
+    # per pass, half the parameters cross: train 2 gathers of `width` + a float32 reduce-scatter, forward 1 gather
+    nbytes = {True: params / 2 * (2 * width + 4), False: params / 2 * width}
+    calls = {True: 3 * layers, False: layers}
+    # extra = calls * latency + nbytes / bandwidth, for both passes
+    det = calls[True] * nbytes[False] - calls[False] * nbytes[True]
+    per_byte = (calls[True] * extra[False] - calls[False] * extra[True]) / det if det else 0.0
+    latency = (extra[True] - nbytes[True] * per_byte) / calls[True] if per_byte > 0 else 0.0
+    if per_byte <= 0 or latency < 0:  # not separable: all of it as bandwidth
+        per_byte, latency = extra[True] / nbytes[True], 0.0
+    return Link(bandwidth_gbps=1 / max(per_byte, 1e-15) / 1e9, latency_us=latency * 1e6)
+
+
+def probe_link(device: torch.device, threads: int) -> Link:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise RuntimeError("the collective probe needs 2 GPUs on this node")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "link")
+        mp.spawn(_collective_worker, args=(f"file://{d}/store", backend, threads, out), nprocs=2, join=True)
+        (b1, t1), (b2, t2) = json.loads(Path(out).read_text())
+    latency, per_byte = _fit(b1, t1, b2, t2)
+    return Link(bandwidth_gbps=1 / per_byte / 1e9, latency_us=latency * 1e6)
+
+
+def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+              name: str | None = None, model_dir: str | None = None) -> HardwareProfile:
+    """Run every probe (about a minute on a CPU) and return the profile (`save_hardware` writes it). ``model_dir``:
+    time the passes and decode on that architecture (its config.json; random weights), else SmolLM2's."""
+    dev = torch.device(device)
+    torch.set_num_threads(threads)
+    label = calibration.device_name(dev)
+    peaks = {d: peak_flops(getattr(torch, d), dev) / 1e12 for d in dtypes}
+    compute = dtypes[0]
+    model = probe_model(model_dir, getattr(torch, compute), dev)
+    bandwidth = probe_bandwidth(dev)
+    decode, decode_shared = probe_decode(model, dev, getattr(torch, compute), bandwidth)
+    train, forward, alone = probe_passes(model, dev, getattr(torch, compute))
+    link = probe_link(dev, threads)
+    fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
+                      model.config.num_hidden_layers, alone)
+    if dev.type == "cuda":
+        memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        units = max(1, (os.cpu_count() or 1) // threads)
+        memory_gib = total / GIB / units
+        slowdown = probe_concurrency(units, threads)
+    stamp = datetime.date.today().isoformat()
+    return HardwareProfile(
+        name=name or (f"{label} ({threads} thread(s) per rank)" if dev.type == "cpu" else label),
+        source=(f"measured by `recipes/ppo.py --calibrate` on {label}, {stamp}, torch {torch.__version__}, "
+                f"{threads} thread(s) per rank; pass costs in {compute}; inter_node copies the node's link "
+                "(not probed)"),
+        memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
+        train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
+        fsdp=fsdp,
+        compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
+
+
+__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_link", "probe_passes"]

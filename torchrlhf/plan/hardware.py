@@ -1,0 +1,177 @@
+"""A hardware profile: the few rates the step simulator (`torchrlhf.plan.simulate`) turns FLOPs and bytes into seconds.
+
+A profile is a YAML (or JSON) file; every key names its unit, and a value is a plain number in that unit. Two
+ship with the library (`SHIPPED`, chosen by name with ``--hardware NAME``), each figure labelled with where it
+came from in the file's ``source``; ``--calibrate`` measures one on the user's machine (`torchrlhf.plan.calibrate`).
+
+Each kind of work has a time model of two terms, a fixed cost per call and a rate:
+
+- a training or forward pass over ``F`` FLOPs in ``m`` micro-batches: ``m · call_s + F / (peak · efficiency)``;
+- a decode step reading ``B`` bytes and doing ``F`` FLOPs: ``step_s + max(B / bandwidth, F / peak) / efficiency``;
+- a collective over ``n`` ranks moving ``B`` bytes: ``latency + B / bandwidth`` on the link it crosses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
+
+from torchrlhf.config import ConfigError, validate
+
+PROFILES_DIR = Path(__file__).with_name("profiles")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between ranks: ``bandwidth_gbps`` GB/s (10^9 bytes) per rank as a collective sees it, and
+    ``latency_us`` µs per collective call."""
+
+    bandwidth_gbps: float
+    latency_us: float
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """A compute-bound pass: the fraction of the matmul peak it reaches, and a fixed cost per micro-batch call."""
+
+    efficiency: float
+    call_s: float
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A decode step: the fraction of its roofline bound (the larger of bytes / bandwidth and FLOPs / peak) that it
+    reaches, and a fixed cost per step (host work, kernel launches)."""
+
+    efficiency: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device kind and its links.
+
+    ``memory_gib``: memory per device the planner may fill (a GPU's HBM; on a CPU, the host's memory divided by
+    the ranks it will run). ``compute_units_per_node``: on a CPU, how many ranks can compute at once (cores ÷
+    threads per rank); ranks beyond it share them. None for GPUs (one rank per device). ``concurrent_slowdown``: on a
+    CPU, how much slower each rank computes when all the units compute at once than when it computes alone (SMT
+    siblings, a shared memory bus); 1 on GPUs. ``matmul_tflops``: the
+    peak per device by dtype name (``float32``, ``bfloat16``). ``step_overhead_s``: the controller's own time per
+    RL step (calls, batch moves, the reward function). ``fsdp``: FSDP2's gathers and reduce-scatters inside a node as a
+    training step sees them (measured in one by `torchrlhf.plan.calibrate.probe_fsdp`; on a CPU they share the cores
+    with the compute); None: the node's link. ``decode_shared``: decode on the training model's own weights, as a
+    colocated engine does (on a CPU without the projections an engine that owns its weights prepacks); None: as
+    ``decode``."""
+
+    name: str
+    source: str
+    memory_gib: float
+    matmul_tflops: dict[str, float]
+    memory_bandwidth_gbps: float
+    train: PassCost
+    forward: PassCost
+    decode: DecodeCost
+    intra_node: Link
+    inter_node: Link
+    fsdp: Link | None = None
+    decode_shared: DecodeCost | None = None
+    step_overhead_s: float = 0.0
+    compute_units_per_node: int | None = None
+    concurrent_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("memory_gib", "memory_bandwidth_gbps"):
+            if not getattr(self, key) > 0:
+                problems.append(f"{key} must be > 0, got {getattr(self, key)}")
+        for dtype, value in self.matmul_tflops.items():
+            if not value > 0:
+                problems.append(f"matmul_tflops.{dtype} must be > 0, got {value}")
+        for key in ("train", "forward", "decode"):
+            eff = getattr(self, key).efficiency
+            if not 0 < eff <= 1:
+                problems.append(f"{key}.efficiency is a fraction of the peak in (0, 1], got {eff}")
+        for key in ("intra_node", "inter_node"):
+            if not getattr(self, key).bandwidth_gbps > 0:
+                problems.append(f"{key}.bandwidth_gbps must be > 0, got {getattr(self, key).bandwidth_gbps}")
+        if not self.concurrent_slowdown >= 1:
+            problems.append(f"concurrent_slowdown is a factor >= 1, got {self.concurrent_slowdown}")
+        if self.compute_units_per_node is not None and self.compute_units_per_node < 1:
+            problems.append(f"compute_units_per_node must be >= 1 or null, got {self.compute_units_per_node}")
+        if problems:
+            raise ConfigError(f"hardware profile {self.name!r}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def decode_cost(self, colocated: bool) -> DecodeCost:
+        return self.decode_shared if colocated and self.decode_shared is not None else self.decode
+
+    @property
+    def fsdp_link(self) -> Link:
+        return self.fsdp or self.intra_node
+
+    def peak_flops(self, dtype: str) -> float:
+        """FLOP/s per device in ``dtype`` (a torch dtype name)."""
+        if dtype not in self.matmul_tflops:
+            raise ConfigError(f"hardware profile {self.name!r} has no matmul_tflops.{dtype} (it has "
+                              f"{sorted(self.matmul_tflops)}): calibrate in that dtype or add the figure")
+        return self.matmul_tflops[dtype] * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SHIPPED = {p.stem: p for p in sorted(PROFILES_DIR.glob("*.yaml"))}
+_UNIT_IN_VALUE = re.compile(r"^\s*[-+0-9.eE]+\s*[A-Za-z/%]+\s*$")
+
+
+def load_hardware(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name (`SHIPPED`) or a profile file; ConfigError naming the key for a missing key, a
+    value given with a unit ("80 GB": the key says the unit), or a wrong type."""
+    path = SHIPPED.get(name_or_path) or Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"--hardware {name_or_path!r}: no such file, and not a shipped profile "
+                          f"({', '.join(SHIPPED)}); `recipes/ppo.py --calibrate` writes one for this machine")
+    try:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else OmegaConf.to_container(OmegaConf.load(path))
+    except (ValueError, YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{path}: not a YAML/JSON hardware profile ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a hardware profile is a mapping of keys, got {type(raw).__name__}")
+    units = [f"  - {key}: {value!r} carries a unit; give a plain number in the unit the key names"
+             for key, value in _leaves(raw) if isinstance(value, str) and _UNIT_IN_VALUE.match(value)]
+    if units:
+        raise ConfigError(f"{path}: hardware profile values are plain numbers:\n" + "\n".join(units))
+    try:
+        return validate(raw, HardwareProfile, key="hardware")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def save_hardware(profile: HardwareProfile, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(profile.to_dict()), path)
+    return path
+
+
+def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out += _leaves(v, key + ".") if isinstance(v, dict) else [(key, v)]
+    return out
+
+
+__all__ = ["DecodeCost", "HardwareProfile", "Link", "PassCost", "SHIPPED", "load_hardware", "save_hardware"]

@@ -1,0 +1,284 @@
+"""The auto device mapping (HybridFlow §6, Algorithm 1): enumerate placements, give each its ranks, pick each role's
+layout and micro-batches, keep what fits memory, rank by the simulated step time.
+
+    python recipes/ppo.py --config X.yaml --plan --world-size 8 [--nodes 1] [--hardware h100|FILE]
+
+1. **Placements.** The roles fall into three sets: the actor (with its reference, and a teacher), the rollout, and
+   the others (critic, reward and cost models). A placement colocates some sets and gives the rest ranks of their
+   own: all colocated; the rollout apart; the others apart (HybridFlow's "split"); all three apart.
+2. **Ranks.** Every split of the world into the placement's pools (whole nodes when there are several).
+3. **Layouts.** Per role, every TP size that divides its pool, stays inside a node and divides the model's heads
+   (a colocated rollout follows the actor's); per rollout on ranks of its own, every engine TP size.
+4. **Micro-batches.** For each layout, the largest micro-batch (dividing a rank's samples) whose traced memory fits
+   (`torchrlhf.plan.memory`), with every role's held state and the engine's weights and KV cache beside it.
+5. **Schedule.** Sync, and with the rollout apart, async (the stream) with ``max_staleness`` 1, 2 and 4.
+
+Each candidate is timed by `torchrlhf.plan.simulate.step_estimate`; the fastest is written as a config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torchrlhf.plan.hardware import HardwareProfile
+from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
+from torchrlhf.plan.problem import PlanInput, TracedRole
+from torchrlhf.plan.simulate import Mapping, Role, StepEstimate, step_estimate
+from torchrlhf.models.parallelize import model_layout
+from torchrlhf.trainer.memory import STATE_KINDS, as_held
+
+STALENESS = (1, 2, 4)
+PLACEMENTS = {  # name -> pools, each a tuple of role sets; the actor's pool first (rank 0 is the controller)
+    "colocated": (("actor", "rollout", "others"),),
+    "rollout apart": (("actor", "others"), ("rollout",)),
+    "others apart": (("actor", "rollout"), ("others",)),
+    "all apart": (("actor",), ("rollout",), ("others",)),
+}
+OTHERS = ("critic", "reward_model", "cost_model")
+
+
+@dataclass
+class Candidate:
+    placement: str
+    mapping: Mapping
+    estimate: StepEstimate
+    peak_bytes: float  # the fullest rank's
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PlanResult:
+    world_size: int
+    nodes: int
+    hardware: HardwareProfile
+    candidates: list[Candidate]  # fastest first
+    considered: int  # mappings simulated
+    smallest_fit: int | None = None  # with no candidate: the smallest world size that has one
+    workload: str = ""  # what was planned for, in words
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _compositions(total: int, parts: int, unit: int) -> Iterator[tuple[int, ...]]:
+    """Ordered splits of ``total`` ranks into ``parts`` positive multiples of ``unit``."""
+    whole = total // unit
+    for cuts in itertools.combinations(range(1, whole), parts - 1):
+        bounds = (0, *cuts, whole)
+        yield tuple((bounds[i + 1] - bounds[i]) * unit for i in range(parts))
+
+
+def _tp_options(pool: int, node_size: int, heads: tuple[int, int]) -> list[int]:
+    return [t for t in _divisors(pool) if t <= node_size and heads[0] % t == 0 and heads[1] % t == 0]
+
+
+def _micro_options(per_rank: int) -> list[int]:
+    """Micro-batch sizes that split a rank's samples evenly (as the config check requires): largest first."""
+    return _divisors(per_rank)[::-1]
+
+
+class Planner:
+    """Enumerates and times the mappings of one `PlanInput` on a cluster (see the module docstring)."""
+
+    def __init__(self, data: PlanInput, hw: HardwareProfile) -> None:
+        self.data, self.hw = data, hw
+        self.p = data.problem
+        self.roles_present = [r for r in OTHERS if r in self.p.models]
+
+    # -------------------------------------------------------------- memory
+    def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int) -> tuple[float, float]:
+        """(held throughout the step, working set of its calls) per rank, in bytes."""
+        p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
+        shape = self.p.models["actor" if role == "ref" else role]
+        depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
+        by_kind = micro_batch_memory(traced.model_path, kind=traced.kind, micro=micro, depths=depths,
+                                     layers=shape.layers,
+                                     prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,
+                                     activation_checkpointing=traced.activation_checkpointing, optim=traced.optim,
+                                     use_kl_loss=traced.use_kl_loss)
+        layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
+                              lora=traced.lora is not None)
+        held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
+        state = sum(v for k, v in held.items() if k in STATE_KINDS or k == "buffers")
+        if traced.cpu_offload:
+            state = 0.0
+        return state, sum(v for k, v in held.items() if k not in STATE_KINDS and k != "buffers")
+
+    def _engine(self, tp: int) -> float:
+        """The engine's weights and KV cache per rank (its configured slots × sequence length)."""
+        b = self.data.engine_dtype_bytes
+        shape = self.p.models["actor"]
+        return (shape.params * b + self.p.max_slots * self.data.max_seq_len * shape.kv_bytes_per_token(b)) / tp
+
+    def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
+                   asynchronous: bool) -> tuple[int, float] | None:
+        """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
+        sets (their max in sync, their sum in async), and that working set; None if not even 1 fits."""
+        traced = self.data.traced[role]
+        for micro in _micro_options(max(per_rank, 1)):
+            _, work = self._state(role, traced, dp, tp, micro)
+            peak = held + (work + sum(working) if asynchronous else max([work, *working]))
+            if peak <= self.hw.memory_bytes:
+                return micro, work
+        return None
+
+    # -------------------------------------------------------------- search
+    def candidates(self, world: int, nodes: int) -> tuple[list[Candidate], int]:
+        node_size = world // nodes
+        out, considered = [], 0
+        for name, pools in PLACEMENTS.items():
+            pools = tuple(tuple(s for s in pool if s != "others" or self.roles_present) for pool in pools)
+            if any(not pool for pool in pools):
+                continue
+            unit = node_size if nodes > 1 else 1
+            for sizes in _compositions(world, len(pools), unit):
+                for cand in self._place(name, pools, sizes, node_size):
+                    considered += 1
+                    if cand is not None:
+                        out.append(cand)
+        out.sort(key=lambda c: (round(c.estimate.seconds, 9), c.mapping.max_staleness, c.peak_bytes))
+        return _dedupe(out), considered
+
+    def _place(self, name: str, pools: tuple, sizes: tuple[int, ...], node_size: int) -> Iterator[Candidate | None]:
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        pool_of = {s: i for i, pool in enumerate(pools) for s in pool}
+        a_pool = pool_of["actor"]
+        heads = self.data.heads
+        actor_tps = _tp_options(sizes[a_pool], node_size, heads["actor"])
+        split_rollout = pool_of["rollout"] != a_pool
+        rollout_tps = _tp_options(sizes[pool_of["rollout"]], node_size, heads["actor"]) if split_rollout else [None]
+        other_roles = self.roles_present
+        critic_tps = (_tp_options(sizes[pool_of["others"]], node_size, heads["critic"]) if "critic" in other_roles
+                      else [None])
+        schedules = [("sync", 0)] + ([("async", k) for k in STALENESS] if split_rollout else [])
+        for a_tp, r_tp, c_tp, (mode, k) in itertools.product(actor_tps, rollout_tps, critic_tps, schedules):
+            roles = {"actor": Role(sizes[a_pool], firsts[a_pool], a_tp)}
+            r_pool = pool_of["rollout"]
+            roles["rollout"] = (Role(sizes[r_pool], firsts[r_pool], r_tp) if split_rollout
+                                else Role(sizes[a_pool], firsts[a_pool], a_tp))
+            for role in other_roles:
+                o = pool_of["others"]
+                roles[role] = Role(sizes[o], firsts[o], c_tp if role == "critic" else 1)
+            if "teacher" in self.p.models:
+                roles["teacher"] = Role(sizes[a_pool], firsts[a_pool], a_tp)
+            yield self._candidate(name, roles, pools, pool_of, mode, k, node_size)
+
+    def _candidate(self, name: str, roles: dict[str, Role], pools: tuple, pool_of: dict, mode: str, k: int,
+                   node_size: int) -> Candidate | None:
+        asynchronous = mode == "async"
+        w = self.p.workload
+        # the roles on each pool's ranks, traced ones with their layouts
+        members: dict[int, list[str]] = {i: [] for i in range(len(pools))}
+        for role in roles:
+            if role == "rollout":
+                continue
+            members[pool_of.get(role, pool_of["actor"]) if role != "teacher" else pool_of["actor"]].append(role)
+        if "ref" in self.data.traced:
+            members[pool_of["actor"]].append("ref")
+        peak, micro = 0.0, {}
+        for i, pool_roles in members.items():
+            held, working = 0.0, []
+            engine = self._engine(roles["rollout"].tp)
+            if pool_of["rollout"] == i:
+                if pool_of["rollout"] == pool_of["actor"]:
+                    working.append(engine)  # released after generation
+                else:
+                    held += engine
+            layouts = {}
+            for role in pool_roles:
+                r = roles["actor" if role == "ref" else role]
+                layouts[role] = r
+                state, _ = self._state(role, self.data.traced[role], r.dp, r.tp, 1)
+                held += state
+            fitted = {}
+            for role in pool_roles:  # trained roles first take the largest micro-batch that fits, then forwards
+                r = layouts[role]
+                train = self.data.traced[role].kind != "forward"
+                mini = w.prompts // self.p.mini_batches.get(role, 1) * w.n
+                if train and mini % r.dp:
+                    return None  # a mini-batch's samples must split over the data-parallel ranks
+                per_rank = mini // r.dp if train else math.ceil(w.samples / r.dp)
+                fit = self._fit_micro(role, r.dp, r.tp, per_rank, held, working, asynchronous)
+                if fit is None:
+                    return None
+                fitted[role] = fit
+                working.append(fit[1])
+                if train:  # its forward passes (old log-probs, values) at the same memory per row
+                    lp = self._fit_micro(role, r.dp, r.tp, math.ceil(w.samples / r.dp), held, working[:-1],
+                                         asynchronous)
+                    fitted[role + "/log_prob"] = lp or fit
+            pool_peak = held + (sum(working) if asynchronous else max(working, default=0.0))
+            peak = max(peak, pool_peak)
+            for role, (m, _) in fitted.items():
+                micro[role] = m
+        for role in list(roles):
+            if role in micro:
+                r = roles[role]
+                lp = micro.get(role + "/log_prob", micro[role])
+                roles[role] = Role(r.ranks, r.first, r.tp, micro[role], lp)
+        if "ref" in micro:  # the reference's forwards run in the actor's log-prob micro-batches
+            a = roles["actor"]
+            roles["actor"] = Role(a.ranks, a.first, a.tp, a.micro, min(a.log_prob_micro, micro["ref"]))
+        mapping = Mapping(roles, mode, k, max(1, w.prompts // max(1, roles["rollout"].ranks // roles["rollout"].tp)))
+        estimate = step_estimate(self.p, mapping, self.hw, node_size=node_size)
+        world = max(r.first + r.ranks for r in roles.values())
+        seq = self.data.max_prompt_len + w.longest_response
+        return Candidate(name, mapping, estimate, peak, overrides(mapping, world, self.data.dynamic_batching, seq))
+
+
+def _dedupe(cands: list[Candidate]) -> list[Candidate]:
+    """One row per mapping that differs in more than the staleness bound (the simulator models mean times, so a
+    larger bound never looks faster; the smallest is kept)."""
+    seen, out = set(), []
+    for c in cands:
+        key = (c.placement, tuple(sorted((k, v) for k, v in c.mapping.roles.items())), c.mapping.mode)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def overrides(mapping: Mapping, world: int, dynamic: dict[str, bool] | None = None, seq: int = 0) -> list[str]:
+    """The config overrides that make a run use ``mapping``. A role that cuts micro-batches by tokens
+    (``dynamic[role]``) keeps doing so, with a budget of the chosen micro-batch's rows of ``seq`` tokens."""
+    dynamic = dynamic or {}
+
+    def batching(role: str, r: Role) -> list[str]:
+        out = [f"{role}.batching.ppo_micro_batch_size_per_device={r.micro}",
+               f"{role}.batching.log_prob_micro_batch_size_per_device={r.log_prob_micro}"]
+        if dynamic.get(role):
+            out.append(f"{role}.batching.max_tokens_per_micro_batch={r.micro * seq}")
+        return out
+
+    roles = mapping.roles
+
+    def ranks(r: Role) -> str:
+        return "[" + ",".join(str(i) for i in range(r.first, r.first + r.ranks)) + "]"
+
+    a, ro = roles["actor"], roles["rollout"]
+    out = [f"placement.actor={'null' if a.ranks == world else ranks(a)}",
+           f"placement.rollout={'null' if mapping.colocated('rollout', 'actor') else ranks(ro)}",
+           f"actor.tp_size={a.tp}", f"rollout.tp_size={ro.tp}", *batching("actor", a)]
+    for role in ("critic", "reward_model", "cost_model"):
+        if role in roles:
+            r = roles[role]
+            out.append(f"placement.{role}={'null' if mapping.colocated(role, 'actor') else ranks(r)}")
+    if "critic" in roles:
+        c = roles["critic"]
+        out += [f"critic.tp_size={c.tp}", *batching("critic", c)]
+    out.append(f"trainer.mode={mapping.mode}")
+    if mapping.mode == "async":
+        out += ["async_training.schedule=stream", f"async_training.max_staleness={mapping.max_staleness}",
+                f"async_training.prompts_per_call={mapping.prompts_per_call}"]
+    return out
+
+
+__all__ = ["Candidate", "PLACEMENTS", "PlanResult", "Planner", "overrides"]
