@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -437,6 +439,30 @@ def test_the_endpoint_takes_every_trajectory_connecting_at_once():
     finally:
         server.close()
     assert errors == [], (len(errors), errors[:3])
+
+
+def test_the_clients_reply_models_are_built_before_the_harness_threads_start():
+    """openai builds its pydantic models at first use, and two threads doing that at once can read a half-built
+    one (``BaseModel cannot be instantiated directly`` failed a harness in CI): the runner builds every model
+    of a chat or completions reply first. Checked in a fresh process, where they start deferred."""
+    pytest.importorskip("openai")
+    script = textwrap.dedent(
+        """
+        import pydantic, typing
+        from openai.types.chat import ChatCompletion, ChatCompletionMessage
+        from openai.types.chat.chat_completion import ChoiceLogprobs
+        from openai.types import Completion, CompletionUsage
+        models = [ChatCompletion, ChatCompletionMessage, ChoiceLogprobs, Completion, CompletionUsage]
+        assert not any(m.__pydantic_complete__ for m in models), "openai no longer defers its models"
+        from torchrlhf.agents.harness import build_openai_reply_models
+        build_openai_reply_models()
+        print([m.__pydantic_complete__ for m in models])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DEFER_PYDANTIC_BUILD": "true"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[True, True, True, True, True]"
 
 
 def test_recipe_trains_two_steps_with_a_harness_on_smollm2(tmp_path):

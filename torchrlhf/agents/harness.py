@@ -39,6 +39,7 @@ import queue
 import re
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -176,6 +177,7 @@ class HarnessRunner:
         self.server = HarnessServer(spec.harness.host, wait_s=spec.harness.timeout_s + 5.0)
         self._renderers: dict[str, ChatRenderer] = {}
         self._lock = threading.Lock()  # a session's calls: written by the engine's thread and the router
+        build_openai_reply_models()
 
     def close(self) -> None:
         self.server.close()
@@ -595,6 +597,34 @@ def _plain(message: Any) -> dict[str, Any]:
     if m.get("name"):
         out["name"] = m["name"]
     return out
+
+
+def build_openai_reply_models() -> None:
+    """Build the ``openai`` client's reply models now, in this thread, if the client is installed.
+
+    Why: ``openai`` defers building its pydantic models to their first use (``DEFER_PYDANTIC_BUILD``), and that
+    build is not thread-safe. When the harness threads first parse and dump replies at the same moment, one can
+    read a half-built model and raise ``PydanticUserError: ... BaseModel cannot be instantiated directly`` (it
+    failed a CI run): an error sample for a harness that did nothing wrong. Building them before the threads
+    start takes ~30 ms.
+    """
+    try:
+        import pydantic
+        from openai.types import Completion
+        from openai.types.chat import ChatCompletion
+    except ImportError:
+        return
+    seen: set[type] = set()
+    todo: list[Any] = [ChatCompletion, Completion]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, type) and issubclass(t, pydantic.BaseModel):
+            if t not in seen:
+                seen.add(t)
+                t.model_rebuild()
+                todo.extend(f.annotation for f in t.model_fields.values())
+        else:
+            todo.extend(typing.get_args(t))
 
 
 def _error(message: str) -> dict[str, Any]:
