@@ -35,6 +35,9 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True)),
     }
     config_cls, model_cls, extra = classes[family]
     config = config_cls(**{**common, **extra, **overrides})

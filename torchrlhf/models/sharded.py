@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.loading import _existing, _is_gguf
+from torchrlhf.models.moe import install_routers, stacked_expert_sources
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION
 from torchrlhf.models.parallelize import parallelize
 
@@ -48,7 +49,11 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
 
 
 class SafetensorsReader:
-    """Lazy tensor-by-name access over all safetensors files of a HF dir."""
+    """Lazy tensor-by-name access over all safetensors files of a HF dir.
+
+    A mixture-of-experts checkpoint's per-expert tensors are also readable under the model's stacked names
+    (``...experts.gate_up_proj`` [experts, 2 x inter, hidden], ``...experts.down_proj``; `models.moe`), and a
+    dim-0 shard of those reads only its experts."""
 
     def __init__(self, model_dir: str | os.PathLike):
         self._stack = ExitStack()
@@ -57,21 +62,30 @@ class SafetensorsReader:
             handle = self._stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             for key in handle.keys():
                 self._where[key] = handle
+        self._stacked = stacked_expert_sources(self._where)
 
     def keys(self) -> set[str]:
-        return set(self._where)
+        return set(self._where) | set(self._stacked)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._where
+        return key in self._where or key in self._stacked
 
     def get(self, key: str) -> torch.Tensor:
+        if key in self._stacked:
+            return self.get_rows(key, 0, len(self._stacked[key]))
         return self._where[key].get_tensor(key)
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if key in self._stacked:
+            parts = [tuple(self._where[k].get_slice(k).get_shape()) for k in self._stacked[key][0]]
+            return (len(self._stacked[key]), sum(p[0] for p in parts), *parts[0][1:])
         return tuple(self._where[key].get_slice(key).get_shape())
 
     def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor, reading only their bytes (a dim-0 shard)."""
+        """Rows ``start:stop`` of a tensor, reading only their bytes (a dim-0 shard; experts for stacked ones)."""
+        if key in self._stacked:
+            return torch.stack([torch.cat([self._where[k].get_tensor(k) for k in parts])
+                                for parts in self._stacked[key][start:stop]])
         return self._where[key].get_slice(key)[start:stop]
 
     def close(self) -> None:
@@ -93,6 +107,7 @@ def build_meta_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.
     config._attn_implementation = ATTN_IMPLEMENTATION
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    install_routers(model)
     LogProbHead.install(model)
     return model
 

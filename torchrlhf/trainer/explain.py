@@ -35,6 +35,7 @@ import torch
 import transformers
 
 from torchrlhf.models.lora import inject_lora, is_adapter
+from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import as_held, trace_micro_batch
 from torchrlhf.trainer.schema import (
@@ -80,6 +81,7 @@ def model_shape(path: str, lora: Any = None) -> ModelShape:
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    install_routers(model)  # FLOPs count a mixture-of-experts model's active experts
     if lora is not None:
         inject_lora(model, lora)
     heads = config.num_attention_heads

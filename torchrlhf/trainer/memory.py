@@ -33,6 +33,7 @@ from torchrlhf.algorithms.kl import kl_penalty
 from torchrlhf.algorithms.policy_loss import compute_policy_loss
 from torchrlhf.models.heads import build_meta_value_model
 from torchrlhf.models.lora import hold_frozen_in, inject_lora
+from torchrlhf.models.moe import traceable_experts
 from torchrlhf.models.parallelize import enable_activation_checkpointing
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import build_optimizer
@@ -110,7 +111,7 @@ def trace_micro_batch(
         model.requires_grad_(False)
     if lora is not None:
         inject_lora(model, lora)
-    with FakeTensorMode():
+    with FakeTensorMode(), traceable_experts(model):
         model = _materialize_fake(model, dtype)
         if lora is not None and dtype.itemsize < 4:
             hold_frozen_in(model, dtype)

@@ -43,6 +43,7 @@ from torchrlhf.trainer.config import (
 )
 from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
+from torchrlhf.models.loading import RANDOM_PREFIX, random_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, LRSchedule
@@ -130,10 +131,23 @@ MOVED_KEYS = {
 }
 
 
+def names_a_model(path: str) -> bool:
+    """Whether a config's model path can resolve: the ``smollm2`` alias, ``random:<dir with config.json>``, or an
+    existing path."""
+    if path == SMOLLM2:
+        return True
+    if path.startswith(RANDOM_PREFIX):
+        return os.path.isfile(os.path.join(os.path.expanduser(path[len(RANDOM_PREFIX):]), "config.json"))
+    return os.path.exists(os.path.expanduser(path))
+
+
 def resolve_model_path(path: str) -> str:
-    """A config's model path as a directory: ``smollm2`` -> the converted SmolLM2; any other path must exist."""
+    """A config's model path as a directory: ``smollm2`` -> the converted SmolLM2; ``random:<dir>`` -> seeded
+    random weights for ``<dir>/config.json`` (`models.loading.random_model_dir`); any other path must exist."""
     if path == SMOLLM2:
         return str(smollm2_model_dir())
+    if path.startswith(RANDOM_PREFIX):
+        return str(random_model_dir(os.path.expanduser(path[len(RANDOM_PREFIX):])))
     if not Path(path).expanduser().exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     return str(Path(path).expanduser())
@@ -564,7 +578,7 @@ def _lora_errors(cfg: RecipeConfig) -> list[str]:
             errors.append(f"ref.{', ref.'.join(set_keys)}: with actor.lora the reference is the actor's base model "
                           "(adapters off) in the actor's own process and memory; remove these keys")
     path = cfg.actor.model_path
-    if path == SMOLLM2 or os.path.isdir(os.path.expanduser(path)):
+    if names_a_model(path) and not os.path.isfile(os.path.expanduser(path)):  # a directory, not a .gguf
         try:
             target_module_names(build_meta_causal_lm(resolve_model_path(path)), lora.target_modules)
         except ValueError as e:
@@ -584,7 +598,7 @@ def _distill_errors(cfg: RecipeConfig) -> list[str]:
     student_key, student = ("tokenizer_path", cfg.tokenizer_path) if cfg.tokenizer_path else \
         ("actor.model_path", cfg.actor.model_path)
     paths = (student, cfg.teacher.model_path)
-    if any(p != SMOLLM2 and not os.path.exists(os.path.expanduser(p)) for p in paths):
+    if not all(names_a_model(p) for p in paths):
         return []  # reported by _model_path_errors
     try:
         student_vocab, teacher_vocab = (load_tokenizer(resolve_model_path(p)).get_vocab() for p in paths)
@@ -640,7 +654,7 @@ def _model_path_errors(cfg: RecipeConfig) -> list[str]:
     paths.update({f"{role}.model_path": getattr(cfg, role).model_path
                   for role in ("actor", "critic", *MODEL_SCORERS) if getattr(cfg, role) is not None})
     return [f"{key}: model path does not exist: {path}" for key, path in paths.items()
-            if path and path != SMOLLM2 and not os.path.exists(os.path.expanduser(path))]
+            if path and not names_a_model(path)]
 
 
 def _batch_size_errors(cfg: RecipeConfig, layouts: dict[str, RoleLayout]) -> list[str]:

@@ -7,7 +7,8 @@ pass's seconds × the device's peak FLOP/s). Counted per forward, over the token
     2 · P_blocks · tokens  +  4 · L · H · d_head · keys  +  2 · D · V_out · scored
 
 - ``P_blocks``: the weights of every Linear inside the transformer blocks (q, k, v, o, gate, up, down),
-  so each token costs 2 FLOPs per weight (a multiply and an add);
+  so each token costs 2 FLOPs per weight (a multiply and an add); in a mixture-of-experts block, the router
+  and the ``top_k`` experts a token runs (its *active* weights, `models.moe.active_expert_params`);
 - ``keys``: the sum over the processed tokens of the keys each one attends to, itself included (a causal
   token at position t of a sequence, after c shared prompt tokens, reads c + t + 1); per layer and head,
   q·k and the weighted sum of v cost 2 · d_head FLOPs per key each;
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchrlhf.models.moe import active_expert_params
 from torchrlhf.models.parallelize import find_transformer_blocks
 from torchrlhf.utils import calibration
 
@@ -59,6 +61,7 @@ class TransformerFlops:
         config = model.config
         blocks = find_transformer_blocks(model)
         linear = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, nn.Linear))
+        linear += active_expert_params(blocks)
         adapters = sum(p.numel() for n, p in blocks.named_parameters() if n.endswith((".lora_A", ".lora_B")))
         heads = config.num_attention_heads
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

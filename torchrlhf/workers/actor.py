@@ -22,6 +22,7 @@ from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import LoRAConfig, adapter_disabled, is_adapter
+from torchrlhf.models.moe import RoutingRecord, expert_load, is_moe, load_balancing_loss, record_routing
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -47,6 +48,10 @@ class ActorWorker(FSDPWorker):
     ``lora`` (`LoRAConfig`: ``rank``, ``alpha``, ``dropout``, ``target_modules``; off when None): train
     low-rank adapters on the frozen model (`models.lora`). Only the adapters get gradients, optimizer
     state, checkpoints and weight syncs; `compute_ref_log_prob` is the base model (adapters off).
+    ``router_aux_loss_coef``: a mixture-of-experts policy adds this times the load-balancing loss
+    (`models.moe.load_balancing_loss`, transformers' over each micro-batch's real tokens; token-weighted over
+    micro-batches). 0 (the default, as verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either
+    way ``moe/aux_loss`` and ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
     """
 
     role = "actor"
@@ -68,6 +73,7 @@ class ActorWorker(FSDPWorker):
         compile: bool = False,
         shared_prefix: bool = True,
         lora: LoRAConfig | None = None,
+        router_aux_loss_coef: float = 0.0,
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
@@ -88,6 +94,18 @@ class ActorWorker(FSDPWorker):
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
                                        compile=compile)
         self.window = sliding_window(self.model.config)
+        self.num_experts = getattr(self.model.config, "num_experts", 0) if is_moe(self.model.config) else 0
+        self.router_aux_loss_coef = router_aux_loss_coef
+        if router_aux_loss_coef and not self.num_experts:
+            raise ValueError(f"actor.router_aux_loss_coef={router_aux_loss_coef}: the policy "
+                             f"({self.model.config.model_type}) has no mixture-of-experts router")
+        if router_aux_loss_coef and shared_prefix:
+            raise ValueError("actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false: the load-balancing loss "
+                             "counts every token of each sequence, and the shared-prefix pass computes each prompt "
+                             "once (its per-sequence accounting is not built yet)")
+        if self.num_experts:
+            self.loss_metrics += ("moe/aux_loss",)
+            self.max_metrics += ("moe/expert_load/max_over_mean",)
         self.lm_head: LogProbHead = self.model.get_output_embeddings()  # scores responses without logits
         if freeze:  # the reference: only no-grad passes, whose micro sizes come from ``batching``
             self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
@@ -198,10 +216,12 @@ class ActorWorker(FSDPWorker):
     def micro_batch_loss(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None,
                          totals: MiniBatchTotals, *, real: bool, temperature: float
                          ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_prob, entropy = self._forward(mb, rows, plan, prefix, temperature, with_entropy=True)
+        with record_routing(self.model) as routing:  # records nothing for a dense model
+            log_prob, entropy = self._forward(mb, rows, plan, prefix, temperature, with_entropy=True)
         mask = mb["response_mask"].to(log_prob.dtype)
         tokens, normalizer = max(totals.tokens, 1.0), totals.normalizer
         stats: dict[str, float] = {}
+        aux_loss = self._router_aux_loss(routing, mb, plan, float(mask.sum()) / tokens, real, stats)
         # One optimizer step per rollout: the sampling policy is the one being updated, so the
         # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
         old_log_prob = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
@@ -220,6 +240,8 @@ class ActorWorker(FSDPWorker):
         )
         ent_loss = agg_loss(entropy, mask, self.loss.agg_mode, normalizer=normalizer)
         loss = pg_loss - self.loss.entropy_coeff * ent_loss
+        if aux_loss is not None and self.router_aux_loss_coef:
+            loss = loss + self.router_aux_loss_coef * aux_loss
         if self.loss.use_kl_loss:
             kl = kl_penalty(log_prob, mb["ref_log_prob"], self.loss.kl_loss_type)
             kl_loss = agg_loss(kl, mask, self.loss.agg_mode, normalizer=normalizer)
@@ -232,3 +254,19 @@ class ActorWorker(FSDPWorker):
             for name in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 stats[f"actor/{name}"] = float(pg_metrics[name]) * share
         return loss, stats
+
+    def _router_aux_loss(self, routing: RoutingRecord, mb: Batch, plan: SharedPrefixPlan | None, share: float,
+                         real: bool, stats: dict[str, float]) -> torch.Tensor | None:
+        """The micro-batch's load-balancing loss, weighted by its ``share`` of the mini-batch's response tokens
+        (so the sum over micro-batches is their token-weighted mean), and its routing metrics; None if dense.
+        Dense rows count their real tokens (padding excluded, as transformers does with an attention mask);
+        a shared-prefix row holds no padding and only the responses' tokens (metrics only)."""
+        if not self.num_experts:
+            return None
+        weights = None if plan is not None else trimmed_inputs(mb, mb["responses"].shape[1]).attention_mask
+        aux = load_balancing_loss(routing, self.num_experts, weights) * share
+        if real:
+            load = expert_load(routing, self.num_experts)
+            stats["moe/aux_loss"] = float(aux.detach())
+            stats["moe/expert_load/max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
+        return aux

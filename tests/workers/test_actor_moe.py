@@ -1,0 +1,124 @@
+"""ActorWorker on a mixture-of-experts policy (tiny Qwen3-MoE): its PPO gradient, with and without the
+load-balancing loss, equals the one derived by hand from transformers' own model and ``load_balancing_loss_func``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+sys.path.insert(0, str(Path(__file__).parent))
+import torch.distributed as dist  # noqa: E402
+from dist_helpers import full_params, grouped, rollout_batch, run_ranks  # noqa: E402
+
+from torchrlhf.data import Batch  # noqa: E402
+from torchrlhf.generation import NativeEngine, SamplingParams  # noqa: E402
+from torchrlhf.hybrid import generate_with_current_weights  # noqa: E402
+from torchrlhf.models import save_tiny_model  # noqa: E402
+from torchrlhf.workers.actor import ActorWorker  # noqa: E402
+
+COEF = 0.05  # large enough that the aux term's gradient is far above the comparison's tolerance
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    torch.set_num_threads(1)
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family="qwen3_moe", tokenizer_from=None,
+                               vocab_size=128, initializer_range=0.2))
+
+
+@pytest.mark.parametrize("shared_prefix, coef", [(True, 0.0), (False, 0.0), (False, COEF)])
+def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_prefix, coef):
+    batch = rollout_batch(6, temperature=0.8, seed=3, group_size=2)
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    r = batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], output_router_logits=True)
+    lp = torch.log_softmax(out.logits[:, -r - 1 : -1] / 0.8, -1).gather(-1, batch["responses"][..., None])[..., 0]
+    mask = batch["response_mask"].float()
+    noise = 0.2 * torch.rand(lp.shape, generator=torch.Generator().manual_seed(1)) - 0.1
+    batch["old_log_probs"] = (lp.detach() + noise) * mask  # ratios inside the clip range
+    pg_loss = -(batch["advantages"] * torch.exp(lp - batch["old_log_probs"]) * mask).sum() / mask.sum()
+    aux = load_balancing_loss_func(out.router_logits, 8, 2, batch["attention_mask"])
+    (pg_loss + coef * aux).backward()
+
+    actor = ActorWorker(moe_dir, shared_prefix=shared_prefix, router_aux_loss_coef=coef,
+                        **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=6))
+    stats = actor._train_mini_batch(batch, {"temperature": 0.8})
+    assert stats["actor/pg_loss"] == pytest.approx(pg_loss.item(), rel=1e-5)
+    if not shared_prefix:  # the shared-prefix row holds the responses only: its aux metric covers those
+        assert stats["moe/aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    assert stats["moe/expert_load/max_over_mean"] >= 1.0
+    ref = dict(model.named_parameters())
+    router_grad = 0.0
+    for name, p in actor.model.named_parameters():
+        scale = float(ref[name].grad.abs().max())
+        torch.testing.assert_close(p.grad, ref[name].grad, atol=1e-6 * scale + 1e-9, rtol=1e-4, msg=name)
+        if name.endswith("mlp.gate.weight"):
+            router_grad += float(p.grad.abs().sum())
+    assert router_grad > 0
+
+
+def test_bad_aux_loss_settings_are_refused(moe_dir, tmp_path):
+    with pytest.raises(ValueError, match="shared_prefix=false"):
+        ActorWorker(moe_dir, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
+    dense = str(save_tiny_model(tmp_path / "dense", tokenizer_from=None, vocab_size=128))
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        ActorWorker(dense, shared_prefix=False, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
+
+
+# Two PPO steps with the aux loss on; micro-batches of 4 samples on one rank and on each of two ranks hold the
+# same samples (rank r gets samples 4r..4r+3), so the per-micro-batch aux loss is the same sum either way.
+TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, ppo_micro_batch_size_per_device=4, shared_prefix=False,
+                router_aux_loss_coef=COEF)
+METRICS = ["actor/pg_loss", "actor/grad_norm", "moe/aux_loss", "moe/expert_load/max_over_mean"]
+
+
+def _train_and_generate(moe_dir: str) -> dict:
+    """Two updates, then a greedy rollout through the hybrid engine (the actor's current shards streamed into a
+    released native engine), this rank's prompts."""
+    torch.set_num_threads(1)
+    batch = rollout_batch(8, temperature=0.9)
+    actor = ActorWorker(moe_dir, **grouped(**TRAIN_KW))
+    shard = batch.chunk(actor.dp_size)[actor.dp_rank]
+    metrics = [actor.update(shard, temperature=0.9) for _ in range(2)]
+    width = shard["prompts"].shape[1]
+    prompts = Batch({"input_ids": shard["prompts"], "attention_mask": shard["attention_mask"][:, :width]})
+    engine = NativeEngine(moe_dir, max_batch_size=16, max_seq_len=32)
+    engine.release()
+    gen = generate_with_current_weights(actor.model, engine, prompts, SamplingParams(
+        n=1, temperature=0.0, max_tokens=4, ignore_eos=True), optimizer=actor.optimizer)
+    return {"metrics": metrics, "params": full_params(actor.model), "responses": gen["responses"]}
+
+
+def _on_ranks(rank: int, world: int, moe_dir: str, out: str) -> None:
+    result = _train_and_generate(moe_dir)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, result["responses"])
+    if rank == 0:
+        torch.save({**result, "responses": torch.cat(parts)}, out)
+
+
+def test_fsdp_two_ranks_equal_one_and_the_engine_generates_with_the_trained_experts(moe_dir, tmp_path):
+    single = _train_and_generate(moe_dir)
+    run_ranks(_on_ranks, 2, moe_dir, str(tmp_path / "fsdp.pt"))
+    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    for got, want in zip(fsdp["metrics"], single["metrics"]):
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for name, want in single["params"].items():
+        torch.testing.assert_close(fsdp["params"][name], want, atol=2e-5, rtol=1e-4, msg=name)
+    # the experts moved, and generation after training is transformers' greedy on the trained weights
+    start = transformers.Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(single["params"][name], start.state_dict()[name])
+    start.load_state_dict(single["params"])
+    batch = rollout_batch(8, temperature=0.9)
+    width = batch["prompts"].shape[1]
+    want = start.generate(batch["prompts"], attention_mask=batch["attention_mask"][:, :width], do_sample=False,
+                          max_new_tokens=4, min_new_tokens=4, pad_token_id=2)[:, width:]
+    assert torch.equal(single["responses"], want) and torch.equal(fsdp["responses"], want)
