@@ -421,3 +421,34 @@ def test_a_one_token_budget_runs_no_decode_step(check_every):
     # the 3-token sample's two steps (over slots 0-1: it holds slot 1), or the steps until the host's next
     # look; the one-token samples add none
     assert steps == [2] * (2 if check_every == 1 else check_every)
+
+
+def test_recorded_routes_are_the_experts_a_full_forward_routes_each_fed_token_to():
+    """``record_routes``: response token t's experts (as the input of the step after it) equal those of one
+    full-sequence forward, for every token a step fed; tokens no step fed (the last, padding) hold zeros."""
+    from torchrlhf.models.moe import record_routing
+
+    model = tiny_model("qwen3_moe")
+    engine = NativeEngine(model, max_batch_size=3, max_seq_len=64, record_routes=True)
+    out = engine.generate(prompt_batch(), SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    routes, lengths = out["routed_experts"], out["response_mask"].sum(-1)
+    assert routes.shape == (2 * len(LENGTHS), 8, 2, 2) and routes.dtype == torch.int16
+    ids, mask = out["input_ids"].clone(), out["attention_mask"].clone()
+    with torch.no_grad(), record_routing(model) as record:
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    prompt = out["prompts"].shape[1]
+    full = torch.stack(record.experts, 1).view(ids.shape[0], ids.shape[1], 2, 2)[:, prompt:]
+    fed = 0
+    for i, n in enumerate(lengths.tolist()):
+        got, want = routes[i, : n - 1].long().sort(-1).values, full[i, : n - 1].sort(-1).values
+        assert torch.equal(got, want)
+        assert (routes[i, n - 1:] == 0).all()
+        fed += n - 1
+    assert fed > 20
+
+
+def test_record_routes_needs_a_moe_model_single_turn_and_the_eager_step():
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        NativeEngine(tiny_model("llama"), max_batch_size=2, max_seq_len=32, record_routes=True)
+    with pytest.raises(ValueError, match="compile=False"):
+        NativeEngine(tiny_model("qwen3_moe"), max_batch_size=2, max_seq_len=32, record_routes=True, compile=True)

@@ -122,3 +122,37 @@ def test_fsdp_two_ranks_equal_one_and_the_engine_generates_with_the_trained_expe
     want = start.generate(batch["prompts"], attention_mask=batch["attention_mask"][:, :width], do_sample=False,
                           max_new_tokens=4, min_new_tokens=4, pad_token_id=2)[:, width:]
     assert torch.equal(single["responses"], want) and torch.equal(fsdp["responses"], want)
+
+
+def test_routing_replay_uses_the_engines_experts_and_narrows_the_bf16_log_prob_gap(tmp_path):
+    """A bf16 engine (16 experts, top-4) routes some tokens differently from the float32 actor. With
+    ``router_replay: rollout`` the actor routes every fed response token to the engine's experts: its log-probs
+    come closer to the engine's than with its own routes. In float32 the two routers agree exactly."""
+    moe = str(save_tiny_model(tmp_path / "moe16", family="qwen3_moe", tokenizer_from=None, vocab_size=128,
+                              initializer_range=0.2, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4))
+    batch = rollout_batch(16, prompt_len=8, seed=5)
+    width = batch["prompts"].shape[1]
+    prompts = Batch({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :width]})
+    gaps, agreement = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = NativeEngine(moe, max_batch_size=32, max_seq_len=64, dtype=dtype, record_routes=True)
+        gen = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=24, seed=0))
+        gen["position_ids"] = (gen["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        mask = gen["response_mask"].bool()
+        for replay in ("off", "rollout"):
+            actor, packed = (ActorWorker(moe, router_replay=replay, shared_prefix=shared,
+                                         **grouped(freeze=True, ppo_micro_batch_size_per_device=8))
+                             for shared in (False, True))
+            lp = actor.compute_log_prob(gen, temperature=1.0)["old_log_probs"]
+            # the shared-prefix layout replays the same routes at its own token positions
+            torch.testing.assert_close(packed.compute_log_prob(gen, temperature=1.0)["old_log_probs"][mask], lp[mask],
+                                       atol=1e-5, rtol=1e-5)
+            gaps[dtype, replay] = float((lp - gen["rollout_log_probs"]).abs()[mask].mean())
+            _, _, record = actor._forward(gen[:8], list(range(8)), None, None, 1.0, False)
+            agreement[dtype, replay] = record.agreement  # the actor's own choices against the engine's
+    assert agreement[torch.float32, "off"] == 1.0 and gaps[torch.float32, "off"] < 1e-4
+    flipped = 1.0 - agreement[torch.bfloat16, "off"]
+    assert flipped > 0  # bf16 flips some routes (their share is printed for the record)
+    assert gaps[torch.bfloat16, "rollout"] < gaps[torch.bfloat16, "off"]
+    print(f"bf16 engine vs float32 actor: {flipped:.2%} of token-layer expert choices flipped; mean |log-prob gap| "
+          f"{gaps[torch.bfloat16, 'off']:.4f} without replay, {gaps[torch.bfloat16, 'rollout']:.4f} with replay")

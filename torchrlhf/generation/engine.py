@@ -46,7 +46,7 @@ from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
 from torchrlhf.generation.session import Session
 from torchrlhf.models.loading import quiet_weight_loading
-from torchrlhf.models.moe import install_routers
+from torchrlhf.models.moe import install_routers, routers
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
@@ -67,7 +67,6 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
     with quiet_weight_loading():
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
-    install_routers(model)  # the training model's router (`models.moe`), for one routing definition
     # Loaded tensors may be memory-mapped from the file; give them resizable storage
     # that `release` can free (tied parameters are one object, cloned once).
     with torch.no_grad():
@@ -140,6 +139,11 @@ class NativeEngine:
             tokens) from there: an endpoint agent's next call, which repeats its whole conversation, computes
             only the new turn. The cache is dropped by `update_weights` and `release`, and is off for a model
             passed in (its weights can change where the engine cannot see) and in partial rollouts.
+        record_routes: a mixture-of-experts model returns, with each generation, the experts every response
+            token was routed to as the input of the step after it (``routed_experts`` [B*n, max_tokens,
+            moe_layers, top_k], int16; index t for token t, zeros where no step fed it), for routing replay
+            in training (``actor.router_replay: rollout``). Single-turn generation with the eager decode step
+            only (the compiled and graphed steps cannot hand the routers' choices out).
 
     Weight contract for the hybrid engine (`update_weights`):
         * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
@@ -169,6 +173,7 @@ class NativeEngine:
         check_every: int | None = None,
         compile: bool = False,
         prefix_cache: bool = True,
+        record_routes: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -190,6 +195,7 @@ class NativeEngine:
             if param.device.type != self.device.type:
                 raise ValueError(f"model is on {param.device} but device={self.device}; move the model first")
         model.eval()
+        install_routers(model)  # the training model's router (`models.moe`; same parameters), for one definition
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = next(model.parameters()).dtype
@@ -215,8 +221,21 @@ class NativeEngine:
         if cpu_prepack and packable:
             self.prepacked = PrepackedLinears(model, free_plain=True)
         self.prefix_cache = prefix_cache and self.owns_weights
+        self.routes = self._route_shape(model) if record_routes else None
+        if self.routes is not None and (compile or self.use_cuda_graphs):
+            raise ValueError("NativeEngine(record_routes=True) runs the eager decode step: set compile=False and "
+                             "cuda_graphs=False")
         self.cache: KVCache | None = None
         self._allocate_cache()
+
+    @staticmethod
+    def _route_shape(model: nn.Module) -> tuple[int, int]:
+        """(MoE layers, top_k) of the routes `generate` records."""
+        found = routers(model)
+        if not found:
+            raise ValueError(f"NativeEngine(record_routes=True): the model ({model.config.model_type}) has no "
+                             "mixture-of-experts router")
+        return len(found), found[0].top_k
 
     # ------------------------------------------------------------------ weights
     def _params(self) -> dict[str, torch.Tensor]:
@@ -374,6 +393,9 @@ class NativeEngine:
             validate_prompts(prompts, params, self.max_seq_len)
         else:
             check_sessions(sessions, self.max_seq_len)
+            if self.routes is not None:
+                raise ValueError("NativeEngine(record_routes=True) records single-turn generation only, not agent "
+                                 "sessions")
         prompt_tokens = prompt_token_lists(prompts)
         if self.prepacked is not None:
             self.prepacked.refresh()
@@ -387,7 +409,7 @@ class NativeEngine:
                         prompt_seeds(prompts, params, self.tp_mesh), stop_ids=self.stop_ids(params),
                         check_every=self.check_every, min_span=self.min_decode_span, tokenizer=self.tokenizer,
                         use_prefix_cache=self.prefix_cache, between_steps=between_steps,
-                        repack=self.prepacked.refresh if self.prepacked is not None else None)
+                        repack=self.prepacked.refresh if self.prepacked is not None else None, routes=self.routes)
         in_fresh_stack_chunk(run.run)  # a hot loop: no Python stack-chunk boundary inside it
         res = run.results
         versions = res.versions if between_steps is not None else None
@@ -397,4 +419,6 @@ class NativeEngine:
         out = assemble_generation(prompts, params, res.tokens, res.log_probs, res.lengths, res.reasons, self.pad_id())
         if versions is not None:
             out["token_weight_versions"] = (versions * out["response_mask"].cpu()).to(out["responses"].device)
+        if res.routes is not None:
+            out["routed_experts"] = res.routes.to(out["responses"].device)
         return out

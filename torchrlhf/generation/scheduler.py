@@ -27,6 +27,7 @@ from torchrlhf.generation.model import CachedDecoder
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms
 from torchrlhf.generation.slot_state import SlotState
 from torchrlhf.generation.slots import SlotPool
+from torchrlhf.models.moe import record_routing
 from torchrlhf.generation.session import Session
 
 
@@ -64,11 +65,16 @@ def prefill(decoder: CachedDecoder, cache: KVCache, prompts: list[list[int]], sl
 
 
 def decode_step(decode: Callable[..., torch.Tensor], state: SlotState, cache: KVCache, span: int, kv_len: int,
-                params: SamplingParams, version: int) -> None:
+                params: SamplingParams, version: int, route_model: torch.nn.Module | None = None) -> None:
     """One decode step over slots ``0 .. span - 1``: feed each slot's current token, sample its next one
-    (`SlotState.advance`). Attention reads positions below ``kv_len``."""
-    logits = decode(state.cur[:span], state.pos[:span], span, kv_len, cache.k, cache.v)
-    state.advance(logits, params, version)
+    (`SlotState.advance`). Attention reads positions below ``kv_len``. With ``route_model`` (an MoE model),
+    the experts its routers chose for the fed tokens are kept too."""
+    if route_model is None:
+        state.advance(decode(state.cur[:span], state.pos[:span], span, kv_len, cache.k, cache.v), params, version)
+        return
+    with record_routing(route_model) as record:
+        logits = decode(state.cur[:span], state.pos[:span], span, kv_len, cache.k, cache.v)
+    state.advance(logits, params, version, torch.stack(record.experts, 1))
 
 
 class EndedTurn(NamedTuple):
@@ -196,17 +202,20 @@ class Results:
     """A `generate` call's results by sample id (prompt i, sample j -> i * n + j): the model's tokens over all
     turns, their log-probs and weight versions, how many, and why each sample ended."""
 
-    def __init__(self, total: int, steps: int) -> None:
+    def __init__(self, total: int, steps: int, routes: tuple[int, int] | None = None) -> None:
         self.tokens = torch.zeros(total, steps, dtype=torch.long)
         self.log_probs = torch.zeros(total, steps, dtype=torch.float32)
         self.versions = torch.zeros(total, steps, dtype=torch.long)
         self.lengths = torch.zeros(total, dtype=torch.long)
+        self.routes = torch.zeros(total, steps, *routes, dtype=torch.int16) if routes is not None else None
         self.reasons: list[str] = [""] * total
 
     def keep(self, sids: list[int], taken: tuple[torch.Tensor, ...], reasons: list[str]) -> None:
         """Store what `SlotState.take` returned for samples ``sids``."""
         sid_t = torch.tensor(sids)
-        self.tokens[sid_t], self.log_probs[sid_t], self.versions[sid_t], self.lengths[sid_t] = taken
+        self.tokens[sid_t], self.log_probs[sid_t], self.versions[sid_t], self.lengths[sid_t] = taken[:4]
+        if self.routes is not None:
+            self.routes[sid_t] = taken[4]
         for sid, reason in zip(sids, reasons):
             self.reasons[sid] = reason
 
@@ -269,9 +278,10 @@ class Scheduler:
                  params: SamplingParams, policy: SingleTurn | AgentTurns, seeds: Sequence[int], *,
                  stop_ids: Sequence[int], check_every: int, min_span: int = 1, tokenizer: Any = None,
                  use_prefix_cache: bool = True, between_steps: Callable[[], int] | None = None,
-                 repack: Callable[[], None] | None = None) -> None:
+                 repack: Callable[[], None] | None = None, routes: tuple[int, int] | None = None) -> None:
         """``decode``: the decode step to run (``decoder.decode``, compiled or graphed); ``min_span``: the
-        fewest slots it steps; ``repack``: what makes weights written between steps take effect."""
+        fewest slots it steps; ``repack``: what makes weights written between steps take effect; ``routes``
+        ``(moe_layers, top_k)``: keep the experts of every fed token (eager ``decode`` only)."""
         self.decoder, self.decode, self.cache = decoder, decode, cache
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, seeds, tokenizer
         self.between_steps, self.version, self.repack = between_steps, 0, repack  # version: the next step's weights
@@ -285,11 +295,12 @@ class Scheduler:
         self.record = use_cache and policy.records
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=self.device)
         self.state = SlotState(slots, params.max_tokens, stop_t, cache.scratch, self.device,
-                               versions=between_steps is not None)
+                               versions=between_steps is not None, routes=routes)
+        self.route_model = decoder.model if routes is not None else None
         self.check_every = 1 if params.stop else check_every  # stop strings: the host reads every token
         self.since_look = 0
         total = len(policy.prompt_of)
-        self.results = Results(total, params.max_tokens)
+        self.results = Results(total, params.max_tokens, routes)
         # Host-side bookkeeping. A sample with no budget (an agent whose environment failed) takes no slot.
         self.waiting = deque(sid for sid in range(total) if policy.budgets[sid] > 0)
         self.slot_sample = [-1] * slots
@@ -496,7 +507,7 @@ class Scheduler:
                 state.cur[:span], state.pos[:span], span, kv_len, *self.extension(riding), cache.k, cache.v)
             state.advance(logits, self.p, self.version)
         else:
-            decode_step(self.decode, self.state, self.cache, span, kv_len, self.p, self.version)
+            decode_step(self.decode, self.state, self.cache, span, kv_len, self.p, self.version, self.route_model)
         for s in advancing:
             self.slot_pos[s] += 1  # an upper bound until the next look: a slot may have ended since
         if riding:

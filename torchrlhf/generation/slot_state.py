@@ -28,10 +28,12 @@ class SlotState:
         stop_ids: the token ids that end a turn, on ``device``.
         scratch: the cache position of a slot with nothing to compute (`KVCache.scratch`).
         versions: record each token's weight version (partial rollouts).
+        routes: ``(moe_layers, top_k)``: record the experts each fed token was routed to (``out_route``
+            [slots, max_tokens, moe_layers, top_k]; index t holds token t's route as the next step's input).
     """
 
     def __init__(self, slots: int, max_tokens: int, stop_ids: torch.Tensor, scratch: int, device: torch.device,
-                 versions: bool = False) -> None:
+                 versions: bool = False, routes: tuple[int, int] | None = None) -> None:
         self.stop_ids, self.scratch, self.versions = stop_ids, scratch, versions
         self.cur = torch.zeros(slots, dtype=torch.long, device=device)
         self.pos = torch.full((slots,), scratch, dtype=torch.long, device=device)
@@ -44,10 +46,13 @@ class SlotState:
         self.out_ver = torch.zeros(slots, max_tokens, dtype=torch.long, device=device)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
         self.nonfinite = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.out_route = (torch.zeros(slots, max_tokens, *routes, dtype=torch.int16, device=device)
+                          if routes is not None else None)
 
     def _per_slot(self) -> tuple[torch.Tensor, ...]:
+        route = (self.out_route,) if self.out_route is not None else ()
         return (self.cur, self.pos, self.step, self.live, self.limit, self.uni, self.out_tok, self.out_lp,
-                self.out_ver, self.stopped, self.nonfinite)
+                self.out_ver, self.stopped, self.nonfinite, *route)
 
     def start_turn(self, slots: torch.Tensor, logits: torch.Tensor, params: SamplingParams, pos: torch.Tensor,
                    budget: torch.Tensor, version: int | torch.Tensor) -> None:
@@ -68,14 +73,20 @@ class SlotState:
         self.stopped[slots] = False
         self.end_turns(slots, tok, lp)
 
-    def advance(self, logits: torch.Tensor, params: SamplingParams, version: int) -> None:
+    def advance(self, logits: torch.Tensor, params: SamplingParams, version: int,
+                routes: torch.Tensor | None = None) -> None:
         """A decode step's sampling over slots ``0 .. span - 1`` (``logits`` [span, V]): each live slot
         takes its next token, writes it and moves on one position; the others keep their token and write
-        nothing."""
+        nothing. ``routes`` [span, moe_layers, top_k]: the experts the step's input tokens went to, kept for
+        the live slots at their input token's index."""
         span = logits.shape[0]
         rows = torch.arange(span, device=logits.device)
         step = self.step[:span].clamp(max=self.out_tok.shape[1] - 1)
         live = self.live[:span]
+        if routes is not None and self.out_route is not None:
+            fed = (self.step[:span] - 1).clamp(min=0)  # the input token was sampled at index step - 1
+            kept = torch.where(live.bool()[:, None, None], routes.to(torch.int16), self.out_route[rows, fed])
+            self.out_route[rows, fed] = kept
         tok, lp = sample_tokens(logits, self.uni[rows, step], params, check_finite=False)
         keep = live.bool()
         tok = torch.where(keep, tok, self.cur[:span])
@@ -113,12 +124,15 @@ class SlotState:
         tokens sampled after it are dropped and the next one goes to ``pos``."""
         self.live[slot], self.stopped[slot], self.step[slot], self.cur[slot], self.pos[slot] = 0, True, step, token, pos
 
-    def take(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What ``slots`` sampled, on the host (tokens, log-probs, versions [b, max_tokens], lengths [b]),
-        and free them."""
+    def take(self, slots: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """What ``slots`` sampled, on the host (tokens, log-probs, versions [b, max_tokens], lengths [b], and
+        with routes the experts [b, max_tokens, moe_layers, top_k]), and free them."""
         slot_t = torch.tensor(list(slots), device=self.cur.device)
         out = (self.out_tok[slot_t].cpu(), self.out_lp[slot_t].cpu(), self.out_ver[slot_t].cpu(),
                self.step[slot_t].cpu())
+        if self.out_route is not None:
+            out += (self.out_route[slot_t].cpu(),)
+            self.out_route[slot_t] = 0
         self.live[slot_t] = 0
         self.pos[slot_t] = self.scratch
         self.step[slot_t] = 0

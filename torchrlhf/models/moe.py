@@ -32,12 +32,32 @@ def is_moe(config) -> bool:
 
 
 @dataclass
+class Replay:
+    """Experts recorded for a forward's tokens (by the rollout engine): ``experts`` [layers, tokens, top_k] in the
+    forward's token order (rows flattened), valid where ``mask`` [tokens] is True. ``force``: route those tokens
+    to them (routing replay); otherwise they are only compared with the router's own choices."""
+
+    experts: torch.Tensor
+    mask: torch.Tensor
+    force: bool = True
+
+
+@dataclass
 class RoutingRecord:
     """The router logits [tokens, experts] and chosen experts [tokens, top_k] of every MoE layer, in call order,
-    for the forwards run while it is open."""
+    for the forwards run while it is open; with ``replay``, the replayed choices, and how many of them the
+    router's own top-k also picks (``agreed`` of ``replayed`` token-layer-expert choices)."""
 
     logits: list[torch.Tensor] = field(default_factory=list)
     experts: list[torch.Tensor] = field(default_factory=list)
+    replay: Replay | None = None
+    agreed: float = 0.0
+    replayed: float = 0.0
+
+    @property
+    def agreement(self) -> float:
+        """The fraction of replayed choices the router would have made itself (1.0 with nothing replayed)."""
+        return self.agreed / self.replayed if self.replayed else 1.0
 
 
 class TopKRouter(nn.Module):
@@ -46,10 +66,10 @@ class TopKRouter(nn.Module):
     Returns ``(router_logits, weights, experts)`` as the family's router does, so its sparse block runs unchanged.
     """
 
-    def __init__(self, weight: nn.Parameter, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(self, weight: nn.Parameter, top_k: int, norm_topk_prob: bool, layer: int) -> None:
         super().__init__()
         self.weight = weight  # [experts, hidden]: the replaced router's own parameter
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.layer = top_k, norm_topk_prob, layer  # layer: among the MoE layers
         self.num_experts = weight.shape[0]
         self.record: RoutingRecord | None = None
 
@@ -57,12 +77,24 @@ class TopKRouter(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        experts = torch.topk(probs, self.top_k, dim=-1).indices
+        record = self.record
+        if record is not None and record.replay is not None:
+            # Route the replayed tokens to the recorded experts; their weights still come from this router's
+            # probabilities, so the router keeps its gradient.
+            forced, mask = record.replay.experts[self.layer].to(experts.device), record.replay.mask.to(experts.device)
+            with torch.no_grad():
+                agreed = (forced[:, :, None] == experts[:, None, :]).any(-1) & mask[:, None]
+                record.agreed += float(agreed.sum())
+                record.replayed += float(mask.sum()) * self.top_k
+            if record.replay.force:
+                experts = torch.where(mask[:, None], forced.to(experts.dtype), experts)
+        top = probs.gather(-1, experts)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        if self.record is not None:
-            self.record.logits.append(logits)
-            self.record.experts.append(experts)
+        if record is not None:
+            record.logits.append(logits)
+            record.experts.append(experts)
         return logits, top.to(logits.dtype), experts
 
     def extra_repr(self) -> str:
@@ -82,7 +114,7 @@ def install_routers(model: nn.Module) -> int:
     for module in list(model.modules()):
         gate = getattr(module, "gate", None)
         if gate is not None and type(gate).__name__ == cls_name:
-            module.gate = TopKRouter(gate.weight, gate.top_k, gate.norm_topk_prob)
+            module.gate = TopKRouter(gate.weight, gate.top_k, gate.norm_topk_prob, layer=count)
             count += 1
     return count
 
@@ -92,10 +124,11 @@ def routers(model: nn.Module) -> list[TopKRouter]:
 
 
 @contextlib.contextmanager
-def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
+def record_routing(model: nn.Module, replay: Replay | None = None) -> Iterator[RoutingRecord]:
     """Keep every router's logits and choices for the forwards run inside the block (one record, layers in
-    call order: a forward appends one entry per MoE layer)."""
-    record = RoutingRecord()
+    call order: a forward appends one entry per MoE layer). With ``replay``, route one forward's tokens to its
+    experts (`Replay`)."""
+    record = RoutingRecord(replay=replay)
     found = routers(model)
     for r in found:
         r.record = record

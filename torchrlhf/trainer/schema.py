@@ -447,6 +447,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
+    errors += _router_replay_errors(cfg)
     errors += _judge_errors(cfg)
     if cfg.trainer.test_freq > 0 and not data.val_files and not from_env:
         errors.append("trainer.test_freq > 0 needs data.val_files")
@@ -633,6 +634,27 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
     """What the config asks of the rollout engine that it does not declare (`torchrlhf.generation.CAPABILITIES`)."""
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
+
+
+def _router_replay_errors(cfg: RecipeConfig) -> list[str]:
+    """Routing replay reads the experts the rollout engine chose: only the native engine records them, for
+    single-turn generation (`NativeEngine` ``record_routes``)."""
+    if getattr(cfg.actor, "router_replay", "off") != "rollout":
+        return []
+    engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
+    if not (isinstance(engine, type) and issubclass(engine, NativeEngine)):
+        return [f"actor.router_replay=rollout needs the experts the rollout engine routed each token to; "
+                f"{getattr(engine, '__name__', engine)} does not return them here (vLLM has "
+                "enable_return_routed_experts, which VLLMEngine does not pass on yet): use the NativeEngine with "
+                "rollout.engine.record_routes=true, or actor.router_replay=off"]
+    errors = []
+    if not getattr(cfg.rollout.engine, "record_routes", False):
+        errors.append("actor.router_replay=rollout needs rollout.engine.record_routes=true (the engine then returns "
+                      "routed_experts with each generation)")
+    if cfg.rollout.agent is not None:
+        errors.append("actor.router_replay=rollout: the engine records routes for single-turn generation only, not "
+                      "rollout.agent sessions")
+    return errors
 
 
 def _judge_errors(cfg: RecipeConfig) -> list[str]:

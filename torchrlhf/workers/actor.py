@@ -22,7 +22,7 @@ from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import LoRAConfig, adapter_disabled, is_adapter
-from torchrlhf.models.moe import RoutingRecord, expert_load, is_moe, load_balancing_loss, record_routing
+from torchrlhf.models.moe import Replay, RoutingRecord, expert_load, is_moe, load_balancing_loss, record_routing
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -52,6 +52,11 @@ class ActorWorker(FSDPWorker):
     (`models.moe.load_balancing_loss`, transformers' over each micro-batch's real tokens; token-weighted over
     micro-batches). 0 (the default, as verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either
     way ``moe/aux_loss`` and ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
+    ``router_replay``: ``"rollout"`` routes every response token (as an input) to the experts the rollout
+    engine chose for it (the batch's ``routed_experts``, `NativeEngine(record_routes=True)`) in the actor's
+    old-log-prob and update forwards; the gate weights still come from the actor's router, which keeps its
+    gradient. ``"off"``: the actor routes by itself. Whenever the batch has ``routed_experts``,
+    ``moe/routing_agreement`` is logged: the share of the engine's choices the actor's own router makes.
     """
 
     role = "actor"
@@ -74,6 +79,7 @@ class ActorWorker(FSDPWorker):
         shared_prefix: bool = True,
         lora: LoRAConfig | None = None,
         router_aux_loss_coef: float = 0.0,
+        router_replay: str = "off",
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
@@ -103,8 +109,14 @@ class ActorWorker(FSDPWorker):
             raise ValueError("actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false: the load-balancing loss "
                              "counts every token of each sequence, and the shared-prefix pass computes each prompt "
                              "once (its per-sequence accounting is not built yet)")
+        if router_replay not in ("off", "rollout"):
+            raise ValueError(f"actor.router_replay: 'off' or 'rollout', got {router_replay!r}")
+        if router_replay == "rollout" and not self.num_experts:
+            raise ValueError(f"actor.router_replay=rollout: the policy ({self.model.config.model_type}) has no "
+                             "mixture-of-experts router")
+        self.router_replay = router_replay == "rollout"
         if self.num_experts:
-            self.loss_metrics += ("moe/aux_loss",)
+            self.loss_metrics += ("moe/aux_loss", "moe/routing_agreement")
             self.max_metrics += ("moe/expert_load/max_over_mean",)
         self.lm_head: LogProbHead = self.model.get_output_embeddings()  # scores responses without logits
         if freeze:  # the reference: only no-grad passes, whose micro sizes come from ``batching``
@@ -133,7 +145,8 @@ class ActorWorker(FSDPWorker):
 
     # ------------------------------------------------------------------ forward
     def _forward(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None,
-                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, RoutingRecord]:
         """Log-probs ``[b, R]`` (and entropy) of micro-batch ``mb``'s response tokens at ``temperature``.
 
         Shared prompts (``plan``): rows ``rows`` of the plan as one packed row reading ``prefix``. Dense: the
@@ -144,26 +157,55 @@ class ActorWorker(FSDPWorker):
         width = mb["responses"].shape[1]
         if plan is not None:
             row = plan.suffix_row(rows, prefix, self.device)
-            with self.lm_head.scoring(row.labels[None], temperature, entropy_grad=self.loss.entropy_coeff != 0):
+            replay = self._replay(mb, [plan.response_len[r] + 1 for r in rows], 1)
+            with self.lm_head.scoring(row.labels[None], temperature, entropy_grad=self.loss.entropy_coeff != 0), \
+                    record_routing(self.model, replay) as routing:
                 scores = suffix_forward(self.model, row)
             log_probs, entropy = scores.unbind(-1)
             log_probs = scatter_responses(log_probs, row, len(rows), width)
             entropy = scatter_responses(entropy, row, len(rows), width) if with_entropy else None
-            return log_probs, entropy
+            return log_probs, entropy, routing
         inp = trimmed_inputs(mb, width)
         labels = mb["responses"][:, : inp.response_len]
         seq = inp.input_ids.shape[1]
         keep = torch.arange(seq - inp.response_len - 1, seq - 1, device=inp.input_ids.device)
-        with self.lm_head.scoring(labels, temperature, entropy_grad=self.loss.entropy_coeff != 0):
+        replay = self._replay(mb, [seq] * len(mb), seq - inp.response_len)
+        with self.lm_head.scoring(labels, temperature, entropy_grad=self.loss.entropy_coeff != 0), \
+                record_routing(self.model, replay) as routing:
             out = self.model(input_ids=inp.input_ids, attention_mask=inp.attention_mask,
                              position_ids=inp.position_ids, use_cache=False, logits_to_keep=keep)
         log_probs, entropy = out.logits.unbind(-1)
-        return pad_response_columns(log_probs, width), pad_response_columns(entropy, width) if with_entropy else None
+        return (pad_response_columns(log_probs, width), pad_response_columns(entropy, width) if with_entropy else None,
+                routing)
+
+    def _replay(self, mb: Batch, row_lengths: list[int], first: int) -> Replay | None:
+        """The engine's experts for the forward's tokens when the batch has them (``routed_experts``): each
+        sample's row holds ``row_lengths[j]`` tokens, its response starting at offset ``first`` (the dense
+        rows: after the trimmed prompt; the shared-prefix rows: after the prompt's last token), and response
+        token t's route (t below the response's length - 1: the last one fed no step) applies at its input
+        position. They replace the actor's own choices with ``router_replay``; otherwise only compared."""
+        if not self.num_experts or "routed_experts" not in mb:
+            if self.router_replay:
+                raise KeyError("actor.router_replay=rollout: the batch has no 'routed_experts'; the rollout engine "
+                               "must record them (rollout.engine.record_routes: true, NativeEngine)")
+            return None
+        routes = mb["routed_experts"]  # [b, R, moe_layers, top_k]
+        lengths = mb["response_mask"].sum(-1).tolist()
+        total = sum(row_lengths)
+        experts = torch.zeros(total, *routes.shape[2:], dtype=torch.long, device=self.device)
+        mask = torch.zeros(total, dtype=torch.bool, device=self.device)
+        offset = 0
+        for j, (row, n) in enumerate(zip(row_lengths, lengths)):
+            fed = max(int(n) - 1, 0)
+            experts[offset + first: offset + first + fed] = routes[j, :fed].long()
+            mask[offset + first: offset + first + fed] = True
+            offset += row
+        return Replay(experts.transpose(0, 1), mask, force=self.router_replay)
 
     def _log_probs(self, batch: Batch, key: str, temperature: float, entropy: bool, name: str) -> Batch:
         """``key``: the output column; ``name``: the pass's, for ``perf/mfu/<name>``."""
         def fn(mb: Batch, rows: list[int], plan, prefix) -> dict[str, torch.Tensor]:
-            lp, ent = self._forward(mb, rows, plan, prefix, temperature, entropy)
+            lp, ent, _ = self._forward(mb, rows, plan, prefix, temperature, entropy)
             return {key: lp} if ent is None else {key: lp, "entropys": ent}
 
         return self.infer(batch, fn, name)
@@ -216,8 +258,7 @@ class ActorWorker(FSDPWorker):
     def micro_batch_loss(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None,
                          totals: MiniBatchTotals, *, real: bool, temperature: float
                          ) -> tuple[torch.Tensor, dict[str, float]]:
-        with record_routing(self.model) as routing:  # records nothing for a dense model
-            log_prob, entropy = self._forward(mb, rows, plan, prefix, temperature, with_entropy=True)
+        log_prob, entropy, routing = self._forward(mb, rows, plan, prefix, temperature, with_entropy=True)
         mask = mb["response_mask"].to(log_prob.dtype)
         tokens, normalizer = max(totals.tokens, 1.0), totals.normalizer
         stats: dict[str, float] = {}
@@ -268,5 +309,6 @@ class ActorWorker(FSDPWorker):
         if real:
             load = expert_load(routing, self.num_experts)
             stats["moe/aux_loss"] = float(aux.detach())
+            stats["moe/routing_agreement"] = routing.agreement * share
             stats["moe/expert_load/max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
         return aux
