@@ -1,6 +1,7 @@
 """The mixture-of-experts config end to end: GRPO on the tiny random Qwen3-MoE (``random:`` model path), 2 ranks,
-2 steps, colocated native engine, with the load-balancing loss and routing replay; and a LoRA actor, whose adapters
-sit on the attention projections only (the experts are not Linear modules, so they stay frozen)."""
+2 steps, colocated native engine, with expert parallelism (EP 2), the load-balancing loss and routing replay; and a
+LoRA actor, whose adapters sit on the attention projections only (the experts are not Linear modules, so they stay
+frozen)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes/configs/grpo_arithmetic_moe_cpu.yaml"
 
 
-def test_grpo_on_a_tiny_moe_trains_two_steps_on_two_ranks_with_routing_replay(tmp_path):
-    proc = run_recipe(CONFIG, f"trainer.output_dir={tmp_path}", "rollout.engine.record_routes=true",
+def test_grpo_on_a_tiny_moe_trains_two_steps_on_two_ranks_with_ep_and_routing_replay(tmp_path):
+    proc = run_recipe(CONFIG, f"trainer.output_dir={tmp_path}", "actor.ep_size=2", "rollout.engine.record_routes=true",
                       "actor.router_replay=rollout", nproc=2)
     assert_ok(proc)
     rows = metrics_of(tmp_path)
@@ -34,3 +35,4 @@ def test_a_lora_actor_on_a_moe_adapts_the_attention_only(tmp_path):
     assert_ok(proc)
     (row,) = metrics_of(tmp_path)
     assert row["training/global_step"] == 1 and math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0
+

@@ -15,7 +15,8 @@ from torchrlhf.runtime import ParallelDims
 from torchrlhf.trainer.schema import load_recipe_config, needs_old_log_prob, role_layouts, role_ranks
 
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
-WORLD = {"grpo_qwen2p5_7b_8gpu.yaml": 8, "ppo_qwen2p5_0p5b_8gpu.yaml": 8}
+WORLD = {"grpo_qwen2p5_7b_8gpu.yaml": 8, "ppo_qwen2p5_0p5b_8gpu.yaml": 8, "grpo_qwen3_30b_a3b_8gpu.yaml": 8}
+SHAPES = {"grpo_qwen3_30b_a3b_8gpu.yaml": ROOT / "tools/bench/shapes/qwen3-30b-a3b"}  # its MoE keys read config.json
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def test_shipped_config_validates(path, gsm8k_files, monkeypatch):
                       f"data.val_files=[{gsm8k_files}/gsm8k_test.jsonl]"]
     if raw.get("teacher") is not None:  # a distillation teacher: a checkpoint the user exports first
         overrides.append("teacher.model_path=smollm2")
-    raw = load_config(path, overrides + ([f"model_path={gsm8k_files}"] if "8gpu" in path.name else []))
+    model = SHAPES.get(path.name, gsm8k_files)
+    raw = load_config(path, overrides + ([f"model_path={model}"] if "8gpu" in path.name else []))
     cfg = load_recipe_config(raw, WORLD.get(path.name, 2))
     assert cfg.actor.model_path
 
@@ -80,6 +82,7 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
     ({"rollout": {"offload_optimizer": "sometimes"}}, "rollout.offload_optimizer: expected bool, got 'sometimes'"),
     ({"actor": {"router_replay": "rollout"}}, "actor.router_replay=rollout needs rollout.engine.record_routes=true"),
+    ({"actor": {"router_aux_loss_coef": 0.001}}, "actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false"),
     ({"actor": {"router_replay": "rollout"}, "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
      "VLLMEngine does not return them here"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
@@ -141,6 +144,20 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     with pytest.raises(ConfigError) as e:
         _check(tmp_path, **sections)
     assert message in str(e.value), str(e.value)
+
+
+def test_moe_keys_are_checked_against_the_models_config(tmp_path, tiny_model_dir):
+    from torchrlhf.models import save_tiny_model
+
+    with pytest.raises(ConfigError, match=r"actor.ep_size: the actor's model \(llama\) is not a mixture-of-experts"):
+        _check(tmp_path, tiny_model_dir, world=2, actor={"ep_size": 2})
+    moe = str(save_tiny_model(tmp_path / "moe", family="qwen3_moe", num_experts=6, tokenizer_from="smollm2"))
+    with pytest.raises(ConfigError, match="actor.ep_size=4 must divide the model's 6 experts"):
+        _check(tmp_path, moe, world=4, actor={"ep_size": 4})
+    with pytest.raises(ConfigError, match="actor.ep_size=3: expert-parallel size 3 must divide the group's 4"):
+        _check(tmp_path, moe, world=4, actor={"ep_size": 3})
+    cfg = _check(tmp_path, moe, world=4, actor={"ep_size": 2, "batching": {"ppo_micro_batch_size_per_device": 4}})
+    assert cfg.actor.ep_size == 2
 
 
 @pytest.mark.parametrize("sections, message", [

@@ -71,19 +71,18 @@ def test_bad_aux_loss_settings_are_refused(moe_dir, tmp_path):
         ActorWorker(dense, shared_prefix=False, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
 
 
-# Two PPO steps with the aux loss on; micro-batches of 4 samples on one rank and on each of two ranks hold the
-# same samples (rank r gets samples 4r..4r+3), so the per-micro-batch aux loss is the same sum either way.
-TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, ppo_micro_batch_size_per_device=4, shared_prefix=False,
-                router_aux_loss_coef=COEF)
+# Two PPO steps with the aux loss on. The aux loss is per micro-batch, so each comparison keeps the micro-batches'
+# samples: micro-batches of 8 / world samples on one rank hold what each of ``world`` ranks holds.
+TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, shared_prefix=False, router_aux_loss_coef=COEF)
 METRICS = ["actor/pg_loss", "actor/grad_norm", "moe/aux_loss", "moe/expert_load/max_over_mean"]
 
 
-def _train_and_generate(moe_dir: str) -> dict:
+def _train_and_generate(moe_dir: str, micro: int, ep: int = 1) -> dict:
     """Two updates, then a greedy rollout through the hybrid engine (the actor's current shards streamed into a
     released native engine), this rank's prompts."""
     torch.set_num_threads(1)
     batch = rollout_batch(8, temperature=0.9)
-    actor = ActorWorker(moe_dir, **grouped(**TRAIN_KW))
+    actor = ActorWorker(moe_dir, ep_size=ep, **grouped(ppo_micro_batch_size_per_device=micro, **TRAIN_KW))
     shard = batch.chunk(actor.dp_size)[actor.dp_rank]
     metrics = [actor.update(shard, temperature=0.9) for _ in range(2)]
     width = shard["prompts"].shape[1]
@@ -92,21 +91,31 @@ def _train_and_generate(moe_dir: str) -> dict:
     engine.release()
     gen = generate_with_current_weights(actor.model, engine, prompts, SamplingParams(
         n=1, temperature=0.0, max_tokens=4, ignore_eos=True), optimizer=actor.optimizer)
-    return {"metrics": metrics, "params": full_params(actor.model), "responses": gen["responses"]}
+    split = [m for m in actor.model.modules() if getattr(m, "ep_size", 1) > 1]  # experts run expert-parallel
+    local = [m.gate_up_proj.to_local().shape[0] for m in split]
+    return {"metrics": metrics, "params": full_params(actor.model), "responses": gen["responses"],
+            "local_experts": local}
 
 
-def _on_ranks(rank: int, world: int, moe_dir: str, out: str) -> None:
-    result = _train_and_generate(moe_dir)
+def _on_ranks(rank: int, world: int, moe_dir: str, out: str, ep: int) -> None:
+    result = _train_and_generate(moe_dir, 8 // world, ep)
     parts: list = [None] * world
     dist.all_gather_object(parts, result["responses"])
     if rank == 0:
         torch.save({**result, "responses": torch.cat(parts)}, out)
 
 
-def test_fsdp_two_ranks_equal_one_and_the_engine_generates_with_the_trained_experts(moe_dir, tmp_path):
-    single = _train_and_generate(moe_dir)
-    run_ranks(_on_ranks, 2, moe_dir, str(tmp_path / "fsdp.pt"))
+@pytest.mark.parametrize("world, ep", [(2, 1), (2, 2), (4, 2)], ids=["fsdp2", "ep2", "fsdp2xep2"])
+def test_sharded_training_equals_one_rank_and_the_engine_generates_with_the_trained_experts(moe_dir, tmp_path,
+                                                                                            world, ep):
+    """FSDP2, expert parallelism (each rank holds 4 of the 8 experts; tokens go to them by all-to-all) and both
+    (4 ranks: experts split over 2, each half FSDP-sharded over 2) give one process's metrics, weights after two
+    updates and greedy rollouts."""
+    single = _train_and_generate(moe_dir, 8 // world)
+    run_ranks(_on_ranks, world, moe_dir, str(tmp_path / "fsdp.pt"), ep, timeout=300)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    # ep 2: each of the 2 layers' experts module holds 4 experts on this rank (FSDP2 splits them further on 4 ranks)
+    assert fsdp["local_experts"] == ([4 // (world // ep)] * 2 if ep > 1 else [])
     for got, want in zip(fsdp["metrics"], single["metrics"]):
         for key in METRICS:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

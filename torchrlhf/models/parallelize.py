@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import lora_tp_style
+from torchrlhf.models.moe import shard_experts
 
 # model_type values whose decoder layers have the Llama layout
 # (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
@@ -194,15 +195,24 @@ def parallelize(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply TP (if `tp_mesh` has > 1 rank), activation checkpointing, then FSDP2 per block and at the root.
 
     Works on a model on the meta device (then call `load_weights`/`materialize`
     afterwards) or on a real one. `param_dtype=None` picks bf16 on GPU, the
     parameters' own dtype on CPU. Returns the same (now sharded) module.
+
+    ``expert_mesh`` (a mixture-of-experts model; `ParallelDims.build_expert_mesh`): the 2-D
+    ``("dp_mod_ep", "ep")`` mesh of the same ranks. Expert parallelism splits each sparse block's experts over
+    ``ep`` (`models.moe.shard_experts`), and FSDP2 shards each rank's experts over ``dp_mod_ep`` as a group of
+    their own (FSDP2 averages their gradients over ``dp_mod_ep``; the EP forward averages over ``ep``).
     """
     if tp_mesh is not None and tp_mesh.size() > 1:
         apply_tp(model, tp_mesh)
+    if expert_mesh is not None and not shard_experts(model, expert_mesh["ep"]):
+        raise ValueError(f"expert parallelism (ep {expert_mesh['ep'].size()}) needs a mixture-of-experts model; "
+                         f"{type(model).__name__} has no sparse block")
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if param_dtype is None:
@@ -215,6 +225,12 @@ def parallelize(
         # Pinned host memory needs an accelerator; on a CPU mesh offloading is a no-op anyway.
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
     blocks = find_transformer_blocks(model)
+    if expert_mesh is not None:
+        expert_kwargs = {**fsdp_kwargs, "mesh": expert_mesh["dp_mod_ep"]}
+        for module in list(model.modules()):
+            experts = getattr(module, "experts", None)
+            if experts is not None and hasattr(experts, "ep_size"):  # split by `shard_experts`
+                fully_shard(experts, reshard_after_forward=reshard_after_forward, **expert_kwargs)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away in backward: keep them gathered.
         last = i == len(blocks) - 1

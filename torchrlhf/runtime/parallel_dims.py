@@ -20,7 +20,8 @@ from torchrlhf.runtime.mesh import build_mesh
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """``world`` ranks as ``dp`` data-parallel replicas of ``tp`` tensor-parallel ranks each.
+    """``world`` ranks as ``dp`` data-parallel replicas of ``tp`` tensor-parallel ranks each (and, for a
+    mixture-of-experts model, experts split over ``ep`` adjacent data-parallel ranks: `build_expert_mesh`).
 
     The ranks of one TP group are adjacent: group rank ``r`` is ``(dp_rank, tp_rank) = divmod(r, tp)``.
     They receive the same data shard, and the replica's first rank (``tp_rank`` 0) answers for it.
@@ -28,14 +29,20 @@ class ParallelDims:
 
     world: int
     tp: int = 1
+    ep: int = 1  # expert parallelism: a mixture-of-experts model's experts split over ``ep`` adjacent dp ranks
 
     def __post_init__(self) -> None:
-        for name in ("world", "tp"):
+        for name in ("world", "tp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{name} must be a positive int, got {value!r}")
         if self.world % self.tp:
             raise ValueError(f"tensor-parallel size {self.tp} must divide the group's {self.world} ranks")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"expert parallelism (ep {self.ep}) with tensor parallelism (tp {self.tp}) is not "
+                             "supported: use tp 1")
+        if self.dp % self.ep:
+            raise ValueError(f"expert-parallel size {self.ep} must divide the group's {self.dp} data-parallel ranks")
 
     @property
     def dp(self) -> int:
@@ -72,3 +79,15 @@ class ParallelDims:
             return build_mesh(torch.tensor(ranks), ("dp",), device_type, group=group), None
         mesh = build_mesh(torch.tensor(ranks).view(self.dp, self.tp), ("dp", "tp"), device_type, group=group)
         return mesh["dp"], mesh["tp"]
+
+    def build_expert_mesh(
+        self, ranks: Sequence[int], device_type: str, group: dist.ProcessGroup | None = None
+    ) -> DeviceMesh | None:
+        """The ``("dp_mod_ep", "ep")`` mesh over ``ranks`` (None without expert parallelism): ``ep`` adjacent
+        data-parallel ranks split the experts, and each expert's shards spread over the ``dp_mod_ep`` ranks
+        that hold the same experts. Collective over ``ranks`` the first time, like `build_meshes`."""
+        if self.ep == 1:
+            return None
+        ranks = list(ranks)
+        layout = torch.tensor(ranks).view(self.dp // self.ep, self.ep)
+        return build_mesh(layout, ("dp_mod_ep", "ep"), device_type, group=group)

@@ -109,10 +109,10 @@ class Worker:
     a group lays its context's ranks out with ``tp`` adjacent ranks per replica.
     """
 
-    def __init__(self, *, tp: int = 1) -> None:
+    def __init__(self, *, tp: int = 1, ep: int = 1) -> None:
         ctx = getattr(_current, "ctx", None) or _default_context()
         self.context = ctx
-        self.parallel_dims = ctx.parallel_dims or ParallelDims(ctx.group_size, tp=tp)
+        self.parallel_dims = ctx.parallel_dims or ParallelDims(ctx.group_size, tp=tp, ep=ep)
 
     @property
     def rank(self) -> int:
@@ -180,6 +180,10 @@ class Worker:
         if self.process_group is None:
             raise RuntimeError("a device mesh needs torch.distributed (run under the runtime)")
         return self.parallel_dims.build_meshes(self.ranks, self.device.type, self.process_group)
+
+    def build_expert_mesh(self) -> DeviceMesh | None:
+        """``parallel_dims``' expert mesh over this group's ranks (None without expert parallelism)."""
+        return self.parallel_dims.build_expert_mesh(self.ranks, self.device.type, self.process_group)
 
 
 def registered_methods(cls: type) -> dict[str, dict[str, Any]]:

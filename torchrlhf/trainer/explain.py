@@ -113,14 +113,16 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
                    frozen: bool = False) -> tuple[list[str], dict[int, float]]:
     """Batch arithmetic and per-rank memory of a trainable role (actor, critic) or a frozen one (the
     reference, the teacher)."""
-    ranks, tp, dp = list(layout.ranks), layout.dims.tp, layout.dims.dp
+    ranks, tp, dp, ep = list(layout.ranks), layout.dims.tp, layout.dims.dp, layout.dims.ep
     n, prompts = cfg.rollout.n, cfg.data.train_batch_size
     samples = prompts * n
     lora = getattr(sec, "lora", None)
     dtype = getattr(torch, sec.dtype)
     cpu_offload = getattr(sec, "cpu_offload", False)
     layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
-    held = {"fsdp": f"FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp})",
+    experts = (f"; experts split over EP {ep} (each rank's FSDP2-sharded over {dp // ep}; tokens to their experts "
+               "by all-to-all)") if ep > 1 else ""
+    held = {"fsdp": f"FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}){experts}",
             "copies": f"one rank, float32 weights and {sec.dtype} compute copies (no FSDP2)",
             "plain": "one rank, the plain module (no FSDP2)"}[layout]
     lines = [f"  {role:<9} ranks {_ranks(ranks)}: {held}, {shape.params / 1e6:.1f} M parameters, computing in {sec.dtype}"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -45,6 +46,7 @@ from torchrlhf.generation import NativeEngine, capability_errors, engine_problem
 from torchrlhf.models import load_tokenizer, smollm2_model_dir
 from torchrlhf.models.loading import RANDOM_PREFIX, random_model_dir
 from torchrlhf.models.lora import target_module_names
+from torchrlhf.models.moe import is_moe
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
@@ -288,6 +290,7 @@ def frozen_kwargs(section: RefConfig, actor: Any) -> dict[str, Any]:
         "dtype": section.dtype or actor.dtype,
         "batching": dataclasses.replace(actor.batching, log_prob_micro_batch_size_per_device=micro),
         "tp_size": actor.tp_size,
+        "ep_size": actor.ep_size,
         "cpu_offload": section.cpu_offload,
         "compile": actor.compile,
         "shared_prefix": actor.shared_prefix,
@@ -415,7 +418,12 @@ def _layouts(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> tuple[dict[str, 
             errors += [error] if error not in errors else []
             continue
         colocated_rollout = role == "rollout" and role_ranks_ == ranks["actor"]
-        dims = ParallelDims(len(role_ranks_), tp=1 if colocated_rollout else tp)
+        ep = getattr(cfg.actor if role in ("ref", "teacher") else getattr(cfg, role, None), "ep_size", 1)
+        try:
+            dims = ParallelDims(len(role_ranks_), tp=1 if colocated_rollout else tp, ep=ep)
+        except ValueError as e:
+            errors.append(f"{role}.ep_size={ep}: {e} (placement.{role})")
+            continue
         layouts[role] = RoleLayout(tuple(role_ranks_), dims)
     return layouts, errors
 
@@ -448,6 +456,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
     errors += _agent_errors(cfg)
     errors += _engine_capability_errors(cfg)
     errors += _router_replay_errors(cfg)
+    errors += _moe_errors(cfg)
     errors += _judge_errors(cfg)
     if cfg.trainer.test_freq > 0 and not data.val_files and not from_env:
         errors.append("trainer.test_freq > 0 needs data.val_files")
@@ -634,6 +643,30 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
     """What the config asks of the rollout engine that it does not declare (`torchrlhf.generation.CAPABILITIES`)."""
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
+
+
+def _moe_errors(cfg: RecipeConfig) -> list[str]:
+    """The actor's mixture-of-experts keys against its model's config.json (read, not loaded)."""
+    actor = cfg.actor
+    asked = [key for key, on in (("actor.ep_size", actor.ep_size > 1),
+                                 ("actor.router_aux_loss_coef", bool(actor.router_aux_loss_coef)),
+                                 ("actor.router_replay", actor.router_replay == "rollout")) if on]
+    errors = []
+    if actor.router_aux_loss_coef and actor.shared_prefix:
+        errors.append("actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false: the load-balancing loss counts "
+                      "every token of each sequence, and the shared-prefix pass computes each prompt once")
+    if not asked or not names_a_model(actor.model_path) or os.path.isfile(os.path.expanduser(actor.model_path)):
+        return errors  # a missing path is reported by _model_path_errors; a .gguf is a dense model
+    try:
+        config = transformers.AutoConfig.from_pretrained(resolve_model_path(actor.model_path))
+    except (OSError, ValueError) as e:
+        return errors + [f"actor.model_path: cannot read its config.json: {e}"]
+    if not is_moe(config):
+        return errors + [f"{', '.join(asked)}: the actor's model ({config.model_type}) is not a mixture-of-experts "
+                         "model"]
+    if config.num_experts % actor.ep_size:
+        errors.append(f"actor.ep_size={actor.ep_size} must divide the model's {config.num_experts} experts")
+    return errors
 
 
 def _router_replay_errors(cfg: RecipeConfig) -> list[str]:

@@ -52,6 +52,9 @@ class ActorWorker(FSDPWorker):
     (`models.moe.load_balancing_loss`, transformers' over each micro-batch's real tokens; token-weighted over
     micro-batches). 0 (the default, as verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either
     way ``moe/aux_loss`` and ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
+    ``ep_size``: expert parallelism for a mixture-of-experts policy: each sparse block's experts split over
+    ``ep_size`` adjacent data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all
+    (`models.moe.shard_experts`), FSDP2 sharding each rank's experts over the other ranks.
     ``router_replay``: ``"rollout"`` routes every response token (as an input) to the experts the rollout
     engine chose for it (the batch's ``routed_experts``, `NativeEngine(record_routes=True)`) in the actor's
     old-log-prob and update forwards; the gate weights still come from the actor's router, which keeps its
@@ -73,6 +76,7 @@ class ActorWorker(FSDPWorker):
         total_steps: int | None = None,
         loss: PolicyLoss = PolicyLoss(),
         tp_size: int = 1,
+        ep_size: int = 1,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         compile: bool = False,
@@ -83,7 +87,7 @@ class ActorWorker(FSDPWorker):
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
-        super().__init__(tp_size=tp_size, seed=seed)
+        super().__init__(tp_size=tp_size, ep_size=ep_size, seed=seed)
         self.lora = LoRAConfig.of(lora)
         if self.lora is not None and freeze:
             raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")

@@ -98,14 +98,19 @@ class FSDPWorker(Worker):
     max_metrics: tuple[str, ...] = ()  # maximised instead
     lora: LoRAConfig | None = None  # adapters on a frozen base (`models.lora`); None: every weight trains
 
-    def __init__(self, *, tp_size: int = 1, seed: int = 0) -> None:
-        super().__init__(tp=tp_size)
+    def __init__(self, *, tp_size: int = 1, ep_size: int = 1, seed: int = 0) -> None:
+        super().__init__(tp=tp_size, ep=ep_size)
+        if self.parallel_dims.ep != ep_size:
+            raise ValueError(f"{self.role}: ep_size={ep_size}, but the group's layout has ep {self.parallel_dims.ep}")
+        self.expert_mesh = None
         if self.process_group is None:  # a one-process worker (unit tests, notebooks): nothing to shard over
-            if self.tp_size > 1:
-                raise ValueError(f"tp_size={self.tp_size} needs torch.distributed (run under torchrun)")
+            if self.tp_size > 1 or ep_size > 1:
+                raise ValueError(f"tp_size={self.tp_size}, ep_size={ep_size} need torch.distributed (run under "
+                                 "torchrun)")
             self.dp_mesh, self.tp_mesh = None, None
         else:
             self.dp_mesh, self.tp_mesh = self.build_meshes()
+            self.expert_mesh = self.build_expert_mesh()
         self.dp_group = self.dp_mesh.get_group() if self.dp_mesh is not None else None
         self.seed = seed
         torch.manual_seed(seed)  # same on every rank: any random init must agree before FSDP shards it
@@ -194,6 +199,7 @@ class FSDPWorker(Worker):
                 model,
                 dp_mesh=self.dp_mesh,
                 tp_mesh=self.tp_mesh,
+                expert_mesh=self.expert_mesh,
                 param_dtype=dtype,
                 reduce_dtype=torch.float32,
                 cpu_offload=cpu_offload,
