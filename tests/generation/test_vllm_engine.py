@@ -19,6 +19,27 @@ if not available:
 
 
 
+def test_a_moe_model_generates_and_takes_the_trainers_stacked_expert_weights(tmp_path):
+    """Qwen3-MoE on vLLM: greedy equals transformers'; weights sent under the training model's names (each
+    layer's experts stacked, as transformers holds them) load into vLLM's per-expert checkpoint layout, and the
+    next generation is the second model's greedy. Its own engine, started and shut down here."""
+    first, second = (tiny_model("qwen3_moe", seed=s, head_dim=32, **WIDE) for s in (0, 1))
+    first.save_pretrained(tmp_path)
+    batch = prompt_batch()
+    engine = VLLMEngine(tmp_path, max_batch_size=4, max_seq_len=64)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        assert torch.equal(engine.generate(batch, greedy)["responses"], hf_greedy(first, batch, 12))
+        names = dict(second.named_parameters())
+        assert set(engine.param_names()) == set(names)  # stacked names, as the trainer sends them
+        assert engine.param_local_shapes()["model.layers.0.mlp.experts.gate_up_proj"] == \
+            names["model.layers.0.mlp.experts.gate_up_proj"].shape
+        engine.update_weights(names.items())
+        assert torch.equal(engine.generate(batch, greedy)["responses"], hf_greedy(second, batch, 12))
+    finally:
+        engine.shutdown()
+
+
 def test_without_a_tokenizer_eos_comes_from_the_generation_config(tmp_path):
     """No tokenizer files: vLLM runs without one; EOS still ends samples, stop strings are refused.
 

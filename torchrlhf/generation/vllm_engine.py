@@ -45,6 +45,7 @@ from torchrlhf.generation.base import (
 )
 from torchrlhf.generation.sampling import SamplingParams, sample_seed
 from torchrlhf.generation.session import Session
+from torchrlhf.models.moe import stacked_expert_sources
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 VLLM_TEMPERATURE_RANGE = (1e-2, 2.0)  # vLLM clamps smaller temperatures up and rejects larger ones
@@ -153,6 +154,22 @@ def _repack_tied_lm_head(worker) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def _repack_experts(worker, names: list[str]) -> None:
+    """Run on vLLM's worker: rebuild the CPU grouped-GEMM copy of the reloaded experts of the MoE modules
+    ``names`` (vLLM's module names, e.g. ``model.layers.0.mlp.experts``).
+
+    On CPU vLLM prepacks each MoE layer's expert weights into its grouped-GEMM layout once, at the first load;
+    ``reload_weights`` processes a weight update but skips that prepack, so without this the layer keeps
+    multiplying by the old experts.
+    """
+    model = worker.get_model()
+    for name in names:
+        for layer in model.get_submodule(name).modules():
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and hasattr(layer, "w13_weight"):
+                kernel.fused_experts.process_weights_after_loading(layer)
+
+
 def _reload_bucket(worker, packed: bytes) -> None:
     """Run on vLLM's worker process: reload one bucket of whole modules (safetensors bytes) in place."""
     worker.reload_weights(weights_iterator=iter(load_safetensors(packed).items()))
@@ -259,7 +276,17 @@ class VLLMEngine:
             )
         self.model_path, self.tp_mesh, self.tp_size = path, None, 1
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self._shapes = _checkpoint_shapes(path)
+        # A mixture-of-experts checkpoint holds a tensor per expert and projection; the training model (and so
+        # `update_weights`) names them stacked, as transformers does (`models.moe.stacked_expert_sources`).
+        per_expert = _checkpoint_shapes(path)
+        self._stacked = stacked_expert_sources(per_expert)
+        self._shapes = {n: s for n, s in per_expert.items()
+                        if not any(n in parts for sources in self._stacked.values() for parts in sources)}
+        self._part_rows = {part: per_expert[part][0] for sources in self._stacked.values()
+                           for parts in sources for part in parts}
+        for name, sources in self._stacked.items():
+            rows = sum(per_expert[part][0] for part in sources[0])
+            self._shapes[name] = torch.Size([len(sources), rows, *per_expert[sources[0][0]][1:]])
         config = AutoConfig.from_pretrained(str(path))
         try:
             gen_config = GenerationConfig.from_pretrained(str(path))
@@ -364,12 +391,18 @@ class VLLMEngine:
                 failure.append(e)
 
         if self.in_process:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+            pairs = (pair for name, tensor in stream() for pair in self._checkpoint_pairs(name, tensor))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
         else:
             for names, tensors in self._module_buckets(stream()):
-                self.llm.collective_rpc(_reload_bucket, args=(save_safetensors(dict(zip(names, tensors))),))
+                bucket = dict(pair for name, tensor in zip(names, tensors)
+                              for pair in self._checkpoint_pairs(name, tensor))
+                self.llm.collective_rpc(_reload_bucket, args=(save_safetensors(bucket),))
         if self._tied and self.device.type == "cpu" and "model.embed_tokens.weight" in loaded:
             self.llm.collective_rpc(_repack_tied_lm_head)
+        experts = sorted({name.rpartition(".")[0] for name in loaded & set(self._stacked)})
+        if experts and self.device.type == "cpu":
+            self.llm.collective_rpc(_repack_experts, args=(experts,))
         self.llm.reset_prefix_cache()
         self._missing -= loaded
         if failure:
@@ -381,6 +414,17 @@ class VLLMEngine:
                 f"update_weights: vLLM loads {module!r} as one module, but {absent} did not come with the rest "
                 f"of it, so that module's weights are now undefined; send all of its parameters in one call"
             )
+
+    def _checkpoint_pairs(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` as vLLM loads it: a stacked expert weight as its checkpoint's per-expert tensors
+        (views of it, each expert's rows split in the checkpoint's order: gate then up)."""
+        sources = self._stacked.get(name)
+        if sources is None:
+            yield name, tensor
+            return
+        for expert, parts in enumerate(sources):
+            rows = [self._part_rows[part] for part in parts]
+            yield from zip(parts, tensor[expert].split(rows))
 
     def _module_buckets(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[list, list]]:
         """(names, tensors) buckets of at most ``bucket_bytes`` that end only where no vLLM module is half sent.
