@@ -69,3 +69,24 @@ def test_clear_errors(tiny_dir, tmp_path):
         merge_tool.merge_checkpoint(tmp_path / "ckpt", tmp_path, tmp_path / "hf")
     with pytest.raises(KeyError, match="prefix 'actor.'"):
         merge_tool.merge_checkpoint(tmp_path / "ckpt", tiny_dir, tmp_path / "hf", prefix="actor.")
+
+
+def test_a_moe_round_trip_writes_the_per_expert_hf_layout(tmp_path):
+    """A Qwen3-MoE checkpoint (experts stacked, as trained) exports as HF writes MoE checkpoints, one tensor per
+    expert and projection, and loads back to the same logits."""
+    from safetensors import safe_open
+
+    from torchrlhf.models import save_tiny_model
+
+    base = save_tiny_model(tmp_path / "base", family="qwen3_moe", vocab_size=256, tokenizer_from=None)
+    model = load_causal_lm(base)
+    ids = torch.randint(0, 256, (2, 7))
+    opt = _train_one_step(model, ids)
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+    out = merge_tool.merge_checkpoint(tmp_path / "ckpt", base, tmp_path / "hf")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in keys and not any(k.endswith("gate_up_proj") for k in keys)
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)

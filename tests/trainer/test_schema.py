@@ -82,7 +82,6 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"placement": {"actor": [0], "rollout": [0]}, "rollout": {"tp_size": 2}}, "rollout.tp_size=2 must divide"),
     ({"rollout": {"offload_optimizer": "sometimes"}}, "rollout.offload_optimizer: expected bool, got 'sometimes'"),
     ({"actor": {"router_replay": "rollout"}}, "actor.router_replay=rollout needs rollout.engine.record_routes=true"),
-    ({"actor": {"router_aux_loss_coef": 0.001}}, "actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false"),
     ({"actor": {"router_replay": "rollout"}, "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
      "VLLMEngine does not return them here"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),

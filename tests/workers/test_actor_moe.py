@@ -31,8 +31,10 @@ def moe_dir(tmp_path_factory) -> str:
                                vocab_size=128, initializer_range=0.2))
 
 
-@pytest.mark.parametrize("shared_prefix, coef", [(True, 0.0), (False, 0.0), (False, COEF)])
+@pytest.mark.parametrize("shared_prefix, coef", [(True, 0.0), (False, 0.0), (False, COEF), (True, COEF)])
 def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_prefix, coef):
+    """One micro-batch of 6 samples, 3 prompts of 2 (GRPO groups): with shared prompts, each prompt token counts
+    once per sample in the aux loss (logical prefix tokens), as in the dense rows transformers sees."""
     batch = rollout_batch(6, temperature=0.8, seed=3, group_size=2)
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     r = batch["responses"].shape[1]
@@ -50,8 +52,7 @@ def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_pre
                         **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=6))
     stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     assert stats["actor/pg_loss"] == pytest.approx(pg_loss.item(), rel=1e-5)
-    if not shared_prefix:  # the shared-prefix row holds the responses only: its aux metric covers those
-        assert stats["moe/aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    assert stats["moe/aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
     assert stats["moe/expert_load/max_over_mean"] >= 1.0
     ref = dict(model.named_parameters())
     router_grad = 0.0
@@ -64,8 +65,6 @@ def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_pre
 
 
 def test_bad_aux_loss_settings_are_refused(moe_dir, tmp_path):
-    with pytest.raises(ValueError, match="shared_prefix=false"):
-        ActorWorker(moe_dir, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
     dense = str(save_tiny_model(tmp_path / "dense", tokenizer_from=None, vocab_size=128))
     with pytest.raises(ValueError, match="no mixture-of-experts router"):
         ActorWorker(dense, shared_prefix=False, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
@@ -165,3 +164,23 @@ def test_routing_replay_uses_the_engines_experts_and_narrows_the_bf16_log_prob_g
     assert gaps[torch.bfloat16, "rollout"] < gaps[torch.bfloat16, "off"]
     print(f"bf16 engine vs float32 actor: {flipped:.2%} of token-layer expert choices flipped; mean |log-prob gap| "
           f"{gaps[torch.bfloat16, 'off']:.4f} without replay, {gaps[torch.bfloat16, 'rollout']:.4f} with replay")
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_shared_prefix_aux_loss_equals_the_dense_one_over_micro_batch_splits(moe_dir, micro):
+    """8 samples of 3 prompts (groups of 3, 3, 2), micro-batches of 1-3 samples that cut across groups: the
+    shared-prefix update (prompts computed once per mini-batch, their router logits shared by the micro-batches)
+    gives the dense update's loss, aux loss and gradients."""
+    results = {}
+    for shared in (False, True):
+        batch = rollout_batch(8, temperature=0.8, seed=7, group_size=3)
+        actor = ActorWorker(moe_dir, shared_prefix=shared, router_aux_loss_coef=COEF,
+                            **grouped(ppo_mini_batch_size=8, rollout_n=1, ppo_micro_batch_size_per_device=micro))
+        stats = actor._train_mini_batch(batch, {"temperature": 0.8})
+        results[shared] = stats, {n: p.grad.clone() for n, p in actor.model.named_parameters()}
+    (dense, dense_grads), (packed, packed_grads) = results[False], results[True]
+    for key in ("actor/pg_loss", "moe/aux_loss"):
+        assert packed[key] == pytest.approx(dense[key], rel=1e-5), key
+    for name, g in dense_grads.items():
+        scale = float(g.abs().max())
+        torch.testing.assert_close(packed_grads[name], g, atol=1e-6 * scale + 1e-9, rtol=1e-4, msg=name)

@@ -7,7 +7,11 @@ is missing). What this module adds is one router, `TopKRouter`, installed in pla
 top-k, ``norm_topk_prob``), plus what training needs and HF's router lacks. While a `RoutingRecord` is open on
 the model (`record_routing`) each router keeps its router logits and its chosen experts, so the actor can add the
 load-balancing loss (`load_balancing_loss`, HF's ``load_balancing_loss_func`` over the tokens it is given) and
-log the expert load, without asking HF's forward for ``output_router_logits``.
+log the expert load, without asking HF's forward for ``output_router_logits``; given a `Replay` (the experts the
+rollout engine chose), the routers route those tokens to them (routing replay) and count how often they agree.
+
+Also here: the active-weight count FLOPs use, the dry run's traceable stand-in for the experts, and the map from
+per-expert checkpoint tensors to the stacked weights. Expert parallelism is `models.expert_parallel`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 # model_type -> the class name of the family's router that `TopKRouter` replaces.
 MOE_ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter"}
@@ -201,105 +202,6 @@ def traceable_experts(model: nn.Module) -> Iterator[None]:
     finally:
         for experts in patched:
             del experts.forward
-
-
-# ---------------------------------------------------------------------- expert parallelism
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; its backward sends the gradients back the same way reversed."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
-def _expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The sparse block's experts with each rank of the EP group holding ``experts / ep`` of them.
-
-    Every (token, chosen expert) row goes to the rank holding that expert (all-to-all), runs through that
-    expert's gate/up, activation and down projections there, and comes back (all-to-all) to be weighted and
-    summed per token, as the family's own experts do. Gradients take the same path back.
-
-    A rank's experts gather the weight gradients of its ``ep`` peers' tokens, where every other weight sees its
-    own rank's only; data parallelism averages each weight's gradient over the ranks that hold it (the loss is
-    scaled for it), so these are divided by ``ep`` here: FSDP2 then averages them over ``dp_mod_ep``, and every
-    weight gets the mean over all data-parallel ranks. (A custom FSDP2 divide factor would do it too, but it
-    needs a PREMUL_SUM reduction, which gloo lacks.)
-    """
-    group, ep = experts.ep_group, experts.ep_size
-    w_gate_up = _ScaleGrad.apply(experts.gate_up_proj.to_local(), 1.0 / ep)  # this rank's experts
-    w_down = _ScaleGrad.apply(experts.down_proj.to_local(), 1.0 / ep)
-    local = w_gate_up.shape[0]
-    tokens, k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # rows by expert, so by destination rank
-    send = hidden_states[order // k]
-    counts = torch.bincount(flat, minlength=local * ep).view(ep, local)  # [destination rank, its local expert]
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [source rank, my local expert]
-    in_splits, out_splits = counts.sum(1).tolist(), received.sum(1).tolist()
-    rows = _AllToAll.apply(send, out_splits, in_splits, group)  # by source rank, then by my local expert
-    expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.flatten())
-    by_expert = torch.argsort(expert_of, stable=True)
-    x = rows[by_expert]
-    outs, start = [], 0
-    for e, n in enumerate(received.sum(0).tolist()):
-        gate, up = F.linear(x[start:start + n], w_gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(experts.act_fn(gate) * up, w_down[e]))
-        start += n
-    y = torch.zeros(x.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device).index_copy(0, by_expert,
-                                                                                           torch.cat(outs))
-    back = _AllToAll.apply(y, in_splits, out_splits, group)  # in the order this rank sent its rows
-    out = torch.zeros(tokens * k, back.shape[-1], dtype=back.dtype, device=back.device).index_copy(0, order, back)
-    return (out.view(tokens, k, -1) * top_k_weights[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)
-
-
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
-    """Expert parallelism: each sparse block's stacked expert weights become DTensors split on the expert dim
-    over ``ep_mesh``, and its experts run `_expert_parallel_forward`. Returns the blocks changed.
-
-    Call before FSDP2 (which then shards each rank's experts further over the other data-parallel ranks, as it
-    shards TP's column splits) and before loading (a meta-device model stays on meta).
-    """
-    ep = ep_mesh.size()
-    count = 0
-    for m in model.modules():
-        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-        if not (isinstance(gate, TopKRouter) and experts is not None):
-            continue
-        if gate.num_experts % ep:
-            raise ValueError(f"ep_size={ep} must divide the {gate.num_experts} experts of each MoE layer")
-        for name, param in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(
-                distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None),
-                requires_grad=param.requires_grad))
-        experts.ep_group, experts.ep_size = ep_mesh.get_group(), ep
-        experts.forward = functools.partial(_expert_parallel_forward, experts)
-        count += 1
-    return count
 
 
 def active_expert_params(module: nn.Module) -> int:

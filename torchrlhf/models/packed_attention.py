@@ -146,27 +146,37 @@ class PrefixKV:
 
     def __init__(self, recorded: PackedAttention, output: torch.Tensor, requires_grad: bool) -> None:
         self._output = output
+        self._requires_grad = requires_grad
         self._sources = {layer: (recorded.keys[layer], recorded.values[layer]) for layer in recorded.keys}
         self._leaves = {
             layer: (k.detach().requires_grad_(requires_grad and k.requires_grad),
                     v.detach().requires_grad_(requires_grad and v.requires_grad))
             for layer, (k, v) in self._sources.items()
         }
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # other prefix-pass tensors (`hold`)
+        self.routing = None  # a mixture-of-experts model's prefix routing (`models.moe.RoutingRecord`), held
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._leaves[layer]
 
+    def hold(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Leaves standing for more of the prefix pass's tensors (a MoE model's router logits, which the
+        suffix passes' load-balancing loss reads), whose gradients `backward` sends on with the K/V's."""
+        leaves = [t.detach().requires_grad_(self._requires_grad and t.requires_grad) for t in tensors]
+        self._held += list(zip(tensors, leaves))
+        return leaves
+
     def backward(self) -> None:
         """Backpropagate the accumulated K/V gradients through the prompts' forward (call once)."""
         outputs, grads = [self._output], [torch.zeros_like(self._output)]
-        for layer, pair in self._sources.items():
-            for src, leaf in zip(pair, self._leaves[layer]):
-                if src.requires_grad:
-                    outputs.append(src)
-                    grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+        pairs = [pair for layer, srcs in self._sources.items() for pair in zip(srcs, self._leaves[layer])]
+        for src, leaf in pairs + self._held:
+            if src.requires_grad:
+                outputs.append(src)
+                grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
         if self._output.requires_grad:
             torch.autograd.backward(outputs, grads)
-        self._sources, self._output = {}, None
+        self._sources, self._output, self._held = {}, None, []
 
 
 def sliding_window(config) -> int | None:

@@ -24,8 +24,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from torchrlhf.models.lm_head import LogProbHead
+from torchrlhf.models.expert_parallel import shard_experts
 from torchrlhf.models.lora import lora_tp_style
-from torchrlhf.models.moe import shard_experts
 
 # model_type values whose decoder layers have the Llama layout
 # (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj): the TP plan below fits them.
@@ -205,7 +205,7 @@ def parallelize(
 
     ``expert_mesh`` (a mixture-of-experts model; `ParallelDims.build_expert_mesh`): the 2-D
     ``("dp_mod_ep", "ep")`` mesh of the same ranks. Expert parallelism splits each sparse block's experts over
-    ``ep`` (`models.moe.shard_experts`), and FSDP2 shards each rank's experts over ``dp_mod_ep`` as a group of
+    ``ep`` (`models.expert_parallel.shard_experts`), and FSDP2 shards each rank's experts over ``dp_mod_ep`` as a group of
     their own (FSDP2 averages their gradients over ``dp_mod_ep``; the EP forward averages over ``ep``).
     """
     if tp_mesh is not None and tp_mesh.size() > 1:

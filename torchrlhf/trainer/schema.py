@@ -652,9 +652,6 @@ def _moe_errors(cfg: RecipeConfig) -> list[str]:
                                  ("actor.router_aux_loss_coef", bool(actor.router_aux_loss_coef)),
                                  ("actor.router_replay", actor.router_replay == "rollout")) if on]
     errors = []
-    if actor.router_aux_loss_coef and actor.shared_prefix:
-        errors.append("actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false: the load-balancing loss counts "
-                      "every token of each sequence, and the shared-prefix pass computes each prompt once")
     if not asked or not names_a_model(actor.model_path) or os.path.isfile(os.path.expanduser(actor.model_path)):
         return errors  # a missing path is reported by _model_path_errors; a .gguf is a dense model
     try:

@@ -49,12 +49,13 @@ class ActorWorker(FSDPWorker):
     low-rank adapters on the frozen model (`models.lora`). Only the adapters get gradients, optimizer
     state, checkpoints and weight syncs; `compute_ref_log_prob` is the base model (adapters off).
     ``router_aux_loss_coef``: a mixture-of-experts policy adds this times the load-balancing loss
-    (`models.moe.load_balancing_loss`, transformers' over each micro-batch's real tokens; token-weighted over
-    micro-batches). 0 (the default, as verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either
-    way ``moe/aux_loss`` and ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
+    (`models.moe.load_balancing_loss`, transformers' over every real token of each micro-batch's sequences, in
+    the dense and the shared-prefix layouts alike; token-weighted over micro-batches). 0 (the default, as
+    verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either way ``moe/aux_loss`` and
+    ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
     ``ep_size``: expert parallelism for a mixture-of-experts policy: each sparse block's experts split over
     ``ep_size`` adjacent data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all
-    (`models.moe.shard_experts`), FSDP2 sharding each rank's experts over the other ranks.
+    (`models.expert_parallel.shard_experts`), FSDP2 sharding each rank's experts over the other ranks.
     ``router_replay``: ``"rollout"`` routes every response token (as an input) to the experts the rollout
     engine chose for it (the batch's ``routed_experts``, `NativeEngine(record_routes=True)`) in the actor's
     old-log-prob and update forwards; the gate weights still come from the actor's router, which keeps its
@@ -109,10 +110,6 @@ class ActorWorker(FSDPWorker):
         if router_aux_loss_coef and not self.num_experts:
             raise ValueError(f"actor.router_aux_loss_coef={router_aux_loss_coef}: the policy "
                              f"({self.model.config.model_type}) has no mixture-of-experts router")
-        if router_aux_loss_coef and shared_prefix:
-            raise ValueError("actor.router_aux_loss_coef > 0 needs actor.shared_prefix=false: the load-balancing loss "
-                             "counts every token of each sequence, and the shared-prefix pass computes each prompt "
-                             "once (its per-sequence accounting is not built yet)")
         if router_replay not in ("off", "rollout"):
             raise ValueError(f"actor.router_replay: 'off' or 'rollout', got {router_replay!r}")
         if router_replay == "rollout" and not self.num_experts:
@@ -266,7 +263,9 @@ class ActorWorker(FSDPWorker):
         mask = mb["response_mask"].to(log_prob.dtype)
         tokens, normalizer = max(totals.tokens, 1.0), totals.normalizer
         stats: dict[str, float] = {}
-        aux_loss = self._router_aux_loss(routing, mb, plan, float(mask.sum()) / tokens, real, stats)
+        aux_loss = self._router_aux_loss(routing, mb, rows, plan, prefix, float(mask.sum()) / tokens, real, stats)
+        if real and self.num_experts:
+            stats["moe/routing_agreement"] = routing.agreement * float(mask.sum()) / tokens
         # One optimizer step per rollout: the sampling policy is the one being updated, so the
         # old log-probs are these log-probs detached (ratio 1, the exact on-policy gradient).
         old_log_prob = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
@@ -300,19 +299,28 @@ class ActorWorker(FSDPWorker):
                 stats[f"actor/{name}"] = float(pg_metrics[name]) * share
         return loss, stats
 
-    def _router_aux_loss(self, routing: RoutingRecord, mb: Batch, plan: SharedPrefixPlan | None, share: float,
-                         real: bool, stats: dict[str, float]) -> torch.Tensor | None:
-        """The micro-batch's load-balancing loss, weighted by its ``share`` of the mini-batch's response tokens
-        (so the sum over micro-batches is their token-weighted mean), and its routing metrics; None if dense.
-        Dense rows count their real tokens (padding excluded, as transformers does with an attention mask);
-        a shared-prefix row holds no padding and only the responses' tokens (metrics only)."""
+    def _router_aux_loss(self, routing: RoutingRecord, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None,
+                         prefix: PrefixKV | None, share: float, real: bool, stats: dict[str, float]
+                         ) -> torch.Tensor | None:
+        """The micro-batch's load-balancing loss over every token of its sequences, weighted by its ``share`` of
+        the mini-batch's response tokens (so the sum over micro-batches is their token-weighted mean), and its
+        routing metrics; None for a dense model. Dense rows count their real tokens (padding excluded, as
+        transformers does with an attention mask). With shared prompts, the micro-batch's suffix row (each
+        sample's last prompt token and response) joins the prefix pass's routing, each prompt token counted
+        once per sample of the micro-batch that repeats it (the shared-prefix paper's logical prefix tokens):
+        the dense layout's loss, whose gradient reaches the prefix pass through `PrefixKV.backward`."""
         if not self.num_experts:
             return None
-        weights = None if plan is not None else trimmed_inputs(mb, mb["responses"].shape[1]).attention_mask
+        weights = None if plan is not None else trimmed_inputs(mb, mb["responses"].shape[1]).attention_mask.reshape(-1)
+        if plan is not None and prefix is not None and prefix.routing is not None:
+            prompts = prefix.routing
+            routing = RoutingRecord([torch.cat(pair) for pair in zip(prompts.logits, routing.logits, strict=True)],
+                                    [torch.cat(pair) for pair in zip(prompts.experts, routing.experts, strict=True)])
+            suffix = routing.logits[0].shape[0] - prompts.logits[0].shape[0]
+            weights = torch.cat([plan.prefix_token_weights(rows), torch.ones(suffix)]).to(self.device)
         aux = load_balancing_loss(routing, self.num_experts, weights) * share
         if real:
             load = expert_load(routing, self.num_experts)
             stats["moe/aux_loss"] = float(aux.detach())
-            stats["moe/routing_agreement"] = routing.agreement * share
             stats["moe/expert_load/max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
         return aux

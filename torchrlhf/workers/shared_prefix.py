@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrlhf.data import Batch
+from torchrlhf.models.moe import RoutingRecord, record_routing
 from torchrlhf.models.packed_attention import PackedAttention, PrefixKV
 from torchrlhf.utils.flops import causal_keys
 
@@ -110,6 +111,16 @@ class SharedPrefixPlan:
             ids, pos, segments = torch.tensor([self.last_id[0]]), torch.tensor([0]), [(0, 1, 0, 0)]
         return ids[None].to(device), pos[None].to(device), PackedAttention(segments, record=True)
 
+    def prefix_token_weights(self, rows: list[int]) -> torch.Tensor:
+        """Per token of the prefix pass's row, how many of samples ``rows`` repeat it (their prompt's tokens
+        but the last; 0 for other prompts' and for the stand-in token of a batch of one-token prompts): the
+        logical prefix-token count, for sums the dense layout takes over every sample's own copy."""
+        weights = torch.zeros(max(self.prefix_tokens(), 1))
+        for r in rows:
+            g = self.group_of[r]
+            weights[self.prefix_start[g]: self.prefix_start[g] + self.prefix_len[g]] += 1
+        return weights
+
     # ------------------------------------------------------------------ suffix passes
     def suffix_row(self, rows: list[int], prefix: PrefixKV, device) -> PackedRow:
         """Samples ``rows`` (indices into the planned batch) packed into one row, each reading its prompt's K/V."""
@@ -145,8 +156,12 @@ def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device) -> Pr
     """
     input_ids, position_ids, attention = plan.prefix_inputs(device)
     none = torch.zeros(0, dtype=torch.long, device=device)
-    out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, attention_plan=attention)
-    return PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
+    with record_routing(model) as routing:  # a mixture-of-experts model's: the prompts' share of the aux loss
+        out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, attention_plan=attention)
+    prefix = PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
+    if routing.logits:
+        prefix.routing = RoutingRecord(prefix.hold(routing.logits), routing.experts)
+    return prefix
 
 
 def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, device
