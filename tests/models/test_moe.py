@@ -146,3 +146,31 @@ def test_the_dry_runs_memory_trace_runs_the_experts(moe_dir):
     model = build_meta_causal_lm(moe_dir)
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
     assert traced["gradients"] >= experts and traced["optimizer states"] >= 2 * experts
+
+
+def test_a_checkpoint_with_another_expert_count_than_its_config_is_named(tmp_path):
+    d = save_tiny_model(tmp_path / "four", family="qwen3_moe", vocab_size=VOCAB, num_experts=4, tokenizer_from=None,
+                        tie_word_embeddings=False)
+    config = json.loads((d / "config.json").read_text())
+    config["num_local_experts"] = 8  # transformers' key for num_experts
+    (d / "config.json").write_text(json.dumps(config))
+    model = build_meta_causal_lm(d)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj has shape \(4, 64, 64\), model "
+                                         r"expects \(8, 64, 64\) \(a mixture-of-experts checkpoint"):
+        load_weights(model, d)
+
+
+def test_a_value_model_on_a_moe_backbone_runs_the_same_blocks(moe_dir):
+    """Critic and reward models: the backbone's routers are ours too, and its values are transformers' backbone
+    through the score head."""
+    from torchrlhf.models import load_value_model
+
+    critic = load_value_model(moe_dir, init_head_std=0.1)
+    assert sum(isinstance(m, TopKRouter) for m in critic.modules()) == 3
+    ids, mask = _batch()
+    backbone = transformers.AutoModel.from_pretrained(moe_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = critic.score(hidden).squeeze(-1)
+        got = critic(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)

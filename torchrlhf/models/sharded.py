@@ -137,18 +137,24 @@ def _fill_from(reader: SafetensorsReader, name: str, param: torch.Tensor) -> Non
     """Copy this rank's part of checkpoint tensor ``name`` into ``param``, reading only its rows when it can."""
     rows = _row_shard(param)
     if rows is None:
-        _fill(param, reader.get(name))
+        _fill(param, reader.get(name), name)
         return
-    if reader.shape(name) != tuple(param.shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {reader.shape(name)}, model expects {tuple(param.shape)}")
+    _check_shape(name, reader.shape(name), param)
     with torch.no_grad():
         param.to_local().copy_(reader.get_rows(name, *rows))
 
 
-def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of `full` into `param` (a DTensor shard or a plain tensor)."""
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, model expects {tuple(param.shape)}")
+def _check_shape(name: str, shape: tuple[int, ...], param: torch.Tensor) -> None:
+    if tuple(shape) != tuple(param.shape):
+        hint = (" (a mixture-of-experts checkpoint with another expert count than its config.json's?)"
+                if ".experts." in name or name.endswith("mlp.gate.weight") else "")
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(shape)}, model expects {tuple(param.shape)}{hint}")
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
+    """Copy this rank's part of `full` (checkpoint tensor ``name``) into `param` (a DTensor shard or a plain
+    tensor)."""
+    _check_shape(name, tuple(full.shape), param)
     with torch.no_grad():
         if isinstance(param, DTensor):
             full = full.to(device=param.device, dtype=param.dtype)
@@ -191,12 +197,12 @@ def load_weights(
             if name in reader:
                 _fill_from(reader, name, param)
             elif name in extra:
-                _fill(param, extra[name])
+                _fill(param, extra[name], name)
             else:
                 missing.append(name)
         for name, buf in model.named_buffers():
             if name in reader:
-                _fill(buf, reader.get(name))
+                _fill(buf, reader.get(name), name)
     if strict and missing:
         raise KeyError(f"weights missing from {path}: {missing}")
     return missing
