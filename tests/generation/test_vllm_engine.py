@@ -122,3 +122,24 @@ def test_a_fused_module_sent_in_part_is_refused(models, engine):
     with pytest.raises(ValueError, match=r"qkv_proj.*k_proj"):
         engine.update_weights([("model.layers.1.self_attn.q_proj.weight", model_a.model.layers[1].self_attn.q_proj.weight)])
     engine.update_weights((n, p.detach()) for n, p in model_a.named_parameters())  # whole again, for other tests
+
+
+def test_shutdown_survives_a_child_that_exits_while_vllm_names_it():
+    """vLLM's force kill names each child of a stuck engine process first; one that exits in between raises
+    psutil.NoSuchProcess out of its shutdown. The engine runs the shutdown again for the rest."""
+    import types
+
+    import psutil
+
+    calls = []
+
+    def shutdown():
+        calls.append(1)
+        if len(calls) == 1:
+            raise psutil.NoSuchProcess(12345)
+
+    engine = object.__new__(VLLMEngine)
+    engine.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(
+        engine_core=types.SimpleNamespace(shutdown=shutdown)))
+    engine.shutdown()
+    assert len(calls) == 2

@@ -476,8 +476,21 @@ class VLLMEngine:
         """Stop vLLM's engine now (also what garbage collection of the engine does).
 
         vLLM's teardown destroys torch.distributed's default process group, even one it did not create.
+
+        vLLM 0.32 force-kills an engine process that outlives its grace period by naming each of its children
+        first (psutil), and a child that exits in between raises ``NoSuchProcess`` out of the whole shutdown (it
+        failed a CI run at the end of a finished job). What it was about to kill is gone, so the shutdown is
+        run again for the rest.
         """
-        self.llm.llm_engine.engine_core.shutdown()
+        import psutil  # a vLLM dependency
+
+        for attempt in range(3):
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+                return
+            except psutil.NoSuchProcess:
+                if attempt == 2:
+                    raise
 
     # ------------------------------------------------------------------ generate
     def _request_params(self, params: SamplingParams) -> dict:
