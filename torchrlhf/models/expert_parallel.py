@@ -87,8 +87,8 @@ def _expert_parallel_forward(experts: nn.Module, hidden_states: torch.Tensor, to
         gate, up = F.linear(x[start:start + n], w_gate_up[e]).chunk(2, dim=-1)
         outs.append(F.linear(experts.act_fn(gate) * up, w_down[e]))
         start += n
-    y = torch.zeros(x.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device).index_copy(0, by_expert,
-                                                                                           torch.cat(outs))
+    computed = torch.cat(outs)  # by local expert
+    y = computed.new_zeros(computed.shape).index_copy(0, by_expert, computed)  # back in the order received
     back = _AllToAll.apply(y, in_splits, out_splits, group)  # in the order this rank sent its rows
     out = torch.zeros(tokens * k, back.shape[-1], dtype=back.dtype, device=back.device).index_copy(0, order, back)
     return (out.view(tokens, k, -1) * top_k_weights[..., None].to(out.dtype)).sum(1).to(hidden_states.dtype)

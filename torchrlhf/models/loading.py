@@ -181,50 +181,21 @@ def smollm2_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
+# The dimensions every tiny test model shares: 2 layers, hidden 64, 4 heads of 16, 2 kv heads (GQA), tied head.
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
 def tiny_llama_config(vocab_size: int = 49152, **overrides) -> LlamaConfig:
     """A Llama config small enough for CPU tests: 2 layers, hidden 64, 4 heads, 2 kv heads (GQA)."""
-    cfg = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    cfg.update(overrides)
-    return LlamaConfig(**cfg)
+    return LlamaConfig(**{**_TINY, "vocab_size": vocab_size, **overrides})
 
 
 def tiny_qwen3_moe_config(vocab_size: int = 49152, **overrides) -> Qwen3MoeConfig:
-    """A Qwen3-MoE config small enough for CPU tests: 2 layers, hidden 64, 8 experts of width 32, top-2."""
-    cfg = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    cfg.update(overrides)
-    return Qwen3MoeConfig(**cfg)
+    """A Qwen3-MoE config small enough for CPU tests: the tiny Llama's dimensions, 8 experts of width 32, top-2."""
+    moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    return Qwen3MoeConfig(**{**_TINY, **moe, "vocab_size": vocab_size, **overrides})
 
 
 # family -> its tiny config (`build_tiny_causal_lm`, `save_tiny_model`)
