@@ -48,6 +48,17 @@ def test_load_exact_and_newest_and_forget_older():
     assert torch.equal(engine.weights["w"], torch.full((2, 3), 3.0))
 
 
+def test_a_repack_target_keeps_older_versions_to_go_back_to():
+    """A long-tail replica continues samples of several versions: loading 3 keeps 1 and 2, and it loads 1 next."""
+    engine = RecordingEngine()
+    relay = WeightRelay(engine, capacity=3)
+    for v in (1, 2, 3):
+        _send(relay, v)
+    assert relay.load(engine, 3, forget_older=False) == 3 and relay.versions() == [1, 2, 3]
+    assert relay.load(engine, 1, forget_older=False) == 1
+    assert torch.equal(engine.weights["w"], torch.full((2, 3), 1.0))
+
+
 def test_capacity_forgets_the_oldest_and_a_forgotten_version_is_an_error():
     relay = WeightRelay(RecordingEngine(), capacity=2)
     for v in (1, 2, 3):

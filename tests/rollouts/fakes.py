@@ -11,6 +11,7 @@ import torch
 
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
+from torchrlhf.generation.base import concat_generations
 
 N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width
 
@@ -112,3 +113,108 @@ class PromptSource:
         self.next += B
         return Batch({"input_ids": torch.full((B, width), 7), "attention_mask": torch.ones(B, width, dtype=torch.long)},
                      {"index": ids})
+
+
+LONG, SHORT = 8, 2  # response lengths of the repack fake: sample j of prompt i is long when (i + j) % 5 == 0
+
+
+def fake_token(index: int, sample: int, t: int) -> int:
+    """The token sample ``sample`` of prompt ``index`` samples at position ``t``, wherever it runs."""
+    return 3 + (index * 7 + sample * 3 + t) % 50
+
+
+class RepackingRollouts(FakeRollouts):
+    """An engine that repacks: with ``release_below`` a call stops once its short samples have ended and hands
+    the long ones back after SHORT tokens (finish reason "carried"); a call of carried samples continues each
+    from the columns it is given (tokens and log-probs so far, its sample index), as the native engine does.
+    Every token and log-prob is a function of (prompt index, sample, position), so a wrongly reassembled or
+    wrongly continued sample shows. ``continued`` records (replica, version asked, carried versions) per continuation."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.continued: list[tuple[int, int, list[int]]] = []
+        self.released = self.joins = 0
+        self.inbox: dict[int, list] = {}  # replica -> rows joined to its running call
+
+    def call_dp(self, d, method, prompts, sampling=None, *, version=None, partial=False, release_below=None,
+                joinable=False):
+        if method == "join":  # carried samples join replica d's running call, if it still takes them
+            fut = FakeFuture()
+            with self.lock:
+                inbox = self.inbox.get(d)
+                if inbox is not None:
+                    inbox.append(prompts)
+                    self.joins += len(prompts)
+            fut._value = inbox is not None
+            fut._event.set()
+            return fut
+        assert method == "generate"
+        carried = "carried_tokens" in prompts
+        if joinable:
+            with self.lock:
+                self.inbox[d] = []
+        if carried:
+            assert sampling.n == 1
+            with self.lock:
+                self.continued.append((d, version, prompts["carried_versions"][:, 0].tolist()))
+        with self.lock:
+            self.running[d] = self.running.get(d, 0) + 1
+            self.max_running = max(self.max_running, self.running[d])
+            self.calls.append((d, version))
+        fut = FakeFuture()
+        delay = self.slow * self.rng.random()
+
+        def finish() -> None:
+            nonlocal prompts
+            time.sleep(delay)
+            if joinable:
+                with self.lock:
+                    joined = self.inbox.pop(d)
+                if joined:
+                    prompts = concat_generations([prompts, *joined], 0)
+                    with self.lock:
+                        self.continued.append((d, version, prompts["carried_versions"][:, 0].tolist()))
+            rows = []
+            for i in range(len(prompts)):
+                for j in range(sampling.n):
+                    index = prompts["index"][i]
+                    sample = int(prompts["sample_index"][i]) if carried else j
+                    length = LONG if (index + sample) % 5 == 0 else SHORT
+                    start = int(prompts["carried_lengths"][i]) if carried else 0
+                    stop = SHORT if release_below is not None and not carried and length > SHORT else length
+                    rows.append((i, index, sample, start, stop, "carried" if stop < length else "length"))
+            out = prompts.repeat(sampling.n)
+            for c in ("carried_tokens", "carried_log_probs", "carried_versions", "carried_lengths", "sample_index"):
+                if c in out:
+                    out.pop(c)
+            responses = torch.zeros(len(rows), LONG, dtype=torch.long)
+            logps = torch.zeros(len(rows), LONG)
+            mask = torch.zeros(len(rows), LONG, dtype=torch.long)
+            for r, (i, index, sample, start, stop, _) in enumerate(rows):
+                for t in range(stop):
+                    if t < start:  # kept as it came
+                        responses[r, t] = prompts["carried_tokens"][i, t]
+                        logps[r, t] = prompts["carried_log_probs"][i, t]
+                    else:
+                        responses[r, t] = fake_token(index, sample, t)
+                        logps[r, t] = -fake_token(index, sample, t) / 100
+                mask[r, :stop] = 1
+            width = prompts["input_ids"].shape[1]
+            out["prompts"] = out["input_ids"]
+            out["responses"], out["response_mask"], out["rollout_log_probs"] = responses, mask, logps
+            out["input_ids"] = torch.cat([out["prompts"], responses], 1)
+            out["attention_mask"] = torch.cat([out["attention_mask"], mask], 1)
+            out["position_ids"] = torch.arange(width + LONG).expand(len(out), -1).clone()
+            out["weight_version"] = torch.full((len(out),), version)
+            out["finish_reason"] = [r[-1] for r in rows]
+            out.meta.update({"rollout/decode_steps": float(max(r[4] - r[3] for r in rows)),
+                             "rollout/slot_steps": float(sum(r[4] - r[3] for r in rows)),
+                             "rollout/slots": float(len(rows))})
+            with self.lock:
+                self.released += sum(r[-1] == "carried" for r in rows)
+                self.running[d] -= 1
+            fut._value = out
+            fut._event.set()
+
+        threading.Thread(target=finish, daemon=True).start()
+        return fut

@@ -15,12 +15,13 @@ import torch
 
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.rollouts import DeterministicRollouts, GroupFilter, Replicas, RolloutPipeline, Scorer, StreamRollouts
+from torchrlhf.rollouts import (DeterministicRollouts, GroupFilter, Repack, Replicas, RolloutPipeline, Scorer,
+                                StreamRollouts)
 from torchrlhf.generation.base import left_pad_prompts
 from torchrlhf.rollouts.batches import concat_prompts
 from torchrlhf.runtime import WorkerError
 
-from fakes import B, N, R, FakeFuture, FakeRollouts, PromptSource
+from fakes import B, LONG, N, R, SHORT, FakeFuture, FakeRollouts, PromptSource, RepackingRollouts, fake_token
 
 
 def _score(gen: Batch):
@@ -315,3 +316,97 @@ def test_deterministic_checkpoint_pause_first_generates_what_the_new_version_all
                 assert group.idle()
     finally:
         driver.stop()
+
+
+# ---------------------------------------------------------------------------- repack (Laminar)
+
+
+def _repack_driver(group, k: int, *, partial: bool = False, **kwargs):
+    pipeline = RolloutPipeline(Scorer(_score_long, max_tokens=LONG), SamplingParams(n=N, temperature=1.0, max_tokens=LONG))
+    replicas = Replicas(group, colocated=False, pad_id=0, lose_replicas=kwargs.pop("lose_replicas", False))
+    repack = Repack(N, 0.25, 1, partial=partial)
+    return StreamRollouts(pipeline, replicas, PromptSource(), max_staleness=k, seed=0, repack=repack,
+                          prompts_per_call=2, stale_policy="requeue", partial_rollout=partial, **kwargs)
+
+
+def _score_long(gen: Batch):
+    return torch.zeros(len(gen), LONG), {"reward/mean": 0.0}
+
+
+@pytest.mark.parametrize("k,partial", [(1, False), (2, False), (1, True)])
+def test_repack_trains_every_sample_once_whole_and_with_its_version(k, partial):
+    """Long samples are handed back after SHORT tokens and continued on the long-tail replica: every prompt
+    trains once, each sample whole (every token and log-prob that of its own (prompt, sample, position), the
+    carried ones as they came), with the version its group started with, within the staleness bound; a
+    continuation runs with its samples' version (partial rollouts: at least it)."""
+    group = RepackingRollouts(dp_size=3, slow=0.01)
+    driver = _repack_driver(group, k, partial=partial)
+    driver.start(0)
+    trained, counts, occupancy = [], [], []
+    try:
+        for version in range(8):
+            batch, metrics = driver.next_batch(version + 1, version)
+            assert len(batch) == B * N
+            lag = version - batch["weight_version"]
+            assert int(lag.max()) <= k and int(lag.min()) >= 0, lag
+            for r in range(len(batch)):
+                index, sample = batch["index"][r], r % N
+                length = LONG if (index + sample) % 5 == 0 else SHORT
+                assert int(batch["response_mask"][r].sum()) == length
+                expected = torch.tensor([fake_token(index, sample, t) for t in range(length)])
+                assert torch.equal(batch["responses"][r, :length], expected), (index, sample)
+                assert torch.allclose(batch["rollout_log_probs"][r, :length], -expected.float() / 100)
+                assert batch["finish_reason"][r] == "length"
+            trained += batch["index"][::N]
+            counts.append(metrics["rollout/repacked/count"])
+            occupancy.append(metrics.get("rollout/occupancy/mean"))  # absent when no call ended since the last step
+            assert 0 <= metrics["rollout/repacked/long_tail_token_share"] <= 1
+            if version == 4:
+                with driver.paused():
+                    assert group.idle()
+                    pending = len(driver.state_dict()["pending"])
+                    assert pending >= driver.repack.open_groups()  # open groups are generated again on resume
+            driver.publish(version + 1)
+    finally:
+        driver.stop()
+    assert group.max_running == 1
+    assert len(trained) == len(set(trained)) == 8 * B
+    assert all(0 < o <= 1 for o in occupancy if o is not None) and any(o is not None for o in occupancy)
+    assert group.released > 0 and sum(counts) > 0 and group.continued
+    for d, asked, versions in group.continued:
+        assert d == 2  # the long-tail replica
+        assert (asked >= max(versions)) if partial else all(v == asked for v in versions)
+
+
+def test_repack_continues_on_the_others_once_the_long_tail_replica_is_lost():
+    """The long-tail replica dies: what it was continuing waits again, and the surviving replicas continue it."""
+
+    class DyingTail(RepackingRollouts):
+        def call_dp(self, d, method, prompts, sampling=None, **kwargs):
+            if d == 2 and method == "generate" and "carried_tokens" in prompts:  # dies in its first continuation
+                self.dead.add(2)
+                fut = FakeFuture()
+                error = WorkerError("rollout", method, 3, "rank 3 did not answer", unreachable=True)
+                fut.wait = lambda: (_ for _ in ()).throw(error)
+                fut._event.set()
+                return fut
+            return super().call_dp(d, method, prompts, sampling, **kwargs)
+
+    group = DyingTail(dp_size=3, slow=0.005)
+    driver = _repack_driver(group, 1, lose_replicas=True)
+    driver.start(0)
+    trained = []
+    try:
+        for version in range(6):
+            batch, metrics = driver.next_batch(version + 1, version)
+            for r in range(len(batch)):
+                index, sample = batch["index"][r], r % N
+                length = LONG if (index + sample) % 5 == 0 else SHORT
+                assert int(batch["response_mask"][r].sum()) == length
+            trained += batch["index"][::N]
+            driver.publish(version + 1)
+    finally:
+        driver.stop()
+    assert group.lost_dp_ranks == {2}
+    assert len(trained) == len(set(trained)) == 6 * B
+    assert group.continued and all(d != 2 for d, _, _ in group.continued)  # the survivors took over

@@ -7,10 +7,11 @@ versions in the logged metrics, every algorithm on the one rollout path, and a v
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from conftest import BASE, assert_ok, metrics_of, run_recipe, run_recipe_per_rank, write_config
+from conftest import BASE, ROOT, assert_ok, metrics_of, run_recipe, run_recipe_per_rank, write_config
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -311,3 +312,30 @@ def test_a_vllm_replica_samples_with_the_published_weights(tmp_path):
     assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]
     assert all(m["rollout/staleness/max"] == 0 for m in metrics), metrics
     assert [m["training/rollout_probs_diff_max"] < 1e-3 for m in metrics] == [True] * 3, metrics
+
+
+def test_repack_moves_the_long_tail_and_trains_every_sample_whole(tiny_model_dir, tmp_path):
+    """Laminar's repack through the recipe (the actor on rank 0, two rollout replicas, the second the long-tail
+    one). Every fourth prompt has a budget of 16 tokens and the others 2 (a data file's ``max_tokens``; EOS
+    ignored), so each call of 4 prompts x 4 samples (16 slots) falls to 4 decoding slots, below 0.3 x 16, after
+    one decode step, and hands those 4 back with 2 tokens each; the long-tail replica continues them (a prefill
+    and 13 decode steps). With no staleness each step trains one call's groups: 4 whole samples of 16 tokens
+    and 12 of 2. So every figure is exact: the long tail made 56 of the 88 tokens, and the decode steps ran
+    (16 + 13 x 4) of (1 + 13) x 16 slots."""
+    rows = [json.loads(line) for line in (ROOT / "recipes/data/arithmetic_train.jsonl").read_text().splitlines()]
+    data = tmp_path / "skewed.jsonl"
+    data.write_text("".join(json.dumps({**row, "max_tokens": 16 if i % 4 == 0 else 2}) + "\n"
+                            for i, row in enumerate(rows[:64])))
+    cfg, out = _config(tmp_path, tiny_model_dir, "repack", 3, max_staleness=0, prompts_per_call=4,
+                       repack={"enable": True, "min_active_fraction": 0.3},
+                       rollout={"max_tokens": 16, "ignore_eos": True},
+                       sections={"data": {"train_files": [str(data)], "shuffle": False}})
+    assert_ok(run_recipe(cfg, nproc=3))
+    metrics = metrics_of(out)
+    assert len(metrics) == 3
+    for m in metrics:
+        assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (5.5, 16, 2)
+        assert m["rollout/staleness/max"] == 0
+        assert m["rollout/repacked/count"] == 4
+        assert m["rollout/repacked/long_tail_token_share"] == pytest.approx(56 / 88)
+        assert m["rollout/occupancy/mean"] == pytest.approx((16 + 13 * 4) / ((1 + 13) * 16))

@@ -182,11 +182,32 @@ def test_moe_keys_are_checked_against_the_models_config(tmp_path, tiny_model_dir
      "async_training.partial_rollout needs a rollout engine that can load newer weights between two decode steps "
      "(between_steps) and record each token's weight version (token_weight_versions); VLLMEngine does not declare "
      "'partial_rollout' in its capabilities"),
+    ({"placement": {"actor": [0], "rollout": [1]}, "async_training": {"repack": {"enable": True}}},
+     "async_training.repack.long_tail_replicas=1 needs more rollout replicas than that; placement.rollout has 1"),
+    ({"placement": {"actor": [0], "rollout": [1, 2]},
+      "async_training": {"repack": {"enable": True}, "schedule": "deterministic"}},
+     "async_training.repack moves samples between the stream schedule's calls: set async_training.schedule=stream"),
+    ({"placement": {"actor": [0], "rollout": [1, 2]}, "async_training": {"repack": {"enable": True}},
+      "algorithm": {"adv_estimator": "remax"}, "rollout": {"n": 1}},
+     "async_training.repack continues single-turn samples only; it does not support algorithm.adv_estimator=remax"),
+    ({"placement": {"actor": [0], "rollout": [1, 2]}, "async_training": {"repack": {"enable": True}},
+      "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
+     "async_training.repack.enable needs a rollout engine that can hand back its unfinished samples"),
+    ({"placement": {"actor": [0], "rollout": [1, 2]}, "async_training": {"repack": {"min_active_fraction": 0}}},
+     "async_training.repack.min_active_fraction: must be in (0, 1], got 0"),
 ])
 def test_bad_async_config_is_refused(tmp_path, sections, message):
+    world = 1 + max(sections.get("placement", {}).get("rollout", [1]))
     with pytest.raises(ConfigError) as e:
-        _check(tmp_path, world=2, trainer={"mode": "async"}, **sections)
+        _check(tmp_path, world=world, trainer={"mode": "async"}, **sections)
     assert message in str(e.value), str(e.value)
+
+
+def test_repack_in_a_synchronous_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="async_training.repack moves samples between asynchronous rollout calls: "
+                                          "set trainer.mode=async"):
+        _check(tmp_path, world=3, placement={"actor": [0], "rollout": [1, 2]},
+               async_training={"repack": {"enable": True}})
 
 
 @pytest.mark.parametrize("sections", [
@@ -245,7 +266,8 @@ def test_an_agent_needs_one_rank_per_engine(tmp_path):
      "of single-turn calls with torchrlhf.generation.base.generate_in_rounds; SingleTurnEngine does not declare "
      "'agent_sessions' in its capabilities"),
     ("StaleEngine", {}, "rollout.engine._component_: 'custom_components.StaleEngine' declares ['agent_sessions', "
-                        "'partial_rollout'] but its generate takes no ['sessions', 'between_steps'] argument"),
+                        "'partial_rollout', 'repack'] but its generate takes no ['sessions', 'between_steps', "
+                        "'release_below'] argument"),
 ])
 def test_an_engine_is_checked_by_the_capabilities_it_declares(tmp_path, monkeypatch, engine, rollout, message):
     """A custom engine's capabilities (`torchrlhf.generation.CAPABILITIES`) are checked at config time, not at its

@@ -67,7 +67,17 @@ CAPABILITIES: dict[str, Capability] = {
         "sessions", "rollout.agent",
         "run multi-turn agent sessions (sessions=): natively, or in rounds of single-turn calls with "
         "torchrlhf.generation.base.generate_in_rounds"),
+    "repack": Capability(
+        "release_below", "async_training.repack.enable",
+        "hand back its unfinished samples when its active slots fall below a fraction of them (release_below) "
+        "and continue carried samples (the CARRIED_COLUMNS of a prompt batch)"),
 }
+
+# A prompt batch whose rows continue samples another call carried out (`release_below`, Laminar's repack): the
+# tokens, log-probs and weight versions sampled so far [B, max_tokens], how many [B], and which sample of its
+# prompt each row is (its sampling uniforms are that sample's, from where it stopped).
+CARRIED_COLUMNS = ("carried_tokens", "carried_log_probs", "carried_versions", "carried_lengths", "sample_index")
+CARRIED = "carried"  # the finish_reason of a sample handed back unfinished
 
 
 @runtime_checkable
@@ -286,6 +296,62 @@ def prompt_seeds(prompts: Batch, params: SamplingParams, tp_mesh=None) -> list[i
             dist.broadcast(drawn, src=dist.get_global_rank(group, 0), group=group)
         base = int(drawn.item())
     return [base + i for i in range(len(prompts))]
+
+
+@dataclass(frozen=True)
+class CarriedSample:
+    """A sample continued from where another call stopped it: what it sampled so far, and its sample index."""
+
+    tokens: torch.Tensor  # [t] long
+    log_probs: torch.Tensor  # [t] float32
+    versions: torch.Tensor  # [t] long
+    sample: int
+
+
+def carried_samples(prompts: Batch, params: SamplingParams) -> list[CarriedSample] | None:
+    """The samples a prompt batch continues (`CARRIED_COLUMNS`), one per row, or None for fresh prompts.
+    ValueError when the columns are partial, ``n`` is not 1, or a sample has no budget left."""
+    present = [c for c in CARRIED_COLUMNS if c in prompts]
+    if not present:
+        return None
+    if len(present) != len(CARRIED_COLUMNS):
+        raise ValueError(f"carried samples need every column of {list(CARRIED_COLUMNS)}; missing "
+                         f"{[c for c in CARRIED_COLUMNS if c not in prompts]}")
+    if params.n != 1:
+        raise ValueError(f"carried samples continue one sample each: SamplingParams.n must be 1, got {params.n}")
+    lengths = prompts["carried_lengths"].tolist()
+    out = []
+    for i, (t, limit) in enumerate(zip(lengths, prompt_max_tokens(prompts, params))):
+        if not 0 < t < limit:
+            raise ValueError(f"carried sample {i} has {t} tokens; it needs 1 .. {limit - 1} (its max_tokens is {limit})")
+        out.append(CarriedSample(prompts["carried_tokens"][i, :t].cpu(), prompts["carried_log_probs"][i, :t].cpu(),
+                                 prompts["carried_versions"][i, :t].cpu(), int(prompts["sample_index"][i])))
+    return out
+
+
+def continuations(prompts: Batch, gen: Batch, n: int) -> tuple[list[int], Batch | None]:
+    """The rows of ``gen`` (``prompts``' generation, ``n`` samples each) that came back carried, and a prompt
+    batch that continues them (their prompts' columns, seeds included, and the `CARRIED_COLUMNS`; ``n`` 1).
+    Versions: the per-token ones when the generation has them, else each sample's ``weight_version``."""
+    rows = [r for r, reason in enumerate(gen["finish_reason"]) if reason == CARRIED]
+    if not rows:
+        return rows, None
+    index = torch.tensor(rows)
+    source = prompts[index // n]
+    width = gen["responses"].shape[1]
+    if "token_weight_versions" in gen:
+        versions = gen["token_weight_versions"][index]
+    elif "weight_version" in gen:
+        versions = gen["weight_version"][index][:, None].expand(-1, width).clone()
+    else:
+        versions = torch.zeros(len(rows), width, dtype=torch.long)
+    source["carried_tokens"] = gen["responses"][index]
+    source["carried_log_probs"] = gen["rollout_log_probs"][index] if "rollout_log_probs" in gen else \
+        torch.zeros(len(rows), width)
+    source["carried_versions"] = versions
+    source["carried_lengths"] = gen["response_mask"][index].sum(-1)
+    source["sample_index"] = prompts["sample_index"][index // n] if "sample_index" in prompts else index % n
+    return rows, source
 
 
 def prompt_token_lists(prompts: Batch) -> list[torch.Tensor]:

@@ -28,11 +28,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrlhf.data.batch import Batch
 from torchrlhf.generation.base import (
+    CARRIED_COLUMNS,
     RESUME_TAGS,
+    CarriedSample,
     assemble_generation,
     assemble_trajectories,
+    carried_samples,
     check_resume_tags,
     check_sessions,
+    concat_generations,
     prompt_max_tokens,
     prompt_seeds,
     prompt_token_lists,
@@ -156,7 +160,7 @@ class NativeEngine:
         * values are copied into the engine's buffers (any dtype/device; cast on copy).
     """
 
-    capabilities = frozenset({"partial_rollout", "agent_sessions"})  # agents: parked slots, not rounds
+    capabilities = frozenset({"partial_rollout", "agent_sessions", "repack"})  # agents: parked slots, not rounds
 
     def __init__(
         self,
@@ -360,7 +364,9 @@ class NativeEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: Batch, sampling: SamplingParams | None = None, *,
-                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Session] | None = None) -> Batch:
+                 between_steps: Callable[[], int] | None = None, sessions: Sequence[Session] | None = None,
+                 release_below: float | None = None, more_carried: Callable[[bool], Batch | None] | None = None,
+                 ) -> Batch:
         """Sample ``sampling.n`` responses for each left-padded prompt of ``prompts``.
 
         Reads ``input_ids``/``attention_mask`` [B, P]. Returns B*n rows (samples of one
@@ -379,6 +385,22 @@ class NativeEngine:
         model ends a turn its session runs the tools or the environment while the other slots keep
         decoding, and only the observation is prefilled on the trajectory's cached keys/values. Returns
         `assemble_trajectories`' columns (observations inside the responses, 0 in ``response_mask``).
+
+        Repack (Laminar; single turn): ``release_below`` (a fraction of ``max_batch_size``) stops the call once
+        no sample waits and its decoding slots, having reached that many, fall below it; the unfinished samples
+        come back as they are, with finish reason ``"carried"``. A prompt batch with the `CARRIED_COLUMNS`
+        (``n`` 1) continues such samples: each context is its prompt and the tokens it sampled (prefilled
+        again: the keys/values stay on the replica that computed them), and it samples on with its own
+        uniforms, so it continues token for token as it would have where it started (within floating-point
+        rounding of a prefill against decode steps). The response holds every token, the carried ones with
+        the log-probs and versions they came with. ``more_carried`` (a call of carried samples): returns more
+        carried samples (the same columns) that arrived meanwhile, or None; asked whenever a slot is free and,
+        with ``True``, once more before the call ends (the caller must accept none after that). They join the
+        call and come back after its own rows, in the order they arrived: a long-tail replica keeps its slots
+        full while the other replicas hand their long samples over.
+
+        ``meta`` reports occupancy: ``rollout/decode_steps``, ``rollout/slot_steps`` (the slots those steps
+        advanced) and ``rollout/slots`` (``max_batch_size``: a full step).
         """
         params = sampling or SamplingParams()
         if self.cache is None or self._missing:
@@ -396,11 +418,36 @@ class NativeEngine:
             if self.routes is not None:
                 raise ValueError("NativeEngine(record_routes=True) records single-turn generation only, not agent "
                                  "sessions")
+        carried = carried_samples(prompts, params)
+        if (carried is not None or release_below) and (sessions is not None or self.routes is not None):
+            raise ValueError("NativeEngine: repack (release_below, carried samples) is single-turn generation without "
+                             "record_routes")
+        if more_carried is not None and carried is None:
+            raise ValueError("NativeEngine.generate: more_carried joins a call of carried samples (n 1), not fresh "
+                             "prompts")
+        joined: list[Batch] = []
+
+        def more(final: bool) -> tuple[list[list[int]], list[int], list[int], list[CarriedSample]] | None:
+            rows = more_carried(final)
+            if rows is None or not len(rows):
+                return None
+            validate_prompts(rows, params, self.max_seq_len)
+            samples = carried_samples(rows, params)
+            joined.append(rows.select(*[k for k in rows.keys() if k not in CARRIED_COLUMNS]))
+            return ([t.tolist() + c.tokens.tolist() for t, c in zip(prompt_token_lists(rows), samples)],
+                    [m - len(c.tokens) for m, c in zip(prompt_max_tokens(rows, params), samples)],
+                    prompt_seeds(rows, params), samples)
+
         prompt_tokens = prompt_token_lists(prompts)
+        limits = prompt_max_tokens(prompts, params)
+        if carried is not None:  # the context is the prompt and what it sampled so far; the budget what is left
+            prompt_tokens = [torch.cat([t, c.tokens]) for t, c in zip(prompt_tokens, carried)]
+            limits = [m - len(c.tokens) for m, c in zip(limits, carried)]
+            prompts = prompts.select(*[k for k in prompts.keys() if k not in CARRIED_COLUMNS])
         if self.prepacked is not None:
             self.prepacked.refresh()
         if sessions is None:
-            policy = SingleTurn(prompt_tokens, prompt_max_tokens(prompts, params), params.n)
+            policy = SingleTurn(prompt_tokens, limits, params.n)
         else:
             if len(sessions) != len(prompt_tokens) * params.n:
                 raise ValueError(f"generate: {len(sessions)} agent sessions for {len(prompt_tokens) * params.n} samples")
@@ -409,14 +456,21 @@ class NativeEngine:
                         prompt_seeds(prompts, params, self.tp_mesh), stop_ids=self.stop_ids(params),
                         check_every=self.check_every, min_span=self.min_decode_span, tokenizer=self.tokenizer,
                         use_prefix_cache=self.prefix_cache, between_steps=between_steps,
-                        repack=self.prepacked.refresh if self.prepacked is not None else None, routes=self.routes)
+                        refresh_packed=self.prepacked.refresh if self.prepacked is not None else None, routes=self.routes,
+                        carried=carried, release_below=(release_below or 0.0) * self.max_batch_size,
+                        more=more if more_carried is not None else None)
         in_fresh_stack_chunk(run.run)  # a hot loop: no Python stack-chunk boundary inside it
         res = run.results
+        occupancy = {"rollout/decode_steps": float(run.decode_steps), "rollout/slot_steps": float(run.slot_steps),
+                     "rollout/slots": float(self.max_batch_size)}
         versions = res.versions if between_steps is not None else None
         if sessions is not None:
             return assemble_trajectories(prompts, params, [s.result() for s in sessions], res.log_probs, self.pad_id(),
                                          versions)
+        if joined:
+            prompts = concat_generations([prompts, *joined], self.pad_id())
         out = assemble_generation(prompts, params, res.tokens, res.log_probs, res.lengths, res.reasons, self.pad_id())
+        out.meta.update(occupancy)
         if versions is not None:
             out["token_weight_versions"] = (versions * out["response_mask"].cpu()).to(out["responses"].device)
         if res.routes is not None:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchrlhf.generation.base import CARRIED, CarriedSample
 from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import CachedDecoder
 from torchrlhf.generation.sampling import SamplingParams, request_uniforms
@@ -210,6 +211,15 @@ class Results:
         self.routes = torch.zeros(total, steps, *routes, dtype=torch.int16) if routes is not None else None
         self.reasons: list[str] = [""] * total
 
+    def grow(self, count: int) -> None:
+        """Room for ``count`` more samples (carried samples joining a running call)."""
+        def more(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(count, *t.shape[1:])])
+
+        self.tokens, self.log_probs, self.versions, self.lengths = map(
+            more, (self.tokens, self.log_probs, self.versions, self.lengths))
+        self.reasons += [""] * count
+
     def keep(self, sids: list[int], taken: tuple[torch.Tensor, ...], reasons: list[str]) -> None:
         """Store what `SlotState.take` returned for samples ``sids``."""
         sid_t = torch.tensor(sids)
@@ -278,13 +288,29 @@ class Scheduler:
                  params: SamplingParams, policy: SingleTurn | AgentTurns, seeds: Sequence[int], *,
                  stop_ids: Sequence[int], check_every: int, min_span: int = 1, tokenizer: Any = None,
                  use_prefix_cache: bool = True, between_steps: Callable[[], int] | None = None,
-                 repack: Callable[[], None] | None = None, routes: tuple[int, int] | None = None) -> None:
+                 refresh_packed: Callable[[], None] | None = None, routes: tuple[int, int] | None = None,
+                 carried: Sequence[CarriedSample] | None = None, release_below: float = 0.0,
+                 more: Callable[[bool], tuple[list[list[int]], list[int], list[int], list[CarriedSample]] | None]
+                 | None = None) -> None:
         """``decode``: the decode step to run (``decoder.decode``, compiled or graphed); ``min_span``: the
-        fewest slots it steps; ``repack``: what makes weights written between steps take effect; ``routes``
-        ``(moe_layers, top_k)``: keep the experts of every fed token (eager ``decode`` only)."""
+        fewest slots it steps; ``refresh_packed``: what makes weights written between steps take effect;
+        ``routes`` ``(moe_layers, top_k)``: keep the experts of every fed token (eager ``decode`` only).
+
+        ``carried`` (single turn, one per sample): each sample continues one that another call stopped; its
+        context already holds the tokens it sampled, which it keeps (tokens, log-probs, versions), and it
+        samples on from where it stopped with its own uniforms. ``release_below`` (Laminar's repack): once no
+        sample waits and the decoding slots, having reached that many, fall below it, stop and hand the
+        unfinished samples back as they are (finish reason `CARRIED`). ``more`` (a call of carried samples):
+        more carried samples that arrive while it runs, as (contexts, budgets, prompt seeds, carried), asked
+        whenever a slot is free and, with ``True``, once more before the call ends (after which none may
+        arrive); they join the call as its next sample ids."""
         self.decoder, self.decode, self.cache = decoder, decode, cache
-        self.p, self.policy, self.seeds, self.tokenizer = params, policy, seeds, tokenizer
-        self.between_steps, self.version, self.repack = between_steps, 0, repack  # version: the next step's weights
+        self.carried = list(carried) if carried is not None else None
+        self.release_below, self.peak_live, self.more = release_below, 0, more
+        self.decode_steps = self.slot_steps = 0  # occupancy: decode steps, and the slots they advanced
+        self.p, self.policy, self.seeds, self.tokenizer = params, policy, list(seeds), tokenizer
+        self.between_steps, self.refresh_packed = between_steps, refresh_packed
+        self.version = 0  # the next step's weights
         self.min_span = min_span
         self.device, slots = cache.k.device, cache.k.shape[1]
         # The prefix cache, taken from the KV cache and given back by `run`; with weights that may change
@@ -349,9 +375,11 @@ class Scheduler:
         slots = [slot for _, slot in taken]
         slot_t = torch.tensor(slots, device=dev)
         self.state.uni[slot_t] = torch.stack(
-            [request_uniforms(self.seeds[sid // n], sid % n, self.p.max_tokens) for sid, _ in taken]
+            [request_uniforms(self.seeds[sid // n], self._sample_index(sid), self.p.max_tokens) for sid, _ in taken]
         ).to(dev)
         self.state.step[slot_t] = 0
+        if self.carried is not None:
+            self.state.restore(slots, [self.carried[sid] for sid, _ in taken])
         lens = [len(prompts[p]) for p in contexts]
         self.state.start_turn(
             slot_t, torch.stack([self.contexts.logits[p] for p in contexts]), self.p,
@@ -367,6 +395,10 @@ class Scheduler:
         # every step) is freed now, not after a decode step that would compute nothing for it.
         if self.check_every == 1 or any(self.policy.budgets[sid] == 1 for sid, _ in taken):
             self.look()
+
+    def _sample_index(self, sid: int) -> int:
+        """Which sample of its prompt ``sid`` is: its sampling uniforms are that sample's."""
+        return self.carried[sid].sample if self.carried is not None else sid % self.p.n
 
     # ---------------------------------------------------------------- the host's look
     def look(self) -> None:
@@ -393,6 +425,18 @@ class Scheduler:
             self.gen_text.pop(s, None)
         if ended:
             self._turns_ended(ended)
+        if self.release_below > 0:
+            self._release_tail()
+
+    def _release_tail(self) -> None:
+        """Repack: hand the unfinished samples back once nothing waits and the decoding slots, having been at
+        least ``release_below``, are fewer now (the host has just looked, so every live slot is still going)."""
+        live = [s for s, sid in enumerate(self.slot_sample) if sid >= 0]
+        self.peak_live = max(self.peak_live, len(live))
+        if live and not self.waiting and self.peak_live >= self.release_below > len(live):
+            for s in live:
+                self.gen_text.pop(s, None)
+            self.finish(live, [CARRIED] * len(live), record=False)
 
     def _turns_ended(self, ended: list[tuple[int, bool, int]]) -> None:
         """Hand the ended turns (slot, stopped, model-token count) to the policy; finish what it says is done.
@@ -427,14 +471,15 @@ class Scheduler:
                     self.state.cut(s, j + 1, rows[i][j], self.slot_pos[s])
                     break
 
-    def finish(self, slots: list[int], reasons: list[str]) -> None:
+    def finish(self, slots: list[int], reasons: list[str], record: bool = True) -> None:
         """The samples in ``slots`` are done: keep their results and free the slots (recorded in the prefix
         cache where the slot holds exactly its prompt and response)."""
         sids = [self.slot_sample[s] for s in slots]
         self.results.keep(sids, self.state.take(slots), reasons)
         for s, sid in zip(slots, sids):
             self.contexts.released(sid, s)
-            holds = self.policy.prompts[self.policy.prompt_of[sid]] + self.results.held(sid) if self.record else None
+            keep = record and self.record and self.carried is None  # a carried context already holds its tokens
+            holds = self.policy.prompts[self.policy.prompt_of[sid]] + self.results.held(sid) if keep else None
             self.slots.give_back(s, holds)
             self.slot_sample[s] = -1
             self.slot_pos[s] = 0
@@ -508,6 +553,8 @@ class Scheduler:
             state.advance(logits, self.p, self.version)
         else:
             decode_step(self.decode, self.state, self.cache, span, kv_len, self.p, self.version, self.route_model)
+        self.decode_steps += 1
+        self.slot_steps += len(advancing)
         for s in advancing:
             self.slot_pos[s] += 1  # an upper bound until the next look: a slot may have ended since
         if riding:
@@ -521,14 +568,42 @@ class Scheduler:
         if self.between_steps is None:
             return
         version = int(self.between_steps())
-        if version != self.version and self.repack is not None:
-            self.repack()  # e.g. repack what `update_weights` wrote
+        if version != self.version and self.refresh_packed is not None:
+            self.refresh_packed()  # e.g. pack again what `update_weights` wrote
         self.version = version
+
+    def _join(self, final: bool) -> bool:
+        """Carried samples that arrived since the last look join the call (``more``); whether any did."""
+        arrived = self.more(final) if self.more is not None else None
+        if not arrived:
+            return False
+        contexts, budgets, seeds, carried = arrived
+        first = len(self.policy.prompt_of)
+        for k, (context, budget) in enumerate(zip(contexts, budgets)):
+            p = len(self.policy.prompts)
+            self.policy.prompts.append(list(context))
+            self.policy.prompt_of.append(p)
+            self.policy.budgets.append(budget)
+            self.contexts.to_admit[p] = 1
+            self.waiting.append(first + k)
+        self.seeds.extend(seeds)
+        self.carried.extend(carried)
+        self.results.grow(len(contexts))
+        return True
 
     def run(self) -> None:
         """Run every sample to its end; the results are in ``results``."""
+        while True:
+            self._run()
+            if not self._join(final=True):
+                break
+        self.cache.prefixes = self.slots.cached
+
+    def _run(self) -> None:
         parked = self.policy.parked
         while self.waiting or any(sid >= 0 for sid in self.slot_sample):
+            if self.more is not None and self.slots.free:
+                self._join(final=False)
             self._refresh()
             decoding = any(sid >= 0 and s not in parked for s, sid in enumerate(self.slot_sample))
             resumed = self.policy.resume(block=not decoding and not (self.waiting and self.slots.free),
@@ -544,4 +619,3 @@ class Scheduler:
                 continue
             if decoding:
                 self.step()
-        self.cache.prefixes = self.slots.cached

@@ -73,6 +73,16 @@ class SlotState:
         self.stopped[slots] = False
         self.end_turns(slots, tok, lp)
 
+    def restore(self, slots: Sequence[int], carried: Sequence) -> None:
+        """Slots ``slots`` continue carried samples (`torchrlhf.generation.base.CarriedSample`): they hold the
+        tokens, log-probs and versions sampled so far, and their next token is token ``len(tokens)``."""
+        for slot, c in zip(slots, carried):
+            t = len(c.tokens)
+            self.out_tok[slot, :t] = c.tokens.to(self.out_tok.device)
+            self.out_lp[slot, :t] = c.log_probs.to(self.out_lp.device, torch.float32)
+            self.out_ver[slot, :t] = c.versions.to(self.out_ver.device)
+            self.step[slot] = t
+
     def advance(self, logits: torch.Tensor, params: SamplingParams, version: int,
                 routes: torch.Tensor | None = None) -> None:
         """A decode step's sampling over slots ``0 .. span - 1`` (``logits`` [span, V]): each live slot

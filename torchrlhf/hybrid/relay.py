@@ -9,7 +9,8 @@ neither side waits for the other: the actor only waits for the bytes to arrive, 
 local copy.
 
 A relay keeps a few versions (``capacity``): the deterministic schedule asks for an exact older version
-while a newer one is already there. Loading a version forgets every older one.
+while a newer one is already there. Loading a version forgets every older one, unless the loader asks to
+keep them (a repack target continues samples of several versions).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ class WeightRelay:
         with self._changed:
             return max(self._versions, default=None)
 
-    def load(self, engine, version: int | None = None, timeout: float = 600.0) -> int:
+    def load(self, engine, version: int | None = None, timeout: float = 600.0, forget_older: bool = True) -> int:
         """Copy ``version`` (None: the newest) into ``engine``; returns the version loaded.
 
-        Waits up to ``timeout`` seconds for an exact version that is still on its way.
+        Waits up to ``timeout`` seconds for an exact version that is still on its way. ``forget_older``
+        False keeps the older versions (a repack target continues samples of several versions).
         """
         with self._changed:
             if version is not None and self._versions and version < min(self._versions):
@@ -76,7 +78,7 @@ class WeightRelay:
                                    f"(it holds {sorted(self._versions)})")
             version = max(self._versions) if version is None else version
             tensors = self._versions[version]
-            for old in [v for v in self._versions if v < version]:
+            for old in [v for v in self._versions if v < version and forget_older]:
                 del self._versions[old]
         engine.update_weights(tensors)
         return version

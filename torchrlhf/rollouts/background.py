@@ -25,6 +25,7 @@ survivors with the same version (the run goes on, no longer bit for bit).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -35,6 +36,7 @@ from typing import Any
 from torchrlhf.data import Batch
 from torchrlhf.generation.base import concat_generations
 from torchrlhf.rollouts.batches import batch_from_state, batch_state, concat_prompts
+from torchrlhf.rollouts.repack import Continuation, Repack
 from torchrlhf.rollouts.source import RolloutSource
 from torchrlhf.runtime.futures import WorkerError
 
@@ -139,17 +141,25 @@ class StreamRollouts(BackgroundRollouts):
     ``stale_policy``: a group staler than ``max_staleness`` when the trainer would take it is ``requeue``-d
     (its prompt generated again) or ``drop``-ped. ``partial_rollout``: replicas also load newer versions
     between decode steps; a group's version stays the one it started with (its oldest tokens').
+    ``repack`` (`torchrlhf.rollouts.repack`, Laminar's dynamic repack): each call hands back its unfinished
+    samples once few of its slots still decode, and the long-tail replicas (which otherwise take new prompts
+    like the others) continue them before anything else; a group trains once its last sample ends.
     """
 
     def __init__(self, *args: Any, prompts_per_call: int, stale_policy: str, partial_rollout: bool = False,
-                 **kwargs: Any) -> None:
+                 repack: Repack | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.prompts_per_call, self.stale_policy, self.partial_rollout = prompts_per_call, stale_policy, partial_rollout
+        self.repack = repack
         self.counters = {"dropped_groups": 0, "requeued_groups": 0, "filtered_groups": 0}
         self._filtered_since_take = 0
         self._pending: deque[Batch] = deque()  # single prompts waiting for a replica
         self._ready: list[Rollout] = []  # one entry per prompt group
         self._in_flight: dict[int, Batch] = {}  # replica -> its prompts
+        self._continuing: dict[int, Continuation] = {}  # long-tail replica -> the carried samples it continues
+        self._scoring = 0  # complete groups being scored (neither in flight nor buffered)
+        self._tails: list[int] = []  # the long-tail replicas
+        self._occupancy = [0.0, 0.0]  # since the last take: slots advanced, slots the decode steps had
 
     def _take(self, step: int, version: int) -> tuple[Batch, dict[str, float]]:
         """``batch_size`` groups at ``version``, the least stale first."""
@@ -159,12 +169,18 @@ class StreamRollouts(BackgroundRollouts):
             taken, self._ready = self._ready[: self.batch_size], self._ready[self.batch_size:]
             self._step_open = True
             filtered, self._filtered_since_take = self._filtered_since_take, 0
+            occupied, capacity = self._occupancy
+            self._occupancy = [0.0, 0.0]
+            repacked = self.repack.metrics() if self.repack is not None else {}
             self._cond.notify_all()
         metrics = {f"async/{k}": float(v) for k, v in self.counters.items()}
         if self.pipeline.group_filter is not None:
             metrics["train/dropped_groups"] = float(filtered)
         metrics["async/buffered_groups"] = float(len(self._ready))
         metrics.update(self.replicas.loss_metrics())
+        if capacity:
+            metrics["rollout/occupancy/mean"] = occupied / capacity
+        metrics.update(repacked)
         for key in taken[0].metrics:
             metrics[key] = sum(r.metrics.get(key, 0.0) for r in taken) / len(taken)
         return concat_generations([r.batch for r in taken], self.replicas.pad_id), metrics
@@ -175,13 +191,18 @@ class StreamRollouts(BackgroundRollouts):
         for r in self._ready:
             if version - r.version <= self.k:
                 fresh.append(r)
-            elif self.stale_policy == "requeue":
-                self.counters["requeued_groups"] += 1
-                self._pending.appendleft(r.prompts)
             else:
-                self.counters["dropped_groups"] += 1
+                self._stale(r.prompts)
         self._ready = fresh
         return len(fresh)
+
+    def _stale(self, prompt: Batch) -> None:
+        """A group too stale to train: its prompt is generated again (``requeue``) or counted dropped."""
+        if self.stale_policy == "requeue":
+            self.counters["requeued_groups"] += 1
+            self._pending.appendleft(prompt)
+        else:
+            self.counters["dropped_groups"] += 1
 
     def _may_submit(self) -> bool:
         """AReaL's admission rule, counted in trainer steps: at most ``k + 1`` batches of groups outstanding
@@ -192,11 +213,12 @@ class StreamRollouts(BackgroundRollouts):
         return self._pause_requests == 0 and self._outstanding() + self.prompts_per_call <= budget
 
     def _outstanding(self) -> int:
-        """Groups buffered or in flight."""
-        return len(self._ready) + sum(len(p) for p in self._in_flight.values())
+        """Groups buffered, in flight, open (a sample of theirs is carried) or being scored."""
+        open_groups = self.repack.open_groups() if self.repack is not None else 0
+        return len(self._ready) + sum(len(p) for p in self._in_flight.values()) + open_groups + self._scoring
 
     def _quiet(self) -> bool:
-        return not self._in_flight
+        return not self._in_flight and not self._continuing and not self._scoring
 
     def _next_prompts(self) -> Batch:
         while len(self._pending) < self.prompts_per_call:
@@ -205,48 +227,158 @@ class StreamRollouts(BackgroundRollouts):
         return concat_prompts([self._pending.popleft() for _ in range(self.prompts_per_call)], self.replicas.pad_id)
 
     def _thread_targets(self) -> list[Callable[[], None]]:
-        return [lambda d=d: self._serve(d) for d in self.replicas.live]
+        live = self.replicas.live
+        if self.repack is not None:
+            if len(live) <= self.repack.long_tail_replicas:
+                raise ValueError(f"async_training.repack.long_tail_replicas={self.repack.long_tail_replicas} needs "
+                                 f"more rollout replicas than that; there are {len(live)}")
+            self._tails = live[len(live) - self.repack.long_tail_replicas:]
+        return [lambda d=d: self._serve(d) for d in live]
+
+    def _serves_tail(self, d: int) -> bool:
+        """Replica ``d`` continues carried samples: a long-tail replica, or any once every long-tail one is lost."""
+        live = self.replicas.live
+        return self.repack is not None and (d in self._tails or not any(t in live for t in self._tails))
+
+    def _next_job(self, d: int) -> Continuation | tuple[Batch, int] | None:
+        """(Under the lock) what replica ``d`` runs next: carried samples to continue, fresh prompts with the
+        published version when admission allows, or None (wait)."""
+        if self._pause_requests:
+            return None
+        if self._serves_tail(d):
+            for prompt in self.repack.stale(self.published - self.k):  # could no longer train: not continued
+                self._stale(prompt)
+            cont = self.repack.take(self.prompts_per_call * self.n)
+            if cont is not None:
+                self._continuing[d] = cont
+                return cont
+        if not self._may_submit():
+            return None
+        prompts = self.pipeline.seeded(self._next_prompts(), self.generator)
+        self._in_flight[d] = prompts
+        return prompts, self.published
 
     def _serve(self, d: int) -> None:
-        """Replica ``d``'s loop: take prompts when admission allows, run the unit, buffer the groups."""
+        """Replica ``d``'s loop: take work when there is some, run it, buffer the complete groups."""
         while True:
             with self._cond:
-                while not (self._stop or self._may_submit()):
+                job = None
+                while not self._stop and (job := self._next_job(d)) is None:
                     self._cond.wait(0.1)
-                if self._stop:
+                if job is None:
                     return
-                prompts = self.pipeline.seeded(self._next_prompts(), self.generator)
-                version = self.published
-                self._in_flight[d] = prompts
-
-            def generate(p: Batch, sampling: Any) -> Batch:
-                return self.replicas.generate_on(d, p, sampling, version=version, partial=self.partial_rollout)
-
-            try:
-                gen, metrics = self.pipeline.run(prompts, generate)
-            except WorkerError as e:
-                if not self.replicas.lost([e.rank]):
-                    with self._cond:
-                        del self._in_flight[d]
-                    raise
-                with self._cond:  # this replica is gone: its prompts go back to the front of the queue
-                    del self._in_flight[d]
-                    self.replicas.requeued += len(prompts)
-                    self._pending.extendleft(prompts[i : i + 1] for i in reversed(range(len(prompts))))
-                    self._cond.notify_all()
+            run = self._continue if isinstance(job, Continuation) else self._generate
+            if not run(d, job):
                 return
-            keep = self.pipeline.keep(gen)
-            groups = [Rollout(gen[i * self.n : (i + 1) * self.n], version, metrics, prompts[i : i + 1])
-                      for i, k in enumerate(keep) if k]
+
+    def _call(self, d: int, prompts: Batch, sampling: Any, version: int, **repack: Any) -> Batch:
+        """Replica ``d`` generates (``repack``: `RolloutWorker.generate`'s arguments); its occupancy is counted."""
+        gen = self.replicas.generate_on(d, prompts, sampling, version=version, partial=self.partial_rollout, **repack)
+        steps = gen.meta.get("rollout/decode_steps", 0.0) * gen.meta.get("rollout/slots", 0.0)
+        with self._cond:
+            self._occupancy[0] += gen.meta.get("rollout/slot_steps", 0.0)
+            self._occupancy[1] += steps
+        return gen
+
+    def _generate(self, d: int, job: tuple[Batch, int]) -> bool:
+        """Fresh prompts on replica ``d``; False when the replica was lost (its prompts go back first)."""
+        prompts, version = job
+        try:
+            if self.repack is None:
+                gen, metrics = self.pipeline.run(prompts, lambda p, s: self._call(d, p, s, version))
+            else:
+                gen = self._call(d, prompts, self.pipeline.sampling, version,
+                                 release_below=self.repack.min_active_fraction)
+        except WorkerError as e:
             with self._cond:
                 del self._in_flight[d]
-                self._ready.extend(groups)
-                filtered = len(keep) - len(groups)  # gone, as if never started: admission starts others
-                self.counters["filtered_groups"] += filtered
-                self._filtered_since_take += filtered
+                if not self.replicas.lost([e.rank]):
+                    raise
+                self.replicas.requeued += len(prompts)  # this replica is gone: its prompts go back to the front
+                self._pending.extendleft(prompts[i : i + 1] for i in reversed(range(len(prompts))))
                 self._cond.notify_all()
-                if self.pipeline.group_filter is not None:
-                    self.pipeline.group_filter.check(self._filtered_since_take)
+            return False
+        if self.repack is None:
+            self._buffer([(prompts[i : i + 1], version) for i in range(len(prompts))], gen, metrics, d)
+            return True
+        with self._cond:
+            prompts, gen = self.repack.split(prompts, gen, version)  # the groups whose samples all ended
+            del self._in_flight[d]
+            self._scoring += 0 if prompts is None else len(prompts)
+            self._join_tails()
+            self._cond.notify_all()
+        if prompts is not None:
+            self._score_and_buffer([(prompts[i : i + 1], version) for i in range(len(prompts))], gen)
+        return True
+
+    def _join_tails(self) -> None:
+        """(Under the lock) queued samples join the running long-tail calls they may join (the call with the
+        fewest samples first; an RPC of milliseconds, made under the lock so that a call's samples are known
+        when it returns)."""
+        for d, cont in sorted(self._continuing.items(), key=lambda item: len(item[1].samples)):
+            samples = self.repack.joinable(cont)
+            if not samples:
+                continue
+            rows = concat_generations([c.row for c in samples], self.replicas.pad_id)
+            try:
+                accepted = bool(self.replicas.group.call_dp(d, "join", rows).wait())
+            except WorkerError:
+                accepted = False  # its replica is being lost: its own thread gives its call back
+            self.repack.joined(cont, samples, accepted)
+
+    def _continue(self, d: int, cont: Continuation) -> bool:
+        """Carried samples on long-tail replica ``d``, and those that join while it runs; False when the replica
+        was lost (they wait again)."""
+        sampling = dataclasses.replace(self.pipeline.sampling, n=1)
+        try:
+            gen = self._call(d, cont.prompts, sampling, cont.version, joinable=True)
+        except WorkerError as e:
+            with self._cond:
+                del self._continuing[d]
+                if not self.replicas.lost([e.rank]):
+                    raise
+                self.replicas.requeued += len(cont.samples)
+                self.repack.give_back(cont)
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            done = self.repack.continued(cont, gen)
+            del self._continuing[d]
+            self._scoring += len(done)
+            self._cond.notify_all()
+        if done:
+            self._score_and_buffer([(prompt, version) for prompt, _, version in done],
+                                   concat_generations([g for _, g, _ in done], self.replicas.pad_id))
+        return True
+
+    def _score_and_buffer(self, groups: list[tuple[Batch, int]], gen: Batch) -> None:
+        """Score complete groups (``gen``: their samples, group by group) and buffer them."""
+        try:
+            gen, metrics = self.pipeline.score(gen)
+        except BaseException:
+            with self._cond:
+                self._scoring -= len(groups)
+            raise
+        self._buffer(groups, gen, metrics, scored=len(groups))
+
+    def _buffer(self, groups: list[tuple[Batch, int]], gen: Batch, metrics: dict[str, float],
+                d: int | None = None, scored: int = 0) -> None:
+        """Buffer the scored groups (prompt row, version) of ``gen`` that the group filter keeps; ``d``: the
+        replica whose call they were (no longer in flight), ``scored``: how many were counted as scoring."""
+        keep = self.pipeline.keep(gen)
+        kept = [Rollout(gen[i * self.n : (i + 1) * self.n], version, metrics, prompt)
+                for i, ((prompt, version), k) in enumerate(zip(groups, keep)) if k]
+        with self._cond:
+            if d is not None:
+                del self._in_flight[d]
+            self._scoring -= scored
+            self._ready.extend(kept)
+            filtered = len(keep) - len(kept)  # gone, as if never started: admission starts others
+            self.counters["filtered_groups"] += filtered
+            self._filtered_since_take += filtered
+            self._cond.notify_all()
+            if self.pipeline.group_filter is not None:
+                self.pipeline.group_filter.check(self._filtered_since_take)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -256,8 +388,12 @@ class StreamRollouts(BackgroundRollouts):
             "counters": dict(self.counters),
             "ready": [{"batch": batch_state(r.batch), "version": r.version, "metrics": r.metrics,
                        "prompts": batch_state(r.prompts)} for r in self._ready],
-            "pending": [batch_state(p) for p in self._pending],
+            "pending": [batch_state(p) for p in [*self._open_prompts(), *self._pending]],
         }
+
+    def _open_prompts(self) -> list[Batch]:
+        """Groups with carried samples: a resumed run generates them again."""
+        return self.repack.open_prompts() if self.repack is not None else []
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -189,11 +189,18 @@ class RolloutPipeline:
         if self.remax:  # one sample per prompt (checked by the config schema): row i answers prompt i
             with timer("gen_baseline", clock, accumulate=True):
                 greedy = generate(prompts, self.sampling.greedy_copy())
+        return self.score(gen, greedy if self.remax else None, clock)
+
+    def score(self, gen: Batch, greedy: Batch | None = None,
+              timings: MutableMapping[str, float] | None = None) -> tuple[Batch, dict[str, float]]:
+        """Score generated samples (`run`'s second half; the stream schedule's repack scores a group once its
+        last sample ends); with ReMax's ``greedy`` responses, their rewards as ``reward_baselines``."""
+        clock = timings if timings is not None else {}
         with timer("reward", clock, accumulate=True):
             gen, metrics = self.scorer.rules(gen)
             if self.models_in_unit:
                 gen = self.scorer.models(gen, metrics)
-            if self.remax:
+            if greedy is not None:
                 gen["reward_baselines"] = self.scorer.baseline(greedy, with_models=self.models_in_unit)
         return gen, metrics
 

@@ -63,9 +63,11 @@ class Replicas:
             self.requeued += len(prompts)
 
     def generate_on(self, replica: int, prompts: Batch, sampling: SamplingParams, *, version: int,
-                    partial: bool = False) -> Batch:
-        """Replica ``replica`` alone generates ``prompts`` (raises `WorkerError` naming the rank if it fails)."""
-        return self.group.call_dp(replica, "generate", prompts, sampling, version=version, partial=partial).wait()
+                    partial: bool = False, **repack: Any) -> Batch:
+        """Replica ``replica`` alone generates ``prompts`` (raises `WorkerError` naming the rank if it fails);
+        ``repack``: ``release_below`` / ``joinable`` (`RolloutWorker.generate`)."""
+        return self.group.call_dp(replica, "generate", prompts, sampling, version=version, partial=partial,
+                                  **repack).wait()
 
     def busy_metrics(self) -> dict[str, float]:
         """Split placement: the share of wall time since the last call that the rollout ranks spent in

@@ -20,6 +20,7 @@ from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.rollouts import (
     DeterministicRollouts,
     GroupFilter,
+    Repack,
     Replicas,
     RolloutPipeline,
     RolloutSource,
@@ -135,9 +136,11 @@ def build_rollouts(cfg: RecipeConfig, world_size: int, groups: dict[str, Any], s
     if a.schedule == "deterministic":
         return DeterministicRollouts(pipeline, replicas, prompts, max_staleness=a.max_staleness,
                                      warmup=cfg.trainer.critic_warmup, **common)
+    repack = Repack(cfg.rollout.n, a.repack.min_active_fraction, a.repack.long_tail_replicas,
+                    partial=a.partial_rollout, pad_id=prompts.pad_id) if a.repack.enable else None
     return StreamRollouts(pipeline, replicas, prompts, max_staleness=a.max_staleness,
                           prompts_per_call=a.prompts_per_call, stale_policy=a.stale_policy,
-                          partial_rollout=a.partial_rollout, **common)
+                          partial_rollout=a.partial_rollout, repack=repack, **common)
 
 
 def build_prompts(cfg: RecipeConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:

@@ -181,6 +181,27 @@ class TrainerConfig:
 
 
 @dataclass
+class RepackConfig:
+    """``async_training.repack``: Laminar's dynamic repack of long-tail samples (stream schedule, the native
+    engine; `torchrlhf.rollouts.repack`).
+
+    ``min_active_fraction``: a rollout call hands back its unfinished samples once its decoding slots, having
+    filled that fraction of the engine's ``max_batch_size``, fall below it. ``long_tail_replicas``: how many
+    rollout replicas (the last ones) continue the carried samples before taking new prompts.
+    """
+
+    enable: bool = False
+    min_active_fraction: float = 0.25
+    long_tail_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_active_fraction <= 1:
+            raise ValueError(f"min_active_fraction: must be in (0, 1], got {self.min_active_fraction}")
+        if self.long_tail_replicas < 1:
+            raise ValueError(f"long_tail_replicas: must be >= 1, got {self.long_tail_replicas}")
+
+
+@dataclass
 class AsyncConfig:
     """How rollouts run ahead of training when ``trainer.mode`` is ``async`` (see `torchrlhf.rollouts.background`).
 
@@ -197,6 +218,7 @@ class AsyncConfig:
     any other rank, the job ends.
     ``partial_rollout``: the engine also loads newer weights between two decode steps, inside a trajectory,
     and records the version per token (stream schedule, ``rollout.tp_size`` 1, the native engine).
+    ``repack``: move long-tail samples to dedicated replicas (`RepackConfig`).
     """
 
     max_staleness: int = 1
@@ -205,6 +227,10 @@ class AsyncConfig:
     prompts_per_call: int = 1
     tolerate_rollout_failures: bool = True
     partial_rollout: bool = False
+    repack: RepackConfig = field(default_factory=RepackConfig)
+
+    def __post_init__(self) -> None:
+        self.repack = as_section(RepackConfig, self.repack)
 
 
 @dataclass

@@ -479,6 +479,9 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
         errors += _profile_errors(cfg, ranks)
         if cfg.trainer.mode == "async":
             errors += _async_errors(cfg, ranks, world_size)
+        elif cfg.async_training.repack.enable:
+            errors.append("async_training.repack moves samples between asynchronous rollout calls: set "
+                          "trainer.mode=async")
     if errors:
         raise ConfigError("inconsistent config:\n" + "\n".join(f"  - {e}" for e in errors))
 
@@ -558,6 +561,7 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
     if a.partial_rollout and (a.schedule != "stream" or cfg.rollout.tp_size != 1):
         errors.append("async_training.partial_rollout needs async_training.schedule=stream and rollout.tp_size=1 "
                       "(the ranks of a TP group could not agree on when to swap weights mid-trajectory)")
+    errors += _repack_errors(cfg, ranks)
     name = cfg.algorithm.adv_estimator
     full_score = {"algorithm.filter_groups.enable (DAPO dynamic sampling)": cfg.algorithm.filter_groups.enable,
                   f"algorithm.adv_estimator={name} (a greedy baseline)": algorithms.ADV_ESTIMATORS[name].greedy_baseline}
@@ -568,6 +572,32 @@ def _async_errors(cfg: RecipeConfig, ranks: dict[str, list[int]], world_size: in
                 "group returns; the reward/cost model shares ranks with a role that trains meanwhile (two "
                 "threads' collectives would interleave on one process group): place reward_model / cost_model / judge "
                 "on ranks of their own or on the rollout ranks (placement.reward_model)")
+    return errors
+
+
+def _repack_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
+    """``async_training.repack``: the stream schedule's single-turn samples, and replicas to move them to."""
+    repack = cfg.async_training.repack
+    if not repack.enable:
+        return []
+    errors = []
+    if cfg.async_training.schedule != "stream":
+        errors.append("async_training.repack moves samples between the stream schedule's calls: set "
+                      "async_training.schedule=stream")
+    if cfg.rollout.tp_size != 1:
+        errors.append("async_training.repack needs rollout.tp_size=1 (the ranks of a TP group could not agree on "
+                      "when carried samples join a running call)")
+    replicas = len(ranks["rollout"]) // max(cfg.rollout.tp_size, 1)
+    if replicas <= repack.long_tail_replicas:
+        errors.append(f"async_training.repack.long_tail_replicas={repack.long_tail_replicas} needs more rollout "
+                      f"replicas than that; placement.rollout has {replicas}")
+    for key, on in (("rollout.agent (multi-turn trajectories)", cfg.rollout.agent is not None),
+                    (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline from the same call)",
+                     algorithms.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].greedy_baseline),
+                    ("actor.router_replay=rollout (routes of re-prefilled tokens are not recorded)",
+                     getattr(cfg.actor, "router_replay", "off") == "rollout")):
+        if on:
+            errors.append(f"async_training.repack continues single-turn samples only; it does not support {key}")
     return errors
 
 

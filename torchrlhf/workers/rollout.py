@@ -28,6 +28,7 @@ produced it.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,8 @@ class RolloutWorker(Worker):
         self.harness: HarnessRunner | None = None  # rollout.agent.harness: its OpenAI-compatible endpoint
         self.weight_version = 0
         self.relay: WeightRelay | None = None  # asynchronous training only
+        self._joining: list[Batch] | None = None  # repack: carried samples for the running call, while open
+        self._join_lock = threading.Lock()
         self._flops_of: flops.TransformerFlops | None = None
         self.weights_in: Any = None  # what receives synced weights: the engine, or its AdapterMerger
         # split: TP groups are adjacent ranks of this group (the controller's layout); colocated: `_build_engine`
@@ -175,7 +178,7 @@ class RolloutWorker(Worker):
     # ------------------------------------------------------------------ generation
     @register(dispatch=Dispatch.DP_COMPUTE, collect=concat_generations)  # agent trajectories vary in width
     def generate(self, prompts: Batch, sampling: SamplingParams, *, version: int | None = None,
-                 partial: bool = False) -> Batch:
+                 partial: bool = False, release_below: float | None = None, joinable: bool = False) -> Batch:
         """``sampling.n`` responses per prompt with weight ``version`` (default: the weights at hand).
 
         Returns the engine's columns (``responses``, ``input_ids``, ``response_mask``,
@@ -186,6 +189,11 @@ class RolloutWorker(Worker):
         also loads each newer version the relay receives between two decode steps, records the version
         per token; the samples keep the version asked for (their oldest tokens' at most).
         The call's MFU (colocated: streaming the weights in included) is ``meta["perf/mfu/rollout"]``.
+
+        Repack (split placement, `torchrlhf.rollouts.repack`): ``release_below`` hands the unfinished samples
+        back when few slots still decode; prompts with the carried columns continue such samples with the
+        ``version`` they started with, which may be older than the engine's (the relay keeps it). With
+        ``joinable`` such a call also takes the carried samples `join` hands it while it runs.
         """
         if self.engine is None:
             self.engine = self._build_engine()
@@ -202,23 +210,55 @@ class RolloutWorker(Worker):
             version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
             if version is not None:
-                self._load_from_relay(version, keep_newer=partial)
+                self._load_from_relay(version, keep_newer=partial, continuing="carried_tokens" in prompts)
             else:
                 version = self.weight_version
             if partial:
                 extra["between_steps"] = self._load_newest
+            if release_below is not None:
+                extra["release_below"] = release_below
+            if joinable:
+                with self._join_lock:
+                    self._joining = []
+                extra["more_carried"] = self._joined
             if self.harness is not None:
                 out = self._run_harness(prompts, sampling, lambda b, p, **kw: self.engine.generate(b, p, **extra, **kw))
             else:
-                out = self.engine.generate(prompts, sampling, **extra)
+                try:
+                    out = self.engine.generate(prompts, sampling, **extra)
+                finally:
+                    with self._join_lock:
+                        self._joining = None
         out["weight_version"] = torch.full((len(out),), version, dtype=torch.long)
         if sessions is not None:
             trajectories = [s.result() for s in sessions]
             for key, values in agent_columns(trajectories).items():
                 out[key] = values
             out["final_text"] = [t.final_text for t in trajectories]  # what the reward function grades
-        out.meta["perf/mfu/rollout"] = self._mfu(prompts, out, time.perf_counter() - start)
+        out.meta["perf/mfu/rollout"] = self._mfu(sampling.n, out, time.perf_counter() - start)
         return out
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def join(self, rows: Batch) -> bool:
+        """Repack: carried samples (the carried columns, `torchrlhf.generation.base.CARRIED_COLUMNS`) join the
+        ``joinable`` generate call running now; False when none runs or it has ended (they did not join)."""
+        with self._join_lock:
+            if self._joining is None:
+                return False
+            self._joining.append(rows)
+            return True
+
+    def _joined(self, final: bool) -> Batch | None:
+        """The engine's ``more_carried``: what `join` received since it last asked; asked with ``final`` and
+        nothing there, the call ends and takes no more."""
+        with self._join_lock:
+            rows = self._joining
+            if not rows:
+                if final:
+                    self._joining = None
+                return None
+            self._joining = []
+        return concat_generations(rows, self.engine.pad_id())
 
     # ------------------------------------------------------------------ MFU
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -227,13 +267,13 @@ class RolloutWorker(Worker):
         flops.set_peak_flops(given)
         return flops.peak_flops(self.dtype, self.device)
 
-    def _mfu(self, prompts: Batch, out: Batch, seconds: float) -> float:
+    def _mfu(self, n: int, out: Batch, seconds: float) -> float:
         """Generation's model FLOPs (`utils.flops.generation_counts`) over ``seconds`` and the peak."""
         if self._flops_of is None:
             self._flops_of = flops.TransformerFlops.from_model(build_meta_causal_lm(self.model_path))
         width = out["responses"].shape[1]
         mask = out["attention_mask"]
-        prompt_lens = prompts["attention_mask"].sum(-1).tolist()
+        prompt_lens = mask[::n, : mask.shape[1] - width].sum(-1).tolist()  # each prompt's (joined rows: n 1)
         response_lens = mask[:, mask.shape[1] - width:].sum(-1).tolist()
         counts = flops.generation_counts(prompt_lens, response_lens)
         return self._flops_of.forward(*counts) / max(seconds, 1e-9) / flops.peak_flops(self.dtype, self.device)
@@ -262,16 +302,18 @@ class RolloutWorker(Worker):
         self.relay.publish(version, inbox)
         return stats.as_dict()
 
-    def _load_from_relay(self, want: int, keep_newer: bool = False) -> None:
+    def _load_from_relay(self, want: int, keep_newer: bool = False, continuing: bool = False) -> None:
         """Bring the engine to version ``want`` before a trajectory starts (a local copy from the relay).
 
         ``keep_newer`` (partial rollouts): an engine that already loaded a newer version mid-trajectory keeps
-        it (the controller's ``want`` lags the relays by the time the trainer takes to publish)."""
+        it (the controller's ``want`` lags the relays by the time the trainer takes to publish).
+        ``continuing`` (repack): carried samples continue with their own, possibly older, version, so the
+        relay keeps the versions older than ``want``."""
         if want == self.weight_version or (keep_newer and want < self.weight_version):
             return
         if self.relay is None:
             raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
-        self.weight_version = self.relay.load(self.weights_in, want)
+        self.weight_version = self.relay.load(self.weights_in, want, forget_older=not continuing)
 
     def _load_newest(self) -> int:
         """Partial rollouts, between two decode steps: load the relay's newest version if it is newer."""

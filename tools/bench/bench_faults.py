@@ -1,0 +1,158 @@
+"""Recovery from a killed rank, measured as effective training time (ByteRobust's ETTR): the main job under
+``torchrun --max-restarts`` with a rank SIGKILLed every ``--every`` steps.
+
+    python tools/bench/bench_faults.py [--steps 25 --every 10 --rank 1] [-- key=value ...]
+
+Runs ``recipes/configs/grpo_arithmetic_cpu.yaml`` (SmolLM2-135M, 2 ranks) with a disk checkpoint every step
+(``trainer.checkpoint.save_freq=1``, today's recovery path: restart, resume from the last complete
+checkpoint). Whenever the run's ``metrics.jsonl`` reaches a multiple of ``--every`` steps, the bench kills
+``--rank`` (found through ``/proc``: the process whose environment has that ``RANK`` and this run's output
+directory on its command line) with SIGKILL, as the out-of-memory killer would.
+
+Each recovery is split by what the bench sees, time-stamped as it happens:
+
+- detection: the kill to torchrun's agent reporting the failed worker group;
+- restart to resume: that report to the recipe's ``torchrlhf: resumed from`` line (new processes start,
+  rendezvous, the worker groups build, the models and the checkpoint load; not split further here);
+- re-warm: that line to the start of the first step after it (its metrics line's time minus its
+  ``timing_s/step``);
+
+and the steps of work lost (steps that had run and ran again). ETTR is the sum of the kept steps'
+``timing_s/step`` over the wall time from launch to exit, the start-up included (a run without faults
+has an ETTR below 1 too: it is printed for reference with ``--baseline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rank_pid(rank: int, marker: str) -> int | None:
+    """The pid of the recipe process with ``RANK=rank`` whose command line holds ``marker`` (Linux /proc)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if marker not in cmdline or "ppo.py" not in cmdline or "torch.distributed.run" in cmdline:
+                continue
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(name)
+    return None
+
+
+def run(out: Path, args, faults: bool) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           f"--max-restarts={args.max_restarts}", str(ROOT / "recipes/ppo.py"),
+           "--config", str(ROOT / args.config), f"trainer.total_steps={args.steps}",
+           "trainer.checkpoint.save_freq=1", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
+           "trainer.test_freq=0", "trainer.val_before_train=false", *args.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    events: list[tuple[float, str]] = []
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+    def read() -> None:
+        for line in proc.stdout:
+            now = time.monotonic()
+            if "resumed from" in line:
+                events.append((now, "resumed"))
+            elif "FAILED" in line and "worker group" in line.lower() or "failed (exitcode" in line:
+                events.append((now, "detected"))
+            events.append((now, "line:" + line.rstrip()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    metrics_file = out / "metrics.jsonl"
+    killed_at: set[int] = set()
+    kills: list[tuple[float, int]] = []  # (time, steps logged when killed)
+    step_seen: list[tuple[float, int]] = []  # (time, step) as each metrics line appears
+    while proc.poll() is None:
+        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        steps = [json.loads(line)["step"] for line in lines if line.strip()]
+        for s in steps:
+            if s not in {x for _, x in step_seen}:
+                step_seen.append((time.monotonic(), s))
+        last = max(steps, default=0)
+        if faults and last and last % args.every == 0 and last < args.steps and last not in killed_at:
+            pid = rank_pid(args.rank, str(out))
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                kills.append((time.monotonic(), last))
+                killed_at.add(last)
+        time.sleep(0.05)
+    reader.join(timeout=10)
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        tail = "\n".join(text[5:] for _, text in events if text.startswith("line:"))[-4000:]
+        raise SystemExit(f"run failed ({proc.returncode}):\n{tail}")
+    metrics = {json.loads(line)["step"]: json.loads(line) for line in metrics_file.read_text().splitlines()}
+    return {"wall": wall, "metrics": metrics, "kills": kills, "events": events, "step_seen": step_seen,
+            "start": start}
+
+
+def recoveries(result: dict) -> list[dict]:
+    """Per kill: detection, restart-to-resume and re-warm seconds, kill to the next step's start, steps lost."""
+    out = []
+    events = [(t, e) for t, e in result["events"] if not e.startswith("line:")]
+    for t_kill, logged in result["kills"]:
+        detected = next((t for t, e in events if e == "detected" and t >= t_kill), None)
+        resumed = next((t for t, e in events if e == "resumed" and t >= t_kill), None)
+        after = [(t, s) for t, s in result["step_seen"] if t > (resumed or t_kill)]
+        first = after[0] if after else None
+        next_start = first[0] - result["metrics"][first[1]]["timing_s/step"] if first else None
+        lines = [e[5:] for t, e in result["events"] if e.startswith("line:") and "resumed from" in e and t >= t_kill]
+        at = int(lines[0].split(" at step ")[1].split()[0]) if lines and " at step " in lines[0] else None
+        out.append({
+            "killed after step": logged,
+            "detection_s": (detected - t_kill) if detected else float("nan"),
+            "restart_to_resume_s": (resumed - (detected or t_kill)) if resumed else float("nan"),
+            "rewarm_s": (next_start - resumed) if resumed and next_start else float("nan"),
+            "kill_to_next_step_s": (next_start - t_kill) if next_start else float("nan"),
+            "steps_lost": (logged - at) if at is not None else float("nan"),
+        })
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="recipes/configs/grpo_arithmetic_cpu.yaml")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--every", type=int, default=10, help="kill after every this many steps")
+    p.add_argument("--rank", type=int, default=1, help="the rank killed (0 is the controller)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--baseline", action="store_true", help="also run without faults, for the ETTR of start-up")
+    p.add_argument("--keep", default=None, help="write the runs here instead of a temporary directory")
+    p.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp)
+        sides = [("faults", True)] + ([("no faults", False)] if args.baseline else [])
+        print(f"{args.config}, {args.nproc} ranks, {args.steps} steps, a disk checkpoint every step, rank "
+              f"{args.rank} SIGKILLed after every {args.every} steps, torchrun --max-restarts={args.max_restarts}")
+        for name, faults in sides:
+            result = run(work / name.replace(" ", "_"), args, faults)
+            productive = sum(m["timing_s/step"] for m in result["metrics"].values())
+            print(f"{name}: wall {result['wall']:.1f} s, productive step time {productive:.1f} s, "
+                  f"ETTR {productive / result['wall']:.3f}, {len(result['kills'])} faults")
+            for r in recoveries(result):
+                print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+
+
+if __name__ == "__main__":
+    main()
