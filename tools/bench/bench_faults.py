@@ -59,7 +59,7 @@ def run(out: Path, args, faults: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            f"--max-restarts={args.max_restarts}", str(ROOT / "recipes/ppo.py"),
            "--config", str(ROOT / args.config), f"trainer.total_steps={args.steps}",
-           "trainer.checkpoint.save_freq=1", f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
+           "trainer.checkpoint.save_freq=1", f"trainer.output_dir={out}", "trainer.loggers=[console,jsonl]",
            "trainer.test_freq=0", "trainer.val_before_train=false", *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     events: list[tuple[float, str]] = []
@@ -147,6 +147,8 @@ def main() -> None:
               f"{args.rank} SIGKILLed after every {args.every} steps, torchrun --max-restarts={args.max_restarts}")
         for name, faults in sides:
             result = run(work / name.replace(" ", "_"), args, faults)
+            (work / f"{name.replace(' ', '_')}.log").write_text(
+                "\n".join(f"{t - result['start']:9.2f} {e}" for t, e in result["events"]))
             productive = sum(m["timing_s/step"] for m in result["metrics"].values())
             print(f"{name}: wall {result['wall']:.1f} s, productive step time {productive:.1f} s, "
                   f"ETTR {productive / result['wall']:.3f}, {len(result['kills'])} faults")

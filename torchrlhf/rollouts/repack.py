@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchrlhf.data import Batch
-from torchrlhf.generation.base import concat_generations, continuations
+from torchrlhf.generation.base import CARRIED, concat_generations, continuations
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Repack:
         """A long-tail call returned ``gen`` for ``cont`` (and the samples that joined it, matched by
         ``carry_id``): the groups now complete, as (prompt row, samples, version)."""
         by_key = {int(k): r for r, k in enumerate(gen["carry_id"].tolist())}
-        if sorted(by_key) != sorted(c.key for c in cont.samples) or "carried" in gen["finish_reason"]:
+        if sorted(by_key) != sorted(c.key for c in cont.samples) or CARRIED in gen["finish_reason"]:
             raise RuntimeError(f"repack: a long-tail call returned samples {sorted(by_key)} for "
                                f"{sorted(c.key for c in cont.samples)}, or handed some back")
         carried = sum(int(c.row["carried_lengths"][0]) for c in cont.samples)

@@ -210,7 +210,8 @@ class RolloutWorker(Worker):
             version = version or 0
         else:  # split: the ranks of a TP group got the same shard (its first rank answers)
             if version is not None:
-                self._load_from_relay(version, keep_newer=partial, continuing="carried_tokens" in prompts)
+                repacking = release_below is not None or "carried_tokens" in prompts  # may go back a version
+                self._load_from_relay(version, keep_newer=partial, keep_older=repacking)
             else:
                 version = self.weight_version
             if partial:
@@ -302,18 +303,18 @@ class RolloutWorker(Worker):
         self.relay.publish(version, inbox)
         return stats.as_dict()
 
-    def _load_from_relay(self, want: int, keep_newer: bool = False, continuing: bool = False) -> None:
+    def _load_from_relay(self, want: int, keep_newer: bool = False, keep_older: bool = False) -> None:
         """Bring the engine to version ``want`` before a trajectory starts (a local copy from the relay).
 
         ``keep_newer`` (partial rollouts): an engine that already loaded a newer version mid-trajectory keeps
         it (the controller's ``want`` lags the relays by the time the trainer takes to publish).
-        ``continuing`` (repack): carried samples continue with their own, possibly older, version, so the
-        relay keeps the versions older than ``want``."""
+        ``keep_older`` (repack): carried samples continue with their own, possibly older, version, so the
+        relay keeps the versions older than ``want`` (up to its capacity, max_staleness + 2)."""
         if want == self.weight_version or (keep_newer and want < self.weight_version):
             return
         if self.relay is None:
             raise RuntimeError(f"generate asks for weight version {want}; no version was sent to this rank yet")
-        self.weight_version = self.relay.load(self.weights_in, want, forget_older=not continuing)
+        self.weight_version = self.relay.load(self.weights_in, want, forget_older=not keep_older)
 
     def _load_newest(self) -> int:
         """Partial rollouts, between two decode steps: load the relay's newest version if it is newer."""
