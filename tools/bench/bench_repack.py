@@ -33,11 +33,6 @@ from torchrlhf.models import save_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def e_fraction(solution_str: str, ground_truth, **_) -> float:
-    """Share of the response's characters that are the letter 'e' (a reward a random model can learn)."""
-    return solution_str.count("e") / max(len(solution_str), 1)
-
-
 def write_prompts(path: Path, count: int, short: int, long: int, share: float, seed: int) -> list[int]:
     """Arithmetic prompts, each with a budget of ``long`` tokens with probability ``share``, else ``short``."""
     rows = [json.loads(line) for line in (ROOT / "recipes/data/arithmetic_train.jsonl").read_text().splitlines()]
@@ -59,7 +54,7 @@ def run_side(name: str, work: Path, model: Path, data: Path, args, extra: list[s
            f"rollout.engine.max_seq_len={args.long + 64}",
            f"actor.batching.ppo_mini_batch_size={args.batch}", "actor.batching.ppo_micro_batch_size_per_device=16",
            "actor.optim.lr=3e-3", "actor.loss.use_kl_loss=false", "actor.loss.rollout_is=token",
-           f"reward.reward_fn={Path(__file__).resolve()}:e_fraction", "reward.isolate=false",
+           f"reward.reward_fn={Path(__file__).parent / 'bench_async.py'}:e_fraction", "reward.isolate=false",
            "placement.actor=[0]", "placement.rollout=[1,2,3]", "trainer.mode=async",
            f"async_training.max_staleness={args.staleness}", f"async_training.prompts_per_call={args.per_call}",
            f"trainer.total_steps={args.steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
