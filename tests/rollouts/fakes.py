@@ -11,7 +11,7 @@ import torch
 
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
-from torchrlhf.generation.base import concat_generations
+from torchrlhf.generation.base import CARRIED_COLUMNS, concat_generations
 
 N, B, R = 2, 4, 3  # samples per prompt, prompts per step, response width
 
@@ -184,7 +184,7 @@ class RepackingRollouts(FakeRollouts):
                     stop = SHORT if release_below is not None and not carried and length > SHORT else length
                     rows.append((i, index, sample, start, stop, "carried" if stop < length else "length"))
             out = prompts.repeat(sampling.n)
-            for c in ("carried_tokens", "carried_log_probs", "carried_versions", "carried_lengths", "sample_index"):
+            for c in CARRIED_COLUMNS:
                 if c in out:
                     out.pop(c)
             responses = torch.zeros(len(rows), LONG, dtype=torch.long)
