@@ -52,6 +52,7 @@ from torchrlhf.generation.session import Session
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.moe import install_routers, routers
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
+from torchrlhf.utils.compile_cache import enable_compile_cache
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
 
@@ -59,6 +60,7 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
     """``decode`` through ``torch.compile``, traced once for every span >= 2 (the engine never steps fewer
     slots when compiled): without duck sizing a span equal to the cache's slot count is no special case,
     which would cost another compilation (tens of seconds) the first time the span differs."""
+    enable_compile_cache()
     compiled = torch.compile(decode, dynamic=True)
 
     def step(*args: Any) -> torch.Tensor:

@@ -38,6 +38,7 @@ from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops
 from torchrlhf.models.packed_attention import PrefixKV
+from torchrlhf.utils.compile_cache import enable_compile_cache
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, build_optimizer
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 from torchrlhf.workers.microbatch import Batching, micro_batch_groups, strided_mini_batches
@@ -178,6 +179,7 @@ class FSDPWorker(Worker):
                 hold_frozen_in(model, dtype)
         model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload, trainable=not freeze)
         if compile:
+            enable_compile_cache()
             compile_blocks(model)
         if sharded and value_head:
             load_value_weights(model, model_path, device=self.device, init_head_std=init_head_std, seed=self.seed,

@@ -1,0 +1,118 @@
+"""The per-machine compile cache: where it lives, what it ignores, and that a second process loads (and survives)
+what the first one wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# Compiles a tiny function in a fresh process (the cache is per process until then) and prints its result and
+# inductor's cache counters as JSON.
+CHILD = textwrap.dedent("""
+    import json, logging, torch
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from torchrlhf.utils.compile_cache import enable_compile_cache
+    from torch._dynamo.utils import counters
+    path = enable_compile_cache()
+    f = torch.compile(lambda x: (x.sin() * 3 + x.cos()).relu().sum(-1))
+    x = torch.linspace(-2, 2, 24).view(4, 6)
+    out = f(x)
+    print(json.dumps({"path": str(path), "out": out.tolist(), "hits": counters["aot_autograd"]["autograd_cache_hit"]
+                      + counters["inductor"]["fxgraph_cache_hit"]}))
+""")
+
+
+def run_child(env_updates: dict[str, str]) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(env_updates, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def reference() -> list[float]:
+    import torch
+
+    x = torch.linspace(-2, 2, 24).view(4, 6)
+    return (x.sin() * 3 + x.cos()).relu().sum(-1).tolist()
+
+
+def test_second_process_loads_what_the_first_compiled_and_survives_a_corrupt_cache(tmp_path):
+    root = tmp_path / "compile"
+    (root / "torch-1.0-0123456789ab").mkdir(parents=True)  # another torch version's cache: left alone, named once
+    first, log = run_child({"TORCHRLHF_COMPILE_CACHE": str(root)})
+    path = Path(first["path"])
+    assert path.parent == root and (path / "stamp.json").is_file() and (path / "inductor").is_dir()
+    assert first["hits"] == 0 and first["out"] == pytest.approx(reference(), abs=1e-5)
+    assert log.count("ignoring 1 cache(s) made by another torch version or machine: torch-1.0-0123456789ab") == 1
+    assert (root / "torch-1.0-0123456789ab").is_dir() and not any((root / "torch-1.0-0123456789ab").iterdir())
+
+    second, _ = run_child({"TORCHRLHF_COMPILE_CACHE": str(root)})
+    assert second["hits"] >= 1, "the second process compiled again instead of loading the cache"
+    assert second["out"] == first["out"]
+
+    # Every cache file cut to half its bytes: the third process recompiles, with the same result.
+    corrupted = 0
+    for f in (path / "inductor").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+            corrupted += 1
+    assert corrupted
+    # (Without the manifest check inductor loads a truncated generated module and raises a SyntaxError.)
+    third, log = run_child({"TORCHRLHF_COMPILE_CACHE": str(root)})
+    assert third["out"] == pytest.approx(reference(), abs=1e-5)
+    assert f"{corrupted} file(s) changed since they were written" in log
+
+
+def clear_torch_cache_env(monkeypatch) -> None:
+    """Unset torch's cache variables for this test; what the code under test sets is undone after it."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "-")  # records the value to restore, set or not
+        monkeypatch.delenv(name)
+
+
+def test_a_stamp_of_another_machine_starts_the_cache_afresh(tmp_path, monkeypatch, caplog):
+    from torchrlhf.utils import compile_cache
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    clear_torch_cache_env(monkeypatch)
+    compile_cache.enable_compile_cache.cache_clear()
+    path = tmp_path / compile_cache._key(compile_cache.machine_stamp())
+    (path / "inductor").mkdir(parents=True)
+    (path / "inductor" / "stale").write_text("from elsewhere")
+    (path / "stamp.json").write_text(json.dumps({"torch": "0.0", "cpu": "another"}))
+    try:
+        assert compile_cache.enable_compile_cache() == path
+    finally:
+        compile_cache.enable_compile_cache.cache_clear()
+    assert "starting it afresh" in caplog.text
+    assert not (path / "inductor" / "stale").exists()
+    assert json.loads((path / "stamp.json").read_text()) == compile_cache.machine_stamp()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path / "inductor")
+
+
+@pytest.mark.parametrize("setting", ["off", "user_dir"])
+def test_torch_defaults_stay_when_asked(tmp_path, monkeypatch, setting):
+    """``TORCHRLHF_COMPILE_CACHE=""``, or a ``TORCHINDUCTOR_CACHE_DIR`` of the user's: nothing is changed."""
+    from torchrlhf.utils import compile_cache
+
+    if setting == "off":
+        monkeypatch.setenv(compile_cache.ENV, "")
+        clear_torch_cache_env(monkeypatch)
+    else:
+        monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "ours"))
+        clear_torch_cache_env(monkeypatch)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compile_cache.enable_compile_cache.cache_clear()
+    try:
+        assert compile_cache.enable_compile_cache() is None
+    finally:
+        compile_cache.enable_compile_cache.cache_clear()
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == (None if setting == "off" else str(tmp_path / "mine"))
+    assert not (tmp_path / "ours").exists()

@@ -1,0 +1,180 @@
+"""torch.compile's artifacts kept per machine, so that a shape is compiled once per machine, not once per run.
+
+Inductor already caches compiled graphs (FX graph cache) and their AOTAutograd wrappers on disk, keyed by the
+graph, the torch version, the compiler and the CPU's instruction set, but under the system's temporary directory,
+which containers and reboots empty. `enable_compile_cache` points those caches at one directory per torch version
+and machine under ``$TORCHRLHF_COMPILE_CACHE`` (default ``~/.cache/torchrlhf/compile``); an empty value leaves
+torch's defaults alone, and so does a ``TORCHINDUCTOR_CACHE_DIR`` the user set.
+
+A second run then traces with Dynamo and AOTAutograd again (torch 2.13 caches neither trace) and loads the
+compiled kernels instead of generating and building them. Each directory holds a stamp (torch version, CPU model,
+CUDA device): a cache whose stamp is missing or another machine's is started afresh with one warning, and
+directories of other torch versions or machines beside it are never read, only named in one log line. A corrupt
+file costs a recompilation, never a crash or a wrong result: a process records the size and hash of every cache
+file at exit, and the next one deletes those that changed (inductor would load a truncated generated module as it
+is and fail; tested with truncated files).
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from torchrlhf.models.loading import USER_CACHE
+from torchrlhf.utils.calibration import device_name
+
+ENV = "TORCHRLHF_COMPILE_CACHE"
+STAMP = "stamp.json"
+MANIFEST = "manifest.json"  # relative path -> [size, mtime_ns, sha256] of every file a finished process wrote
+
+log = logging.getLogger(__name__)
+
+
+def compile_cache_root() -> Path | None:
+    """Where compile caches are kept, or None (``TORCHRLHF_COMPILE_CACHE=""``: torch's defaults)."""
+    env = os.environ.get(ENV)
+    if env is not None:
+        return Path(env).expanduser() if env else None
+    return USER_CACHE / "compile"
+
+
+def machine_stamp() -> dict[str, str]:
+    """What a cache is valid for: this torch build and this machine's compute device."""
+    stamp = {"torch": torch.__version__, "cpu": device_name(torch.device("cpu"))}
+    if torch.cuda.is_available():
+        stamp["cuda"] = f"{torch.version.cuda} {device_name(torch.device('cuda'))}"
+    return stamp
+
+
+def _key(stamp: dict[str, str]) -> str:
+    text = json.dumps(stamp, sort_keys=True)
+    return f"torch-{stamp['torch'].replace('+', '_')}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def _user_set_inductor_dir() -> bool:
+    """Whether ``TORCHINDUCTOR_CACHE_DIR`` names a directory of the user's (inductor writes its default there too,
+    at its first cache access)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return env is not None and os.path.abspath(env) != os.path.abspath(default_cache_dir())
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
+
+
+class _locked:
+    """An exclusive lock on the cache root, between processes."""
+
+    def __init__(self, root: Path) -> None:
+        self.file = open(root / ".lock", "a")
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()  # releases the lock
+
+
+def _files(path: Path):
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.name not in (STAMP, MANIFEST) and not f.name.endswith(".tmp"):
+            yield f.relative_to(path).as_posix(), f
+
+
+def _entry(f: Path) -> list:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns, hashlib.sha256(f.read_bytes()).hexdigest()]
+
+
+def _changed(f: Path, entry: list) -> bool:
+    """Whether ``f`` lost the bytes recorded in ``entry`` (hashed again only when its size is the same and its
+    modification time is not: every process start checks the whole cache)."""
+    st = f.stat()
+    if st.st_size != entry[0]:
+        return True
+    return st.st_mtime_ns != entry[1] and _entry(f)[2] != entry[2]
+
+
+def _drop_corrupt(path: Path) -> None:
+    """Delete every cache file that no longer has the bytes it had when its process finished (inductor would load
+    a truncated generated module as it is and fail), so that it is compiled again."""
+    manifest = _read_json(path / MANIFEST)
+    if manifest is None:
+        if (path / MANIFEST).exists():
+            log.warning("compile cache %s: its manifest is unreadable; starting it afresh", path)
+            shutil.rmtree(path / "inductor", ignore_errors=True)
+            (path / MANIFEST).unlink()
+        return
+    corrupt = [rel for rel, f in _files(path) if rel in manifest and _changed(f, manifest[rel])]
+    for rel in corrupt:
+        (path / rel).unlink()
+        del manifest[rel]
+    if corrupt:
+        log.warning("compile cache %s: %d file(s) changed since they were written (%s); they will be compiled "
+                    "again", path, len(corrupt), ", ".join(corrupt[:3]) + (", ..." if len(corrupt) > 3 else ""))
+        _write_json(path / MANIFEST, manifest)
+
+
+def _record(root: Path, path: Path) -> None:
+    """At exit: add the files this process (or another) wrote since to the manifest."""
+    try:
+        with _locked(root):
+            manifest = _read_json(path / MANIFEST) or {}
+            new = {rel: _entry(f) for rel, f in _files(path) if rel not in manifest}
+            if new:
+                _write_json(path / MANIFEST, {**manifest, **new})
+    except OSError as e:  # a cache that cannot be recorded is only a cache
+        log.warning("compile cache %s: could not record its files (%s)", path, e)
+
+
+@functools.cache
+def enable_compile_cache() -> Path | None:
+    """Point inductor's (and Triton's) caches at this machine's directory; returns it, or None where torch's
+    defaults stay. Call before the first compilation; later calls return the first answer."""
+    root = compile_cache_root()
+    if root is None or _user_set_inductor_dir():
+        return None
+    stamp = machine_stamp()
+    path = root / _key(stamp)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):  # ranks started together: one checks the stamp and the files
+        if _read_json(path / STAMP) != stamp:
+            if path.exists():
+                log.warning("compile cache %s: its stamp is missing, unreadable or not this machine's; "
+                            "starting it afresh", path)
+                shutil.rmtree(path)
+            path.mkdir()
+            _write_json(path / STAMP, stamp)
+        _drop_corrupt(path)
+    atexit.register(_record, root, path)
+    others = sorted(p.name for p in root.iterdir() if p.is_dir() and p != path)
+    if others:
+        log.info("compile cache %s: ignoring %d cache(s) made by another torch version or machine: %s",
+                 path, len(others), ", ".join(others))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(path / "triton"))
+    return path
+
+
+__all__ = ["ENV", "compile_cache_root", "enable_compile_cache", "machine_stamp"]
