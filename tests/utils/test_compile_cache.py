@@ -97,22 +97,28 @@ def test_a_stamp_of_another_machine_starts_the_cache_afresh(tmp_path, monkeypatc
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path / "inductor")
 
 
-@pytest.mark.parametrize("setting", ["off", "user_dir"])
-def test_torch_defaults_stay_when_asked(tmp_path, monkeypatch, setting):
-    """``TORCHRLHF_COMPILE_CACHE=""``, or a ``TORCHINDUCTOR_CACHE_DIR`` of the user's: nothing is changed."""
+@pytest.mark.parametrize("setting", ["off", "user_dir", "unusable"])
+def test_torch_defaults_stay_when_asked(tmp_path, monkeypatch, caplog, setting):
+    """``TORCHRLHF_COMPILE_CACHE=""``, a ``TORCHINDUCTOR_CACHE_DIR`` of the user's, or a cache directory that cannot
+    be made (a warning says so): nothing is changed."""
     from torchrlhf.utils import compile_cache
 
     if setting == "off":
         monkeypatch.setenv(compile_cache.ENV, "")
         clear_torch_cache_env(monkeypatch)
-    else:
+    elif setting == "user_dir":
         monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "ours"))
         clear_torch_cache_env(monkeypatch)
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    else:
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "a_file" / "ours"))
+        clear_torch_cache_env(monkeypatch)
     compile_cache.enable_compile_cache.cache_clear()
     try:
         assert compile_cache.enable_compile_cache() is None
     finally:
         compile_cache.enable_compile_cache.cache_clear()
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == (None if setting == "off" else str(tmp_path / "mine"))
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == (str(tmp_path / "mine") if setting == "user_dir" else None)
     assert not (tmp_path / "ours").exists()
+    assert ("unusable" in caplog.text) == (setting == "unusable")

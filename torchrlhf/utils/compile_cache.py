@@ -157,16 +157,20 @@ def enable_compile_cache() -> Path | None:
         return None
     stamp = machine_stamp()
     path = root / _key(stamp)
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root):  # ranks started together: one checks the stamp and the files
-        if _read_json(path / STAMP) != stamp:
-            if path.exists():
-                log.warning("compile cache %s: its stamp is missing, unreadable or not this machine's; "
-                            "starting it afresh", path)
-                shutil.rmtree(path)
-            path.mkdir()
-            _write_json(path / STAMP, stamp)
-        _drop_corrupt(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _locked(root):  # ranks started together: one checks the stamp and the files
+            if _read_json(path / STAMP) != stamp:
+                if path.exists():
+                    log.warning("compile cache %s: its stamp is missing, unreadable or not this machine's; "
+                                "starting it afresh", path)
+                    shutil.rmtree(path)
+                path.mkdir()
+                _write_json(path / STAMP, stamp)
+            _drop_corrupt(path)
+    except OSError as e:  # a cache is only a cache: compile as torch does by default
+        log.warning("compile cache %s unusable (%s): torch's default cache directory stays", path, e)
+        return None
     atexit.register(_record, root, path)
     others = sorted(p.name for p in root.iterdir() if p.is_dir() and p != path)
     if others:
