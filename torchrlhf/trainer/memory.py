@@ -89,6 +89,16 @@ def _materialize_fake(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return model
 
 
+def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on zero gradients, before the traced step: the optimizer states a worker holds from
+    its second step on then exist, as a traced first forward and backward would leave them, at none of its cost."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def trace_micro_batch(
     model_path: str,
     *,
@@ -120,6 +130,7 @@ def trace_micro_batch(
         optimizer = None
         if train:
             optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
+            _hold_optimizer_states(model, optimizer)
         seq = prompt_len + response_len
         input_ids = torch.zeros(micro, seq, dtype=torch.long)
         attention_mask = torch.ones(micro, seq, dtype=torch.long)
@@ -127,21 +138,17 @@ def trace_micro_batch(
         tracker = _FrozenAwareMemTracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         with tracker:
-            for step in range(2 if train else 1):  # the second step holds the optimizer states from the first
-                if step:
-                    tracker.reset_mod_stats()
-                with torch.set_grad_enabled(train):
-                    if value_head:
-                        values = model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids)
-                        values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
-                        loss = (values.float() ** 2).mean()
-                    else:
-                        loss = actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
-                if train:
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(train):
+                if value_head:
+                    values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+                    values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
+                    loss = (values.float() ** 2).mean()
+                else:
+                    loss = actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
+            if train:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         peak = tracker.get_tracker_snapshot("peak")
     by_kind: dict[str, float] = {}
     for device_stats in peak.values():
