@@ -122,3 +122,23 @@ def test_torch_defaults_stay_when_asked(tmp_path, monkeypatch, caplog, setting):
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == (str(tmp_path / "mine") if setting == "user_dir" else None)
     assert not (tmp_path / "ours").exists()
     assert ("unusable" in caplog.text) == (setting == "unusable")
+
+
+@pytest.mark.parametrize("manifest", ["{not json", '{"inductor/a": 5}'])
+def test_a_manifest_that_is_not_ours_starts_the_kernels_afresh(tmp_path, monkeypatch, caplog, manifest):
+    from torchrlhf.utils import compile_cache
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+    clear_torch_cache_env(monkeypatch)
+    path = tmp_path / compile_cache._key(compile_cache.machine_stamp())
+    (path / "inductor").mkdir(parents=True)
+    (path / "inductor" / "a").write_text("kernel")
+    (path / "stamp.json").write_text(json.dumps(compile_cache.machine_stamp()))
+    (path / "manifest.json").write_text(manifest)
+    compile_cache.enable_compile_cache.cache_clear()
+    try:
+        assert compile_cache.enable_compile_cache() == path
+    finally:
+        compile_cache.enable_compile_cache.cache_clear()
+    assert "manifest is unreadable" in caplog.text
+    assert not (path / "inductor" / "a").exists() and not (path / "manifest.json").exists()

@@ -18,6 +18,7 @@ is and fail; tested with truncated files).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,17 +85,12 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
 
 
-class _locked:
-    """An exclusive lock on the cache root, between processes."""
-
-    def __init__(self, root: Path) -> None:
-        self.file = open(root / ".lock", "a")
-
-    def __enter__(self) -> None:
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()  # releases the lock
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """An exclusive lock on the cache root, between processes (released when the file closes)."""
+    with open(root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _files(path: Path):
@@ -120,6 +117,8 @@ def _drop_corrupt(path: Path) -> None:
     """Delete every cache file that no longer has the bytes it had when its process finished (inductor would load
     a truncated generated module as it is and fail), so that it is compiled again."""
     manifest = _read_json(path / MANIFEST)
+    if manifest is not None and not all(isinstance(e, list) and len(e) == 3 for e in manifest.values()):
+        manifest = None  # not a manifest of ours
     if manifest is None:
         if (path / MANIFEST).exists():
             log.warning("compile cache %s: its manifest is unreadable; starting it afresh", path)
