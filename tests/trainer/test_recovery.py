@@ -4,6 +4,7 @@ A rank SIGKILLs itself once (`custom_components.KillOnceActor`, guarded by a mar
 step 4, after the checkpoint of step 2 and after step 3 was logged. Under ``torchrun --max-restarts=1`` the
 job restarts, resumes from ``global_step_2`` and trains to ``total_steps``. The synchronous schedule is
 deterministic, so every step's metrics equal an uninterrupted run's, and metrics.jsonl holds each step once.
+With a memory snapshot every step, the restart resumes from step 3's snapshot instead.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ STEPS, SAVE_FREQ, KILL_AT_UPDATE = 4, 2, 4
 COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
 
 
-def _config(tmp: Path, model_dir: str, name: str, kill_rank: int) -> Path:
+def _config(tmp: Path, model_dir: str, name: str, kill_rank: int, snapshot_dir: Path | None = None) -> Path:
     out = tmp / name
     actor = {"_component_": "custom_components.KillOnceActor", "kill_rank": kill_rank,
              "kill_at_update": KILL_AT_UPDATE, "marker": str(tmp / f"{name}.killed"), "optim": {"lr": 3e-2},
              "batching": {"ppo_micro_batch_size_per_device": 4}}
-    trainer = {"total_steps": STEPS, "checkpoint": {"save_freq": SAVE_FREQ}, "test_freq": 0, "output_dir": str(out),
+    checkpoint = {"save_freq": SAVE_FREQ}
+    if snapshot_dir is not None:
+        checkpoint.update(snapshot_freq=1, snapshot_dir=str(snapshot_dir))
+    trainer = {"total_steps": STEPS, "checkpoint": checkpoint, "test_freq": 0, "output_dir": str(out),
                "loggers": ["console", "jsonl"]}
     return write_config(tmp / f"{name}.yaml", model_dir, actor=actor, trainer=trainer)
 
@@ -49,6 +53,25 @@ def test_a_killed_rank_restarts_and_resumes_to_the_same_metrics(tiny_model_dir, 
     for want_row, got_row in zip(uninterrupted, got):
         for key in COMPARED:
             assert got_row[key] == pytest.approx(want_row[key], rel=1e-4, abs=1e-6), (got_row["step"], key)
+
+
+def test_a_killed_rank_resumes_from_the_memory_snapshot(tiny_model_dir, tmp_path, uninterrupted):
+    """With a memory snapshot every step the restart resumes from step 3's (in memory), not from the disk
+    checkpoint of step 2: no step that had ended runs again. The finished run gives the memory back."""
+    shm = tmp_path / "shm"
+    proc = run_recipe(_config(tmp_path, tiny_model_dir, "killed", kill_rank=1, snapshot_dir=shm), nproc=2,
+                      max_restarts=1)
+    assert_ok(proc)
+    assert (tmp_path / "killed.killed").read_text() == f"killed rank 1 at update {KILL_AT_UPDATE}\n"
+    want = f"resumed from the memory snapshot of step 3 ({shm}) at step 3 of {STEPS}"
+    assert want in proc.stdout, proc.stdout
+    assert f"a memory snapshot every 1 step(s) in {shm}" in proc.stdout
+    got = metrics_of(tmp_path / "killed")
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for want_row, got_row in zip(uninterrupted, got):
+        for key in COMPARED:
+            assert got_row[key] == pytest.approx(want_row[key], rel=1e-4, abs=1e-6), (got_row["step"], key)
+    assert not shm.exists()
 
 
 def test_a_second_run_of_a_finished_job_says_it_has_nothing_to_train(tiny_model_dir, tmp_path):

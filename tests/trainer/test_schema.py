@@ -132,6 +132,8 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"algorithm": {"overlong_buffer": {"len": 16}}}, "algorithm.overlong_buffer.len (16) exceeds rollout.max_tokens (8)"),
     ({"trainer": {"checkpoint": {"keep_lst": 2}}}, "trainer.checkpoint.keep_lst: unknown key (did you mean "
                                                    "'keep_last'?)"),
+    ({"trainer": {"checkpoint": {"snapshot_freq": -1}}}, "trainer.checkpoint.snapshot_freq: must be >= 0 (0: off), "
+                                                         "got -1"),
     ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
     # the judge's engine has the rollout engine's schema: a typo fails here, not on the judge's ranks
     ({"judge": {"model_path": "${model_path}", "engine": {"max_batch_sise": 8}}},
@@ -424,7 +426,8 @@ def test_algorithm_trainer_and_agent_sections_are_typed_and_cross_to_the_workers
     assert defaults.algorithm.filter_groups == FilterGroups(enable=False, max_num_gen_batches=10)
     assert defaults.algorithm.overlong_buffer == OverlongBuffer(len=0, penalty_factor=1.0)
     assert defaults.algorithm.lagrangian == Lagrangian(init=1.0, lr=0.05, threshold=0.0, max_value=None)
-    assert defaults.trainer.checkpoint == CheckpointConfig(save_freq=0, keep_last=None, resume="auto")
+    assert defaults.trainer.checkpoint == CheckpointConfig(save_freq=0, keep_last=None, resume="auto",
+                                                           snapshot_freq=0, snapshot_dir=None)
     cfg = _check(tmp_path, algorithm={"kl_ctrl": {"type": "adaptive", "kl_coef": 0.01}},
                  trainer={"checkpoint": {"save_freq": 2, "keep_last": 1}},
                  rollout={"agent": {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"c": "calculator"},

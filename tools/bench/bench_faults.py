@@ -1,19 +1,25 @@
 """Recovery from a killed rank, measured as effective training time (ByteRobust's ETTR): the main job under
 ``torchrun --max-restarts`` with a rank SIGKILLed every ``--every`` steps.
 
-    python tools/bench/bench_faults.py [--steps 25 --every 10 --rank 1] [-- key=value ...]
+    python tools/bench/bench_faults.py [--steps 25 --every 10 --rank 1] [--recovery disk|memory|both] [-- key=value ...]
 
-Runs ``recipes/configs/grpo_arithmetic_cpu.yaml`` (SmolLM2-135M, 2 ranks) with a disk checkpoint every step
-(``trainer.checkpoint.save_freq=1``, today's recovery path: restart, resume from the last complete
-checkpoint). Whenever the run's ``metrics.jsonl`` reaches a multiple of ``--every`` steps, the bench kills
+Runs ``recipes/configs/grpo_arithmetic_cpu.yaml`` (SmolLM2-135M, 2 ranks) under one of two recoveries:
+
+- ``disk``: a disk checkpoint every step (``trainer.checkpoint.save_freq=1``); a restart resumes from the last
+  complete one;
+- ``memory``: a memory snapshot every step (``snapshot_freq=1``, `torchrlhf.utils.snapshot`) and a disk
+  checkpoint every ``--every`` steps; a restart resumes from the snapshot.
+
+Whenever the run's ``metrics.jsonl`` reaches a multiple of ``--every`` steps, the bench kills
 ``--rank`` (found through ``/proc``: the process whose environment has that ``RANK`` and this run's output
 directory on its command line) with SIGKILL, as the out-of-memory killer would.
 
 Each recovery is split by what the bench sees, time-stamped as it happens:
 
 - detection: the kill to torchrun's agent reporting the failed worker group;
-- restart to resume: that report to the recipe's ``torchrlhf: resumed from`` line (new processes start,
-  rendezvous, the worker groups build, the models and the checkpoint load; not split further here);
+- restart to resume: that report to the recipe's ``torchrlhf: resumed from`` line, split into the state load
+  (the seconds that line reports) and everything before it (new processes start and import, rendezvous, the
+  worker groups and models build);
 - re-warm: that line to the start of the first step after it (its metrics line's time minus its
   ``timing_s/step``);
 
@@ -55,11 +61,13 @@ def rank_pid(rank: int, marker: str) -> int | None:
     return None
 
 
-def run(out: Path, args, faults: bool) -> dict:
+def run(out: Path, args, faults: bool, recovery: str) -> dict:
+    saves = (["trainer.checkpoint.save_freq=1"] if recovery == "disk" else
+             [f"trainer.checkpoint.save_freq={args.every}", "trainer.checkpoint.snapshot_freq=1"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            f"--max-restarts={args.max_restarts}", str(ROOT / "recipes/ppo.py"),
            "--config", str(ROOT / args.config), f"trainer.total_steps={args.steps}",
-           "trainer.checkpoint.save_freq=1", f"trainer.output_dir={out}", "trainer.loggers=[console,jsonl]",
+           *saves, f"trainer.output_dir={out}", "trainer.loggers=[console,jsonl]",
            "trainer.test_freq=0", "trainer.val_before_train=false", *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     events: list[tuple[float, str]] = []
@@ -117,10 +125,12 @@ def recoveries(result: dict) -> list[dict]:
         next_start = first[0] - result["metrics"][first[1]]["timing_s/step"] if first else None
         lines = [e[5:] for t, e in result["events"] if e.startswith("line:") and "resumed from" in e and t >= t_kill]
         at = int(lines[0].split(" at step ")[1].split()[0]) if lines and " at step " in lines[0] else None
+        load = float(lines[0].split("loaded in ")[1].split()[0]) if lines and "loaded in " in lines[0] else None
         out.append({
             "killed after step": logged,
             "detection_s": (detected - t_kill) if detected else float("nan"),
             "restart_to_resume_s": (resumed - (detected or t_kill)) if resumed else float("nan"),
+            "of_it_state_load_s": load if load is not None else float("nan"),
             "rewarm_s": (next_start - resumed) if resumed and next_start else float("nan"),
             "kill_to_next_step_s": (next_start - t_kill) if next_start else float("nan"),
             "steps_lost": (logged - at) if at is not None else float("nan"),
@@ -136,24 +146,34 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=1, help="the rank killed (0 is the controller)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--recovery", choices=["disk", "memory", "both"], default="both")
     p.add_argument("--baseline", action="store_true", help="also run without faults, for the ETTR of start-up")
     p.add_argument("--keep", default=None, help="write the runs here instead of a temporary directory")
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
-        sides = [("faults", True)] + ([("no faults", False)] if args.baseline else [])
-        print(f"{args.config}, {args.nproc} ranks, {args.steps} steps, a disk checkpoint every step, rank "
-              f"{args.rank} SIGKILLed after every {args.every} steps, torchrun --max-restarts={args.max_restarts}")
-        for name, faults in sides:
-            result = run(work / name.replace(" ", "_"), args, faults)
+        recoveries_run = ["disk", "memory"] if args.recovery == "both" else [args.recovery]
+        sides = [(f"{r}, faults", True, r) for r in recoveries_run]
+        sides += [(f"{r}, no faults", False, r) for r in recoveries_run] if args.baseline else []
+        print(f"{args.config}, {args.nproc} ranks, {args.steps} steps, rank {args.rank} SIGKILLed after every "
+              f"{args.every} steps, torchrun --max-restarts={args.max_restarts}; disk: a checkpoint every step; "
+              f"memory: a snapshot every step, a disk checkpoint every {args.every}")
+        ettr = {}
+        for name, faults, recovery in sides:
+            result = run(work / name.replace(" ", "_").replace(",", ""), args, faults, recovery)
             (work / f"{name.replace(' ', '_')}.log").write_text(
                 "\n".join(f"{t - result['start']:9.2f} {e}" for t, e in result["events"]))
             productive = sum(m["timing_s/step"] for m in result["metrics"].values())
-            print(f"{name}: wall {result['wall']:.1f} s, productive step time {productive:.1f} s, "
-                  f"ETTR {productive / result['wall']:.3f}, {len(result['kills'])} faults")
+            ettr[name] = productive / result["wall"]
+            saving = sum(m.get("timing_s/save_checkpoint", 0.0) + m.get("timing_s/save_snapshot", 0.0)
+                         for m in result["metrics"].values())
+            print(f"{name}: wall {result['wall']:.1f} s, productive step time {productive:.1f} s, saving "
+                  f"{saving:.1f} s, ETTR {ettr[name]:.3f}, {len(result['kills'])} faults")
             for r in recoveries(result):
                 print("  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+        if "disk, faults" in ettr and "memory, faults" in ettr:
+            print(f"ETTR memory {ettr['memory, faults']:.3f} vs disk {ettr['disk, faults']:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from torchrlhf.models import load_tokenizer
 from torchrlhf.config import get_component
 from torchrlhf.runtime import colocate, set_stall_timeout
 from torchrlhf.runtime.profiling import StepProfiler
+from torchrlhf.trainer.checkpointing import run_fingerprint
 from torchrlhf.trainer.prompts import PromptLoader
 from torchrlhf.rollouts import (
     DeterministicRollouts,
@@ -182,4 +183,5 @@ def build_trainer(cfg: RecipeConfig, world_size: int, raw_config: dict[str, Any]
                      source=rollouts, scorer=scorer, train_prompts=train_prompts, val_prompts=val_prompts,
                      logger=logger, num_devices=world_size, recompute_old_log_prob=needs_old_log_prob(cfg),
                      max_staleness=cfg.async_training.max_staleness if cfg.trainer.mode == "async" else 0,
-                     safe_rlhf=cfg.cost_model is not None, profiler=profiler)
+                     safe_rlhf=cfg.cost_model is not None, profiler=profiler,
+                     fingerprint=run_fingerprint(raw_config if raw_config is not None else repr(cfg), world_size))

@@ -5,10 +5,15 @@ A checkpoint is ``<output_dir>/global_step_<k>/`` holding each role's DCP state
 Lagrange multiplier, RNG). It is complete only once the ``COMPLETE`` marker is
 written, last; `resume=auto` never picks a directory without it, so a run killed
 mid-save resumes from the previous checkpoint.
+
+`SnapshotManager` is the controller's side of the memory snapshots (`torchrlhf.utils.snapshot`), written every
+``snapshot_freq`` steps into node-local shared memory, which a restarted job loads before any disk checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,6 +24,12 @@ import torch
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of a checkpoint directory ``global_step_<k>`` (-1 for another name)."""
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else -1
 
 
 class CheckpointManager:
@@ -90,3 +101,70 @@ class CheckpointManager:
             return
         for _, path in self.complete_checkpoints()[: -self.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+class SnapshotManager:
+    """Which memory-snapshot slot to write next, publishing it, and whether a restart may resume from it.
+
+    ``<root>/LATEST`` names the published slot, its step and the run's fingerprint (its config and world
+    size). It is replaced atomically, and only after every rank wrote the slot and the controller's state is in
+    ``<root>/slot<i>/controller.pt``: a snapshot is never half-published. A snapshot with another fingerprint
+    is refused (the restart falls back to disk).
+    """
+
+    LATEST = "LATEST"
+
+    def __init__(self, root: str, fingerprint: str) -> None:
+        self.root = root
+        self.fingerprint = fingerprint
+
+    @staticmethod
+    def default_root(output_dir: str) -> str:
+        """``/dev/shm/torchrlhf/<hash of the output directory>``: node-local memory, one per run directory."""
+        key = hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:16]
+        return os.path.join("/dev/shm", "torchrlhf", key)
+
+    def latest(self) -> dict[str, Any] | None:
+        """The published snapshot (``step``, ``slot``, ``fingerprint``), or None."""
+        try:
+            with open(os.path.join(self.root, self.LATEST)) as f:
+                latest = json.load(f)
+            return {"step": int(latest["step"]), "slot": int(latest["slot"]), "fingerprint": str(latest["fingerprint"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def next_slot(self) -> int:
+        """The slot that does not hold the published snapshot."""
+        latest = self.latest()
+        return 1 - latest["slot"] if latest is not None else 0
+
+    def publish(self, step: int, slot: int, controller_state: dict[str, Any]) -> None:
+        """Make ``slot`` (every rank has written it) the snapshot a restart resumes from."""
+        state_file = os.path.join(self.root, f"slot{slot}", "controller.pt")
+        os.makedirs(os.path.dirname(state_file), exist_ok=True)
+        torch.save(controller_state, state_file + ".tmp")
+        os.replace(state_file + ".tmp", state_file)
+        latest = os.path.join(self.root, self.LATEST)
+        with open(latest + ".tmp", "w") as f:
+            json.dump({"step": step, "slot": slot, "fingerprint": self.fingerprint}, f)
+        os.replace(latest + ".tmp", latest)
+
+    def refusal(self, latest: dict[str, Any]) -> str | None:
+        """Why the published snapshot cannot be resumed by this run (None: it can)."""
+        if latest["fingerprint"] != self.fingerprint:
+            return (f"the memory snapshot of step {latest['step']} in {self.root} was written by another config or "
+                    "world size; not resuming from it")
+        return None
+
+    def load_controller_state(self, slot: int) -> dict[str, Any]:
+        return torch.load(os.path.join(self.root, f"slot{slot}", "controller.pt"), weights_only=True)
+
+    def clear(self) -> None:
+        """Give the shared memory back (a finished run; the ranks drop their own files first)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_fingerprint(config: dict[str, Any] | str, world_size: int) -> str:
+    """What a memory snapshot must match to be resumed: the resolved config and the world size."""
+    text = json.dumps({"config": config, "world_size": world_size}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -135,12 +135,22 @@ class CheckpointConfig:
 
     ``save_freq``: a checkpoint every that many steps and after the last one (0: none). ``keep_last``: only the
     newest complete checkpoints are kept (None or 0: all). ``resume``: ``auto`` (the latest complete checkpoint
-    under ``trainer.output_dir``, if any), ``disable``, or a checkpoint's path.
+    under ``trainer.output_dir``, or a newer memory snapshot, if any), ``disable``, or a checkpoint's path.
+    ``snapshot_freq``: a snapshot of the training state in node-local shared memory every that many steps (0:
+    none; `torchrlhf.utils.snapshot`), which a job restarted by torchrun resumes from before the disk.
+    ``snapshot_dir``: where (a tmpfs; None: ``/dev/shm/torchrlhf/<hash of trainer.output_dir>``).
     """
 
     save_freq: int = 0
     keep_last: int | None = None
     resume: str = "auto"
+    snapshot_freq: int = 0
+    snapshot_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("save_freq", "snapshot_freq"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}: must be >= 0 (0: off), got {getattr(self, key)}")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
 from torchrlhf.runtime.profiling import StepProfiler
 from torchrlhf.algorithms.masked import at_last_token
-from torchrlhf.trainer.checkpointing import CheckpointManager
+from torchrlhf.trainer.checkpointing import CheckpointManager, SnapshotManager, checkpoint_step
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from torchrlhf.trainer.metrics import (
     compute_data_metrics,
@@ -65,6 +65,7 @@ class RLTrainer:
         max_staleness: how many versions samples may lag (0 when synchronous), for the staleness histogram.
         safe_rlhf: the samples carry ``cost_scores`` (a cost model): constrain them with a Lagrange multiplier.
         profiler: which steps' worker calls are recorded with torch.profiler (``trainer.profile``).
+        fingerprint: what a memory snapshot must match to be resumed (`checkpointing.run_fingerprint`).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class RLTrainer:
         max_staleness: int = 0,
         safe_rlhf: bool = False,
         profiler: StepProfiler | None = None,
+        fingerprint: str = "",
     ) -> None:
         self.algo = algorithm
         self.estimator = algorithms.ADV_ESTIMATORS[algorithm.adv_estimator]
@@ -104,18 +106,24 @@ class RLTrainer:
         self.kl_ctrl = algorithm.kl_ctrl.controller()
         self.lagrange = algorithm.lagrangian.multiplier() if safe_rlhf else None
         self.profiler = profiler or StepProfiler()
-        self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=trainer_cfg.checkpoint.keep_last)
+        ckpt = trainer_cfg.checkpoint
+        self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=ckpt.keep_last)
+        self.snapshots = SnapshotManager(ckpt.snapshot_dir or SnapshotManager.default_root(trainer_cfg.output_dir),
+                                         fingerprint) if ckpt.snapshot_freq > 0 else None
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
         self._maybe_resume()
+        self._reserve_snapshots()
         self.peak_flops = self._peak_flops()
         self.source.start(self.weight_version)
         try:
-            return self._fit()
+            metrics = self._fit()
         finally:
             self.source.stop()
+        self._drop_snapshots()
+        return metrics
 
     def _fit(self) -> dict[str, float]:
         before: dict[str, float] = {}
@@ -132,6 +140,10 @@ class RLTrainer:
                 self.global_step % self.trainer_cfg.test_freq == 0 or last
             ):
                 metrics.update(self.validate())
+            snapshot_freq = self.trainer_cfg.checkpoint.snapshot_freq
+            if self.snapshots is not None and self.global_step % snapshot_freq == 0:
+                with timer("save_snapshot", metrics):
+                    self.save_snapshot(metrics)
             save_freq = self.trainer_cfg.checkpoint.save_freq
             if save_freq > 0 and (self.global_step % save_freq == 0 or last):
                 with timer("save_checkpoint", metrics):
@@ -283,10 +295,64 @@ class RLTrainer:
                 self.roles.critic.save_checkpoint(f"{path}/critic")
 
         with self.source.paused(drain=True):
-            state = self.controller_state()
-            if metrics is not None:
-                state["step_metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-            return self.checkpoints.save(self.global_step, save_roles, state)
+            return self.checkpoints.save(self.global_step, save_roles, self._checkpoint_state(metrics))
+
+    def _checkpoint_state(self, metrics: dict[str, float] | None) -> dict[str, Any]:
+        state = self.controller_state()
+        if metrics is not None:
+            state["step_metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        return state
+
+    def _trainable(self) -> list[Any]:
+        return [g for g in (self.roles.actor, self.roles.critic) if g is not None]
+
+    def save_snapshot(self, metrics: dict[str, float] | None = None) -> None:
+        """Every trainable rank writes the slot not holding the published snapshot, then the controller
+        publishes it: a kill at any point leaves the last published snapshot whole."""
+        assert self.snapshots is not None
+        slot = self.snapshots.next_slot()
+        with self.source.paused(drain=True):
+            for group in self._trainable():
+                group.save_snapshot(self.snapshots.root, slot, self.global_step)
+            self.snapshots.publish(self.global_step, slot, self._checkpoint_state(metrics))
+
+    def _reserve_snapshots(self) -> None:
+        if self.snapshots is None:
+            return
+        per_slot = sum(sum(group.reserve_snapshot(self.snapshots.root)) for group in self._trainable())
+        self.logger.message(f"torchrlhf: a memory snapshot every {self.trainer_cfg.checkpoint.snapshot_freq} "
+                            f"step(s) in {self.snapshots.root} (2 slots x {per_slot / 2**30:.2f} GiB reserved)")
+
+    def _drop_snapshots(self) -> None:
+        """A finished run gives its shared memory back (its disk checkpoints stay)."""
+        if self.snapshots is None:
+            return
+        for group in self._trainable():
+            group.drop_snapshot(self.snapshots.root)
+        self.snapshots.clear()
+
+    def _resumable_snapshot(self, disk_path: str | None) -> dict[str, Any] | None:
+        """The published memory snapshot when this run can resume from it and no disk checkpoint is newer:
+        the same fingerprint, and every trainable rank still holds the slot (a replaced node does not)."""
+        if self.snapshots is None or self.trainer_cfg.checkpoint.resume != "auto":
+            return None
+        latest = self.snapshots.latest()
+        if latest is None:
+            return None
+        why = self.snapshots.refusal(latest)
+        if why is None and disk_path is not None and checkpoint_step(disk_path) > latest["step"]:
+            return None
+        if why is None:
+            held = [(g, s) for g in self._trainable() for s in g.snapshot_step(self.snapshots.root, latest["slot"])]
+            missing = sorted({g.name for g, s in held if s != latest["step"]})
+            if missing:
+                why = (f"the memory snapshot of step {latest['step']} in {self.snapshots.root} is incomplete on "
+                       f"the ranks of {missing} (a node replaced?); not resuming from it")
+        if why is not None:
+            fallback = f"resuming from {disk_path}" if disk_path else "no disk checkpoint to resume from"
+            self.logger.message(f"torchrlhf: {why}; {fallback}")
+            return None
+        return latest
 
     def controller_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -301,13 +367,22 @@ class RLTrainer:
         return state
 
     def _maybe_resume(self) -> None:
+        started = time.perf_counter()
         path = self.checkpoints.resolve(self.trainer_cfg.checkpoint.resume)
-        if path is None:
+        snapshot = self._resumable_snapshot(path)
+        if snapshot is not None:
+            assert self.snapshots is not None
+            state = self.snapshots.load_controller_state(snapshot["slot"])
+            for group in self._trainable():
+                group.load_snapshot(self.snapshots.root, snapshot["slot"], snapshot["step"])
+            path = f"the memory snapshot of step {snapshot['step']} ({self.snapshots.root})"
+        elif path is None:
             return
-        state = self.checkpoints.load_controller_state(path)
-        self.roles.actor.load_checkpoint(f"{path}/actor")
-        if self.roles.critic is not None:
-            self.roles.critic.load_checkpoint(f"{path}/critic")
+        else:
+            state = self.checkpoints.load_controller_state(path)
+            self.roles.actor.load_checkpoint(f"{path}/actor")
+            if self.roles.critic is not None:
+                self.roles.critic.load_checkpoint(f"{path}/critic")
         self.global_step = state["global_step"]
         self.weight_version = state["weight_version"]
         self.train_prompts.load_state_dict(state["sampler"])
@@ -326,7 +401,8 @@ class RLTrainer:
             self.logger.message(f"torchrlhf: resumed from {path}: total_steps={total} already reached; nothing to "
                                 "train; trainer.checkpoint.resume=disable or a new trainer.output_dir starts afresh")
         else:
-            self.logger.message(f"torchrlhf: resumed from {path} at step {self.global_step} of {total}")
+            self.logger.message(f"torchrlhf: resumed from {path} at step {self.global_step} of {total} (state "
+                                f"loaded in {time.perf_counter() - started:.1f} s)")
 
 
 def _pop_perf(batch: Batch) -> dict[str, float]:

@@ -36,7 +36,7 @@ from torchrlhf.models.parallelize import compile_blocks, enable_activation_check
 from torchrlhf.models.sharded import load_weights
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
-from torchrlhf.utils import flops
+from torchrlhf.utils import flops, snapshot
 from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.utils.compile_cache import enable_compile_cache
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, build_optimizer
@@ -460,4 +460,34 @@ class FSDPWorker(Worker):
         """Restore a checkpoint saved by the same role on any world size (collective)."""
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
                              process_group=self.process_group, trainable_only=self.lora is not None)
+
+    # ------------------------------------------------------------------ memory snapshots (`utils.snapshot`)
+    def _snapshot_args(self) -> dict:
+        return dict(role=self.context.group_name, rank=self.rank, model=self.model, optimizer=self.optimizer,
+                    scheduler=self.lr_scheduler, process_group=self.process_group,
+                    trainable_only=self.lora is not None)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def reserve_snapshot(self, root: str) -> int:
+        """Claim this rank's shared memory for both snapshot slots now (a clear error if it is too small);
+        returns one slot's bytes."""
+        nbytes = snapshot.estimate_bytes(self.model, trainable_only=self.lora is not None)
+        snapshot.reserve(root, self.context.group_name, self.rank, nbytes)
+        return nbytes
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_snapshot(self, root: str, slot: int, step: int) -> int:
+        return snapshot.save_snapshot(root, slot, step, **self._snapshot_args())
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def snapshot_step(self, root: str, slot: int) -> int | None:
+        return snapshot.snapshot_step(root, slot, self.context.group_name, self.rank)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_snapshot(self, root: str, slot: int, step: int) -> None:
+        snapshot.load_snapshot(root, slot, step, **self._snapshot_args())
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def drop_snapshot(self, root: str) -> None:
+        snapshot.drop_snapshot(root, self.context.group_name, self.rank)
 
