@@ -1,5 +1,6 @@
 """ActorWorker on a mixture-of-experts policy (tiny Qwen3-MoE): its PPO gradient, with and without the
-load-balancing loss, equals the one derived by hand from transformers' own model and ``load_balancing_loss_func``."""
+load-balancing loss and the router z-loss, equals the one derived by hand from transformers' own model,
+``load_balancing_loss_func`` and (Switch Transformers') ``router_z_loss_func``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+from transformers.models.switch_transformers.modeling_switch_transformers import router_z_loss_func
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch.distributed as dist  # noqa: E402
@@ -31,10 +33,12 @@ def moe_dir(tmp_path_factory) -> str:
                                vocab_size=128, initializer_range=0.2))
 
 
-@pytest.mark.parametrize("shared_prefix, coef", [(True, 0.0), (False, 0.0), (False, COEF), (True, COEF)])
-def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_prefix, coef):
+@pytest.mark.parametrize("shared_prefix, coef, z_coef", [(True, 0.0, 0.0), (False, 0.0, 0.0), (False, COEF, 0.0),
+                                                          (True, COEF, 0.0), (False, 0.0, COEF), (True, COEF, COEF)])
+def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_prefix, coef, z_coef):
     """One micro-batch of 6 samples, 3 prompts of 2 (GRPO groups): with shared prompts, each prompt token counts
-    once per sample in the aux loss (logical prefix tokens), as in the dense rows transformers sees."""
+    once per sample in the aux loss and the z-loss (logical prefix tokens), as in the dense rows transformers
+    sees. The z-loss's reference is transformers' over the real tokens of every layer (padding left out)."""
     batch = rollout_batch(6, temperature=0.8, seed=3, group_size=2)
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     r = batch["responses"].shape[1]
@@ -46,13 +50,16 @@ def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_pre
     batch["old_log_probs"] = (lp.detach() + noise) * mask  # ratios inside the clip range
     pg_loss = -(batch["advantages"] * torch.exp(lp - batch["old_log_probs"]) * mask).sum() / mask.sum()
     aux = load_balancing_loss_func(out.router_logits, 8, 2, batch["attention_mask"])
-    (pg_loss + coef * aux).backward()
+    real = batch["attention_mask"].reshape(-1).bool()
+    z = router_z_loss_func(torch.cat([layer[real] for layer in out.router_logits])[None])
+    (pg_loss + coef * aux + z_coef * z).backward()
 
-    actor = ActorWorker(moe_dir, shared_prefix=shared_prefix, router_aux_loss_coef=coef,
+    actor = ActorWorker(moe_dir, shared_prefix=shared_prefix, router_aux_loss_coef=coef, router_z_loss_coef=z_coef,
                         **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=6))
     stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     assert stats["actor/pg_loss"] == pytest.approx(pg_loss.item(), rel=1e-5)
     assert stats["moe/aux_loss"] == pytest.approx(aux.item(), rel=1e-5)
+    assert stats["moe/z_loss"] == pytest.approx(z.item(), rel=1e-5)
     assert stats["moe/expert_load/max_over_mean"] >= 1.0
     ref = dict(model.named_parameters())
     router_grad = 0.0
@@ -68,6 +75,8 @@ def test_bad_aux_loss_settings_are_refused(moe_dir, tmp_path):
     dense = str(save_tiny_model(tmp_path / "dense", tokenizer_from=None, vocab_size=128))
     with pytest.raises(ValueError, match="no mixture-of-experts router"):
         ActorWorker(dense, shared_prefix=False, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
+    with pytest.raises(ValueError, match="router_z_loss_coef=0.001: the policy .* has no mixture-of-experts router"):
+        ActorWorker(dense, shared_prefix=False, router_z_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
 
 
 # Two PPO steps with the aux loss on. The aux loss is per micro-batch, so each comparison keeps the micro-batches'

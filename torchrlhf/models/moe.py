@@ -165,6 +165,20 @@ def load_balancing_loss(record: RoutingRecord, num_experts: int, token_weights: 
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
+def router_z_loss(record: RoutingRecord, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss as transformers' ``router_z_loss_func`` computes it: the mean over all layers'
+    tokens of ``logsumexp(router logits)**2``. It keeps the router's logits small, where a low-precision router
+    flips fewer routes. ``token_weights`` as in `load_balancing_loss`."""
+    total = torch.zeros((), dtype=torch.float32, device=record.logits[0].device)
+    rows = torch.zeros_like(total)
+    for logits in record.logits:
+        w = (torch.ones(logits.shape[0], device=total.device) if token_weights is None
+             else token_weights.to(device=total.device, dtype=torch.float32).reshape(-1))
+        total = total + (torch.logsumexp(logits.float(), dim=-1) ** 2 * w).sum()
+        rows = rows + w.sum()
+    return total / rows
+
+
 def expert_load(record: RoutingRecord, num_experts: int) -> torch.Tensor:
     """Top-k choices per expert, summed over layers and tokens [experts] (for ``moe/expert_load/max_over_mean``)."""
     load = torch.zeros(num_experts, dtype=torch.float32)

@@ -680,6 +680,7 @@ def _moe_errors(cfg: RecipeConfig) -> list[str]:
     actor = cfg.actor
     asked = [key for key, on in (("actor.ep_size", actor.ep_size > 1),
                                  ("actor.router_aux_loss_coef", bool(actor.router_aux_loss_coef)),
+                                 ("actor.router_z_loss_coef", bool(actor.router_z_loss_coef)),
                                  ("actor.router_replay", actor.router_replay == "rollout")) if on]
     errors = []
     if not asked or not names_a_model(actor.model_path) or os.path.isfile(os.path.expanduser(actor.model_path)):

@@ -22,7 +22,15 @@ from torchrlhf.data import Batch
 from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import LoRAConfig, adapter_disabled, is_adapter
-from torchrlhf.models.moe import Replay, RoutingRecord, expert_load, is_moe, load_balancing_loss, record_routing
+from torchrlhf.models.moe import (
+    Replay,
+    RoutingRecord,
+    expert_load,
+    is_moe,
+    load_balancing_loss,
+    record_routing,
+    router_z_loss,
+)
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, register
@@ -51,7 +59,9 @@ class ActorWorker(FSDPWorker):
     ``router_aux_loss_coef``: a mixture-of-experts policy adds this times the load-balancing loss
     (`models.moe.load_balancing_loss`, transformers' over every real token of each micro-batch's sequences, in
     the dense and the shared-prefix layouts alike; token-weighted over micro-batches). 0 (the default, as
-    verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. Either way ``moe/aux_loss`` and
+    verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. ``router_z_loss_coef``: adds this times
+    ST-MoE's router z-loss (`models.moe.router_z_loss`, over the same tokens with the same weights); 0 (the
+    default) adds none, ST-MoE used 0.001. Either way ``moe/aux_loss``, ``moe/z_loss`` and
     ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
     ``ep_size``: expert parallelism for a mixture-of-experts policy: each sparse block's experts split over
     ``ep_size`` adjacent data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all
@@ -84,6 +94,7 @@ class ActorWorker(FSDPWorker):
         shared_prefix: bool = True,
         lora: LoRAConfig | None = None,
         router_aux_loss_coef: float = 0.0,
+        router_z_loss_coef: float = 0.0,
         router_replay: str = "off",
         freeze: bool = False,
         seed: int = 0,
@@ -106,10 +117,11 @@ class ActorWorker(FSDPWorker):
                                        compile=compile)
         self.window = sliding_window(self.model.config)
         self.num_experts = getattr(self.model.config, "num_experts", 0) if is_moe(self.model.config) else 0
-        self.router_aux_loss_coef = router_aux_loss_coef
-        if router_aux_loss_coef and not self.num_experts:
-            raise ValueError(f"actor.router_aux_loss_coef={router_aux_loss_coef}: the policy "
-                             f"({self.model.config.model_type}) has no mixture-of-experts router")
+        self.router_aux_loss_coef, self.router_z_loss_coef = router_aux_loss_coef, router_z_loss_coef
+        for key, coef in (("router_aux_loss_coef", router_aux_loss_coef), ("router_z_loss_coef", router_z_loss_coef)):
+            if coef and not self.num_experts:
+                raise ValueError(f"actor.{key}={coef}: the policy ({self.model.config.model_type}) has no "
+                                 "mixture-of-experts router")
         if router_replay not in ("off", "rollout"):
             raise ValueError(f"actor.router_replay: 'off' or 'rollout', got {router_replay!r}")
         if router_replay == "rollout" and not self.num_experts:
@@ -117,7 +129,7 @@ class ActorWorker(FSDPWorker):
                              "mixture-of-experts router")
         self.router_replay = router_replay == "rollout"
         if self.num_experts:
-            self.loss_metrics += ("moe/aux_loss", "moe/routing_agreement")
+            self.loss_metrics += ("moe/aux_loss", "moe/z_loss", "moe/routing_agreement")
             self.max_metrics += ("moe/expert_load/max_over_mean",)
         self.lm_head: LogProbHead = self.model.get_output_embeddings()  # scores responses without logits
         if freeze:  # the reference: only no-grad passes, whose micro sizes come from ``batching``
@@ -263,7 +275,7 @@ class ActorWorker(FSDPWorker):
         mask = mb["response_mask"].to(log_prob.dtype)
         tokens, normalizer = max(totals.tokens, 1.0), totals.normalizer
         stats: dict[str, float] = {}
-        aux_loss = self._router_aux_loss(routing, mb, rows, plan, prefix, float(mask.sum()) / tokens, real, stats)
+        router_loss = self._router_loss(routing, mb, rows, plan, prefix, float(mask.sum()) / tokens, real, stats)
         if real and self.num_experts:
             stats["moe/routing_agreement"] = routing.agreement * float(mask.sum()) / tokens
         # One optimizer step per rollout: the sampling policy is the one being updated, so the
@@ -284,8 +296,8 @@ class ActorWorker(FSDPWorker):
         )
         ent_loss = agg_loss(entropy, mask, self.loss.agg_mode, normalizer=normalizer)
         loss = pg_loss - self.loss.entropy_coeff * ent_loss
-        if aux_loss is not None and self.router_aux_loss_coef:
-            loss = loss + self.router_aux_loss_coef * aux_loss
+        if router_loss is not None:
+            loss = loss + router_loss
         if self.loss.use_kl_loss:
             kl = kl_penalty(log_prob, mb["ref_log_prob"], self.loss.kl_loss_type)
             kl_loss = agg_loss(kl, mask, self.loss.agg_mode, normalizer=normalizer)
@@ -299,12 +311,13 @@ class ActorWorker(FSDPWorker):
                 stats[f"actor/{name}"] = float(pg_metrics[name]) * share
         return loss, stats
 
-    def _router_aux_loss(self, routing: RoutingRecord, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None,
-                         prefix: PrefixKV | None, share: float, real: bool, stats: dict[str, float]
-                         ) -> torch.Tensor | None:
-        """The micro-batch's load-balancing loss over every token of its sequences, weighted by its ``share`` of
-        the mini-batch's response tokens (so the sum over micro-batches is their token-weighted mean), and its
-        routing metrics; None for a dense model. Dense rows count their real tokens (padding excluded, as
+    def _router_loss(self, routing: RoutingRecord, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None,
+                     prefix: PrefixKV | None, share: float, real: bool, stats: dict[str, float]
+                     ) -> torch.Tensor | None:
+        """The micro-batch's router terms of the loss (the load-balancing loss and the z-loss times their
+        coefficients; None when both are 0 or the model is dense), and its routing metrics. Each term is taken
+        over every token of the micro-batch's sequences, weighted by its ``share`` of the mini-batch's response
+        tokens (so the sum over micro-batches is their token-weighted mean). Dense rows count their real tokens (padding excluded, as
         transformers does with an attention mask). With shared prompts, the micro-batch's suffix row (each
         sample's last prompt token and response) joins the prefix pass's routing, each prompt token counted
         once per sample of the micro-batch that repeats it (the shared-prefix paper's logical prefix tokens):
@@ -319,8 +332,11 @@ class ActorWorker(FSDPWorker):
             suffix = routing.logits[0].shape[0] - prompts.logits[0].shape[0]
             weights = torch.cat([plan.prefix_token_weights(rows), torch.ones(suffix)]).to(self.device)
         aux = load_balancing_loss(routing, self.num_experts, weights) * share
+        z = router_z_loss(routing, weights) * share
         if real:
             load = expert_load(routing, self.num_experts)
             stats["moe/aux_loss"] = float(aux.detach())
+            stats["moe/z_loss"] = float(z.detach())
             stats["moe/expert_load/max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
-        return aux
+        terms = [coef * term for coef, term in ((self.router_aux_loss_coef, aux), (self.router_z_loss_coef, z)) if coef]
+        return sum(terms[1:], terms[0]) if terms else None
