@@ -101,10 +101,15 @@ def test_too_little_shared_memory_fails_at_reserve_and_gives_back_what_it_took(m
     try:
         with pytest.raises(RuntimeError, match=r"(?s)needs 2 x .* GiB under .*docker --shm-size.*snapshot_freq=0"):
             actor.reserve_snapshot(str(tmp_path / "small"))
+        assert not any(f.is_file() for f in (tmp_path / "small").rglob("*"))
+        # a snapshot bigger than its reservation (an optimizer with more state than Adam's) fails the same way
+        _step(actor, seed=1)
+        with pytest.raises(RuntimeError, match=r"(?s)memory snapshot of local rank 0 needs 2 x .*docker --shm-size"):
+            actor.save_snapshot(str(tmp_path / "unreserved"), 0, 1)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
-    assert not any(f.is_file() for f in (tmp_path / "small").rglob("*"))
+    assert snapshot.snapshot_step(str(tmp_path / "unreserved"), 0, "local", 0) is None  # nothing half-published
 
 
 def test_a_slot_is_published_atomically_and_another_run_is_refused(tmp_path):

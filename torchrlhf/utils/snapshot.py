@@ -109,28 +109,35 @@ def reserve(root: str, role: str, rank: int, nbytes: int) -> None:
     """Claim ``nbytes`` of the filesystem under ``root`` for each slot's bytes file of this rank now, so that
     shared memory too small for the snapshot fails at start-up with a clear error instead of mid-run (a
     write into an unreserved tmpfs page can raise SIGBUS). Reserving keeps what a file already holds."""
-    for slot in range(SLOTS):
-        bin_file, _ = rank_files(root, slot, role, rank)
-        os.makedirs(os.path.dirname(bin_file), exist_ok=True)
+    try:
+        for slot in range(SLOTS):
+            _claim(rank_files(root, slot, role, rank)[0], nbytes, root, role, rank)
+    except RuntimeError:
+        for slot in range(SLOTS):  # give back what this rank claimed
+            for f in rank_files(root, slot, role, rank):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f)
+        raise
+
+
+def _claim(bin_file: str, nbytes: int, root: str, role: str, rank: int) -> None:
+    """Make ``bin_file`` hold at least ``nbytes`` of allocated space; the one clear error when it cannot."""
+    os.makedirs(os.path.dirname(bin_file), exist_ok=True)
+    try:
+        fd = os.open(bin_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fd = os.open(bin_file, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < nbytes:
-                    os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            free = shutil.disk_usage(os.path.dirname(bin_file)).free
-            for s in range(SLOTS):  # give back what this rank claimed
-                for f in rank_files(root, s, role, rank):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(f)
-            raise RuntimeError(
-                f"trainer.checkpoint.snapshot_freq: the memory snapshot of {role} rank {rank} needs {SLOTS} x "
-                f"{nbytes / 2**30:.2f} GiB under {root} ({e.strerror}; {free / 2**30:.2f} GiB free there, shared "
-                "by every rank of this node): give the machine more shared memory (docker --shm-size), set "
-                "trainer.checkpoint.snapshot_dir to a larger tmpfs, or turn snapshots off with "
-                "trainer.checkpoint.snapshot_freq=0") from e
+            if os.fstat(fd).st_size < nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        free = shutil.disk_usage(os.path.dirname(bin_file)).free
+        raise RuntimeError(
+            f"trainer.checkpoint.snapshot_freq: the memory snapshot of {role} rank {rank} needs {SLOTS} x "
+            f"{nbytes / 2**30:.2f} GiB under {root} ({e.strerror}; {free / 2**30:.2f} GiB free there, shared "
+            "by every rank of this node): give the machine more shared memory (docker --shm-size), set "
+            "trainer.checkpoint.snapshot_dir to a larger tmpfs, or turn snapshots off with "
+            "trainer.checkpoint.snapshot_freq=0") from e
 
 
 def save_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
@@ -142,19 +149,13 @@ def save_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, mode
     skeleton, tensors = _state(model, optimizer, trainable_only)
     entries, total = _layout(tensors)
     bin_file, meta_file = rank_files(root, slot, role, rank)
-    os.makedirs(os.path.dirname(bin_file), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(meta_file)  # this slot no longer describes a whole state until the new bytes are in
-    fd = os.open(bin_file, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        if os.fstat(fd).st_size < total:
-            os.posix_fallocate(fd, 0, total)  # ENOSPC here, not SIGBUS later
-        with os.fdopen(fd, "r+b", closefd=False) as f:
-            for (path, _, _, offset, _), t in zip(entries, tensors.values()):
-                f.seek(offset)
-                f.write(_bytes(_local(t)))
-    finally:
-        os.close(fd)
+    _claim(bin_file, total, root, role, rank)  # more than reserved (an optimizer with more state than Adam's)
+    with open(bin_file, "r+b") as f:
+        for (_, _, _, offset, _), t in zip(entries, tensors.values()):
+            f.seek(offset)
+            f.write(_bytes(_local(t)))
     meta = {"step": step, "role": role, "rank": rank, "total": total, "entries": entries, "skeleton": skeleton,
             "group_size": dist.get_world_size(process_group) if process_group is not None else 1,
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
