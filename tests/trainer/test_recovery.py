@@ -9,6 +9,7 @@ With a memory snapshot every step, the restart resumes from step 3's snapshot in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,28 @@ def test_a_killed_rank_resumes_from_the_memory_snapshot(tiny_model_dir, tmp_path
         for key in COMPARED:
             assert got_row[key] == pytest.approx(want_row[key], rel=1e-4, abs=1e-6), (got_row["step"], key)
     assert not shm.exists()
+
+
+def test_a_snapshot_missing_on_a_rank_falls_back_to_the_disk(tiny_model_dir, tmp_path):
+    """One process, killed for good in step 3's update (no restarts): its snapshot of step 2 stays in memory.
+    A rank's part of it lost (as on a replaced node), the same command resumes from the disk and says why."""
+    shm, out = tmp_path / "shm", tmp_path / "once"
+    actor = {"_component_": "custom_components.KillOnceActor", "kill_rank": 0, "kill_at_update": 3,
+             "marker": str(tmp_path / "once.killed"), "batching": {"ppo_micro_batch_size_per_device": 4}}
+    trainer = {"total_steps": 3, "checkpoint": {"save_freq": 1, "snapshot_freq": 1, "snapshot_dir": str(shm)},
+               "test_freq": 0, "output_dir": str(out), "loggers": ["console", "jsonl"]}
+    config = write_config(tmp_path / "once.yaml", tiny_model_dir, actor=actor, trainer=trainer)
+    killed = run_recipe(config)
+    assert killed.returncode != 0 and (tmp_path / "once.killed").exists(), killed.stdout + killed.stderr
+    latest = json.loads((shm / "LATEST").read_text())
+    assert latest["step"] == 2
+    (shm / f"slot{latest['slot']}" / "actor" / "rank0.pt").unlink()
+    again = run_recipe(config)
+    assert_ok(again)
+    assert (f"torchrlhf: the memory snapshot of step 2 in {shm} is incomplete on the ranks of ['actor'] (a node "
+            f"replaced?); not resuming from it; resuming from {out / 'global_step_2'}") in again.stdout, again.stdout
+    assert f"resumed from {out / 'global_step_2'} at step 2 of 3" in again.stdout
+    assert [m["step"] for m in metrics_of(out)] == [1, 2, 3] and not shm.exists()
 
 
 def test_a_second_run_of_a_finished_job_says_it_has_nothing_to_train(tiny_model_dir, tmp_path):
