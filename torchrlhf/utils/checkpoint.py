@@ -103,7 +103,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     _barrier(process_group)
 
-    model_sd, optim_sd = _get_state_dict(model, optimizer, trainable_only)
+    model_sd, optim_sd = training_state_dicts(model, optimizer, trainable_only)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
@@ -130,7 +130,7 @@ def save_checkpoint(
     _barrier(process_group)
 
 
-def _get_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
+def training_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts; ``trainable_only`` keeps the parameters that require grad (a tied
     frozen alias such as ``lm_head.weight`` included: it goes too)."""
@@ -174,7 +174,7 @@ def load_checkpoint(
     path = os.fspath(path)
     if not is_complete(path):
         raise FileNotFoundError(f"no complete checkpoint at {path!r} (missing {COMPLETE} marker)")
-    model_sd, optim_sd = _get_state_dict(model, optimizer, trainable_only)
+    model_sd, optim_sd = training_state_dicts(model, optimizer, trainable_only)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from torchrlhf.utils.checkpoint import rng_state, set_rng_state
+from torchrlhf.utils.checkpoint import rng_state, set_rng_state, training_state_dicts
 
 SLOTS = 2
 _ALIGN = 64
@@ -71,11 +71,7 @@ def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool
            ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The model and optimizer state as a tensor-free skeleton and {path: tensor} (DTensors as they are)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [],
-                                        options=StateDictOptions(ignore_frozen_params=trainable_only))
-    if trainable_only:
-        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    model_sd, optim_sd = training_state_dicts(model, optimizer, trainable_only)  # what a checkpoint holds
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten({"model": model_sd, "optimizer": optim_sd if optimizer is not None else {}}, "", tensors)
     return skeleton, tensors
