@@ -123,3 +123,27 @@ def test_lora_trace_holds_the_base_in_the_compute_dtype_and_adapter_states_only(
     assert held_one["optimizer states"] == full["optimizer states"] * 2
     assert held_one["activations"] == full["activations"]
 
+
+
+def test_shared_prefix_trace_moves_the_prompt_pass_to_the_host(tiny_model_dir):
+    """With offload the traced activations fall by what the prompt pass saved, and the host holds exactly what
+    the same pass moves on real tensors (`prefix_forward` on the loaded model)."""
+    from torchrlhf.data import Batch
+    from torchrlhf.models.loading import load_causal_lm
+    from torchrlhf.trainer.memory import trace_shared_prefix_update
+    from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward
+
+    shape = dict(prompts=2, n=3, micro=3, prompt_len=12, response_len=5)
+    kept = trace_shared_prefix_update(tiny_model_dir, dtype=torch.float32, **shape)
+    moved = trace_shared_prefix_update(tiny_model_dir, dtype=torch.float32, offload=True, **shape)
+    assert kept["offloaded"] == 0 and moved["offloaded"] > 0
+    assert moved["activations"] < kept["activations"]
+    assert moved["parameters"] == kept["parameters"] and moved["optimizer states"] == kept["optimizer states"]
+
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    ids[:, 0] = torch.arange(2)
+    responses = torch.zeros(6, 5, dtype=torch.long)
+    batch = Batch({"input_ids": torch.cat([ids.repeat_interleave(3, 0), responses], 1), "responses": responses,
+                   "attention_mask": torch.ones(6, 17, dtype=torch.long)})
+    real = prefix_forward(load_causal_lm(tiny_model_dir), SharedPrefixPlan(batch), "cpu", offload_to="cpu")
+    assert real.offloaded_bytes == moved["offloaded"]

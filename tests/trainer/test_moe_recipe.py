@@ -21,7 +21,7 @@ CONFIG = ROOT / "recipes/configs/grpo_arithmetic_moe_cpu.yaml"
 
 def test_grpo_on_a_tiny_moe_trains_two_steps_on_two_ranks_with_ep_and_routing_replay(tmp_path):
     proc = run_recipe(CONFIG, f"trainer.output_dir={tmp_path}", "actor.ep_size=2", "rollout.engine.record_routes=true",
-                      "actor.router_replay=rollout", nproc=2)
+                      "actor.moe.router_replay=rollout", nproc=2)
     assert_ok(proc)
     rows = metrics_of(tmp_path)
     assert [r["training/global_step"] for r in rows] == [1, 2]
@@ -51,7 +51,7 @@ def test_split_vllm_rollouts_of_a_moe_sample_with_the_trained_experts(tmp_path):
     reward), at a large learning rate, moves the weights, so experts that did not reach vLLM would show."""
     proc = run_recipe(CONFIG, f"trainer.output_dir={tmp_path}", "placement.actor=[0]", "placement.rollout=[1]",
                       "rollout.engine._component_=torchrlhf.generation.VLLMEngine", "actor.batching.ppo_mini_batch_size=2",
-                      "actor.optim.lr=3e-2", "actor.router_aux_loss_coef=1.0", "trainer.total_steps=3", nproc=2)
+                      "actor.optim.lr=3e-2", "actor.moe.aux_loss_coef=1.0", "trainer.total_steps=3", nproc=2)
     assert_ok(proc)
     rows = metrics_of(tmp_path)
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]

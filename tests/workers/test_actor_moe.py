@@ -54,7 +54,7 @@ def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_pre
     z = router_z_loss_func(torch.cat([layer[real] for layer in out.router_logits])[None])
     (pg_loss + coef * aux + z_coef * z).backward()
 
-    actor = ActorWorker(moe_dir, shared_prefix=shared_prefix, router_aux_loss_coef=coef, router_z_loss_coef=z_coef,
+    actor = ActorWorker(moe_dir, shared_prefix=shared_prefix, moe={"aux_loss_coef": coef, "z_loss_coef": z_coef},
                         **grouped(ppo_mini_batch_size=6, rollout_n=1, ppo_micro_batch_size_per_device=6))
     stats = actor._train_mini_batch(batch, {"temperature": 0.8})
     assert stats["actor/pg_loss"] == pytest.approx(pg_loss.item(), rel=1e-5)
@@ -73,15 +73,18 @@ def test_gradient_is_the_ppo_loss_plus_transformers_aux_loss(moe_dir, shared_pre
 
 def test_bad_aux_loss_settings_are_refused(moe_dir, tmp_path):
     dense = str(save_tiny_model(tmp_path / "dense", tokenizer_from=None, vocab_size=128))
-    with pytest.raises(ValueError, match="no mixture-of-experts router"):
-        ActorWorker(dense, shared_prefix=False, router_aux_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
-    with pytest.raises(ValueError, match="router_z_loss_coef=0.001: the policy .* has no mixture-of-experts router"):
-        ActorWorker(dense, shared_prefix=False, router_z_loss_coef=0.001, **grouped(ppo_mini_batch_size=2))
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        with pytest.raises(ValueError, match=f"actor.moe.{key}: the policy .* has no mixture-of-experts router"):
+            ActorWorker(dense, shared_prefix=False, moe={key: 0.001}, **grouped(ppo_mini_batch_size=2))
+    with pytest.raises(ValueError, match="actor.moe.router_replay: the policy .* has no mixture-of-experts router"):
+        ActorWorker(dense, shared_prefix=False, moe={"router_replay": "rollout"}, **grouped(ppo_mini_batch_size=2))
+    with pytest.raises(ValueError, match="router_replay: 'off' or 'rollout', got 'engine'"):
+        ActorWorker(moe_dir, moe={"router_replay": "engine"})
 
 
 # Two PPO steps with the aux loss on. The aux loss is per micro-batch, so each comparison keeps the micro-batches'
 # samples: micro-batches of 8 / world samples on one rank hold what each of ``world`` ranks holds.
-TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, shared_prefix=False, router_aux_loss_coef=COEF)
+TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, shared_prefix=False, moe={"aux_loss_coef": COEF})
 METRICS = ["actor/pg_loss", "actor/grad_norm", "moe/aux_loss", "moe/expert_load/max_over_mean"]
 
 
@@ -143,7 +146,7 @@ def test_sharded_training_equals_one_rank_and_the_engine_generates_with_the_trai
 
 def test_routing_replay_uses_the_engines_experts_and_narrows_the_bf16_log_prob_gap(tmp_path):
     """A bf16 engine (16 experts, top-4) routes some tokens differently from the float32 actor. With
-    ``router_replay: rollout`` the actor routes every fed response token to the engine's experts: its log-probs
+    ``moe.router_replay: rollout`` the actor routes every fed response token to the engine's experts: its log-probs
     come closer to the engine's than with its own routes. In float32 the two routers agree exactly."""
     moe = str(save_tiny_model(tmp_path / "moe16", family="qwen3_moe", tokenizer_from=None, vocab_size=128,
                               initializer_range=0.2, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4))
@@ -157,7 +160,7 @@ def test_routing_replay_uses_the_engines_experts_and_narrows_the_bf16_log_prob_g
         gen["position_ids"] = (gen["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         mask = gen["response_mask"].bool()
         for replay in ("off", "rollout"):
-            actor, packed = (ActorWorker(moe, router_replay=replay, shared_prefix=shared,
+            actor, packed = (ActorWorker(moe, moe={"router_replay": replay}, shared_prefix=shared,
                                          **grouped(freeze=True, ppo_micro_batch_size_per_device=8))
                              for shared in (False, True))
             lp = actor.compute_log_prob(gen, temperature=1.0)["old_log_probs"]
@@ -183,7 +186,7 @@ def test_shared_prefix_aux_loss_equals_the_dense_one_over_micro_batch_splits(moe
     results = {}
     for shared in (False, True):
         batch = rollout_batch(8, temperature=0.8, seed=7, group_size=3)
-        actor = ActorWorker(moe_dir, shared_prefix=shared, router_aux_loss_coef=COEF,
+        actor = ActorWorker(moe_dir, shared_prefix=shared, moe={"aux_loss_coef": COEF},
                             **grouped(ppo_mini_batch_size=8, rollout_n=1, ppo_micro_batch_size_per_device=micro))
         stats = actor._train_mini_batch(batch, {"temperature": 0.8})
         results[shared] = stats, {n: p.grad.clone() for n, p in actor.model.named_parameters()}

@@ -88,6 +88,41 @@ def test_shared_prefix_update_equals_dense(model_dir, micro_kw):
     assert any(not torch.allclose(start[k], p_d[k]) for k in p_d)  # the updates did change the weights
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_offloaded_prefix_activations_give_the_same_update(model_dir, checkpointing, monkeypatch):
+    """The prompt pass's saved tensors held in host memory until its backward: the same log-probs, metrics and
+    weights, bit for bit (copies are exact), and the prompt pass did hand its activations over."""
+    import torchrlhf.workers.base as base
+
+    offloaded = []
+    run_prefixes = base.run_prefixes
+
+    def counting(*args, **kwargs):
+        plan, prefix, lengths = run_prefixes(*args, **kwargs)
+        offloaded.append(prefix.offloaded_bytes)
+        return plan, prefix, lengths
+
+    monkeypatch.setattr(base, "run_prefixes", counting)
+    batch = group_batch(min_response_len=0)
+    kw = dict(ppo_micro_batch_size_per_device=3, activation_checkpointing=checkpointing)
+    lp_o, m_o, p_o = _run(model_dir, batch, True, offload_prefix_activations=True, **kw)
+    # the no-grad log-prob pass saves nothing; each of 2 updates x 2 epochs moved its prompts' activations
+    assert len(offloaded) == 5 and offloaded[0] == 0 and min(offloaded[1:]) > 0, offloaded
+    lp_r, m_r, p_r = _run(model_dir, batch, True, **kw)
+    assert offloaded[5:] == [0] * 5
+    assert torch.equal(lp_o, lp_r)
+    for got, want in zip(m_o, m_r):  # the MFU is a timing
+        assert {k: v for k, v in got.items() if not k.startswith("perf/")} == \
+            {k: v for k, v in want.items() if not k.startswith("perf/")}
+    for name, want in p_r.items():
+        assert torch.equal(p_o[name], want), name
+
+
+def test_offloading_needs_shared_prefixes(model_dir):
+    with pytest.raises(ValueError, match="offload_prefix_activations needs actor.shared_prefix: true"):
+        ActorWorker(model_dir, **grouped(shared_prefix=False, offload_prefix_activations=True, **TRAIN_KW))
+
+
 def test_shared_prefix_with_one_sample_per_prompt(model_dir):
     """n = 1 (PPO): nothing to share, the packed path must still equal the dense one."""
     batch = rollout_batch(6, prompt_len=8, response_len=6, seed=5)
@@ -133,12 +168,14 @@ def test_shared_prefix_fsdp_and_tp_equal_dense_single_process(model_dir, tmp_pat
 
 @pytest.mark.parametrize("micro", [1, 3])
 def test_critic_shared_prefix_equals_dense(model_dir, micro):
-    """Values and the critic's parameters after 2 updates match the dense critic (groups split over micro-batches)."""
+    """Values and the critic's parameters after 2 updates match the dense critic (groups split over micro-batches;
+    with micro-batches of 3 the shared critic also offloads its prompt pass's activations)."""
     batch = group_batch(min_response_len=0)
     runs = {}
     for shared in (True, False):
         critic = CriticWorker(model_dir, **grouped(lr=1e-4, grad_clip=None, ppo_mini_batch_size=3, rollout_n=4, ppo_epochs=2,
-                              ppo_micro_batch_size_per_device=micro, shared_prefix=shared))
+                              ppo_micro_batch_size_per_device=micro, shared_prefix=shared,
+                              offload_prefix_activations=shared and micro == 3))
         values = critic.compute_values(batch)["values"]
         metrics = [critic.update(batch) for _ in range(2)]
         runs[shared] = values, metrics, {k: v.detach().clone() for k, v in critic.model.state_dict().items()}

@@ -27,6 +27,11 @@ and its rise over the built model. With ``--baseline DIR`` (another checkout of 
 export of an older commit) every row also runs that code, interleaved, and prints after/before:
 
     python tools/bench/bench_train.py --mfu --threads 2 --baseline /tmp/base [--shapes learn gsm8k] [--compile]
+
+``--offload``: the traced peak of one shared-prefix mini-batch, without and with
+``actor.offload_prefix_activations`` (fake tensors: no time, no host load), per shape and dtype:
+
+    python tools/bench/bench_train.py --offload --shapes gsm8k --dtypes float32 bfloat16
 """
 
 from __future__ import annotations
@@ -238,6 +243,34 @@ def mfu_main(args: argparse.Namespace) -> None:
           + ", ".join(f"{d} {v[0] / 1e9:.1f} / {v[1] / 1e9:.1f}" for d, v in peaks.items()))
 
 
+def offload_main(args: argparse.Namespace) -> None:
+    """The traced peak of one shared-prefix mini-batch per shape and dtype, with and without
+    ``offload_prefix_activations`` (`trainer.memory.trace_shared_prefix_update`: fake tensors, one rank,
+    unsharded; every response at its longest)."""
+    from torchrlhf.trainer.memory import trace_shared_prefix_update
+
+    path = str(smollm2_model_dir())
+    print("shared-prefix update, traced peak per rank (SmolLM2-135M, unsharded, responses at their longest), MiB")
+    print(f"{'shape':<6} {'dtype':<9} {'offload':<8} {'activations':>11} {'temporaries':>11} {'states':>8} "
+          f"{'peak':>8} {'host':>8} {'peak cut':>8}")
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        for dtype in args.dtypes:
+            peaks = {}
+            for offload in (False, True):
+                traced = trace_shared_prefix_update(
+                    path, dtype=getattr(torch, dtype), prompts=shape["prompts"], n=shape["n"], micro=shape["micro"],
+                    prompt_len=shape["prompt_len"], response_len=shape["response_len"], offload=offload)
+                host = traced.pop("offloaded")
+                states = sum(traced.get(k, 0) for k in ("parameters", "gradients", "optimizer states", "buffers"))
+                peaks[offload] = sum(traced.values())
+                cut = f"{1 - peaks[True] / peaks[False]:8.1%}" if offload else ""
+                mib = 2 ** 20
+                print(f"{shape_name:<6} {dtype:<9} {str(offload):<8} {traced.get('activations', 0) / mib:11.0f} "
+                      f"{traced.get('temporaries', 0) / mib:11.0f} {states / mib:8.0f} {peaks[offload] / mib:8.0f} "
+                      f"{host / mib:8.0f} {cut:>8}", flush=True)
+
+
 def token_counts(n: int, args: argparse.Namespace) -> dict[str, float]:
     batch = group_rollouts(args.prompts, n, args.prompt_len, args.response_len, 49152)
     plan = SharedPrefixPlan(batch)
@@ -263,7 +296,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     ap.add_argument("--mfu", action="store_true", help="MFU of the update per shape, dtype and side (see above)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="with --mfu")
+    ap.add_argument("--offload", action="store_true", help="the traced peak of a shared-prefix update per shape "
+                    "and dtype, with and without offload_prefix_activations")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="with --mfu, --offload")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                     help="with --mfu")
     ap.add_argument("--compile", action="store_true", help="with --mfu: each block compiled (actor.compile; two "
@@ -280,6 +315,9 @@ def main() -> None:
         return
     if args.mfu:
         mfu_main(args)
+        return
+    if args.offload:
+        offload_main(args)
         return
 
     print(f"SmolLM2-135M fp32 actor update, {args.prompts} prompts x n, prompt {args.prompt_len} tokens, response "

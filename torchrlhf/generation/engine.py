@@ -148,7 +148,7 @@ class NativeEngine:
         record_routes: a mixture-of-experts model returns, with each generation, the experts every response
             token was routed to as the input of the step after it (``routed_experts`` [B*n, max_tokens,
             moe_layers, top_k], int16; index t for token t, zeros where no step fed it), for routing replay
-            in training (``actor.router_replay: rollout``). Single-turn generation with the eager decode step
+            in training (``actor.moe.router_replay: rollout``). Single-turn generation with the eager decode step
             only (the compiled and graphed steps cannot hand the routers' choices out).
 
     Weight contract for the hybrid engine (`update_weights`):

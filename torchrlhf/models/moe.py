@@ -35,6 +35,34 @@ def is_moe(config) -> bool:
     return getattr(config, "model_type", None) in MOE_ROUTERS
 
 
+@dataclass(frozen=True)
+class MoETraining:
+    """A mixture-of-experts policy's router terms and where its routes come from (the actor's ``moe`` section).
+
+    ``aux_loss_coef``: this times the load-balancing loss (`load_balancing_loss`); 0 adds none.
+    ``z_loss_coef``: this times ST-MoE's router z-loss (`router_z_loss`); 0 adds none.
+    ``router_replay``: ``"rollout"`` routes each response token to the experts the rollout engine chose for it;
+    ``"off"``: the actor routes by itself.
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    router_replay: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.router_replay not in ("off", "rollout"):
+            raise ValueError(f"router_replay: 'off' or 'rollout', got {self.router_replay!r}")
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+
+    @property
+    def asked(self) -> list[str]:
+        """The keys set to something only a mixture-of-experts policy can do."""
+        return [key for key, on in (("aux_loss_coef", bool(self.aux_loss_coef)), ("z_loss_coef", bool(self.z_loss_coef)),
+                                    ("router_replay", self.router_replay == "rollout")) if on]
+
+
 @dataclass
 class Replay:
     """Experts recorded for a forward's tokens (by the rollout engine): ``experts`` [layers, tokens, top_k] in the

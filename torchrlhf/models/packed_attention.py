@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -88,7 +89,9 @@ class PackedAttention:
             pk, pv = self.prefix.get(layer)
             k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # the row's keys after the prompts'
         if self._layout is None:
-            self._layout = PackedLayout(self.segments, k.shape[2] - q.shape[2], q.device)
+            # index data made from Python lists: real tensors even under the dry run's FakeTensorMode
+            with unset_fake_temporarily():
+                self._layout = PackedLayout(self.segments, k.shape[2] - q.shape[2], q.device)
         lay = self._layout
         heads, dim = q.shape[1], q.shape[3]
         qs = q[0].index_select(1, lay.query_index).view(heads, lay.num, lay.q_len, dim).transpose(0, 1)
@@ -155,6 +158,7 @@ class PrefixKV:
         }
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # other prefix-pass tensors (`hold`)
         self.routing = None  # a mixture-of-experts model's prefix routing (`models.moe.RoutingRecord`), held
+        self.offloaded_bytes = 0  # what the prompt pass saved for backward in host memory (`prefix_forward`)
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._leaves[layer]

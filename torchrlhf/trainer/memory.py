@@ -36,7 +36,9 @@ from torchrlhf.models.lora import hold_frozen_in, inject_lora
 from torchrlhf.models.moe import traceable_experts
 from torchrlhf.models.parallelize import enable_activation_checkpointing
 from torchrlhf.models.sharded import build_meta_causal_lm
+from torchrlhf.data import Batch
 from torchrlhf.utils.optim import build_optimizer
+from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
 # MemTracker's kinds, as the dry run names them
 KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer states",
@@ -158,6 +160,72 @@ def trace_micro_batch(
     return by_kind
 
 
+def trace_shared_prefix_update(
+    model_path: str,
+    *,
+    dtype: torch.dtype,
+    prompts: int,
+    n: int,
+    micro: int,
+    prompt_len: int,
+    response_len: int,
+    offload: bool = False,
+    activation_checkpointing: bool = False,
+) -> dict[str, Any]:
+    """Peak bytes by kind of one shared-prefix mini-batch on one rank: ``prompts`` distinct prompts of
+    ``prompt_len`` tokens with ``n`` responses of ``response_len`` each, as `FSDPWorker.train` runs it: the
+    prompts' pass once, every suffix micro-batch of ``micro`` samples (log-probs, PPO loss, backward), the
+    prompts' backward, one optimizer step; the actor, unsharded, on fake tensors.
+
+    ``offload`` (``offload_prefix_activations``): the prompt pass's saved tensors go to a storage-less device
+    standing in for host memory, so the peak counts what the accelerator holds; ``"offloaded"`` is the host
+    bytes at their most. Worst case for the prefix: every prompt full length, no two equal.
+    """
+    ids = torch.zeros(prompts, prompt_len, dtype=torch.long)
+    ids[:, 0] = torch.arange(prompts)  # a distinct first token: no two prompts are shared
+    prompt_ids = ids.repeat_interleave(n, 0)
+    responses = torch.zeros(prompts * n, response_len, dtype=torch.long)
+    batch = Batch({"input_ids": torch.cat([prompt_ids, responses], 1), "responses": responses,
+                   "attention_mask": torch.ones(prompts * n, prompt_len + response_len, dtype=torch.long)})
+    plan = SharedPrefixPlan(batch)
+    samples = list(range(prompts * n))
+    chunks = [samples[i: i + micro] for i in range(0, len(samples), micro)]
+    model = build_meta_causal_lm(model_path)
+    with FakeTensorMode(allow_non_fake_inputs=True), traceable_experts(model):
+        model = _materialize_fake(model, dtype)
+        if activation_checkpointing:
+            enable_activation_checkpointing(model)
+        optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6})
+        _hold_optimizer_states(model, optimizer)
+        tracker = _FrozenAwareMemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            prefix = prefix_forward(model, plan, "cpu", offload_to="meta" if offload else None)
+            for rows in chunks:
+                tracker.reset_mod_stats()  # per-module stats allow one root forward; the global peak stays
+                row = plan.suffix_row(rows, prefix, "cpu")
+                with model.get_output_embeddings().scoring(row.labels[None], 1.0, entropy_grad=True):
+                    scores = suffix_forward(model, row)
+                log_prob = scatter_responses(scores[..., 0], row, len(rows), response_len)
+                mask = torch.ones_like(log_prob)
+                pg_loss, _ = compute_policy_loss("ppo", log_prob.detach(), log_prob, torch.zeros_like(log_prob), mask,
+                                                 loss_agg_mode="token-mean", normalizer=float(mask.numel()))
+                pg_loss.backward()
+            prefix.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    by_kind: dict[str, Any] = {}
+    for device, device_stats in peak.items():
+        if torch.device(device).type == "meta":  # the host's share
+            continue
+        for kind, nbytes in device_stats.items():
+            if kind in KINDS and nbytes:
+                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + nbytes
+    by_kind["offloaded"] = prefix.offloaded_bytes
+    return by_kind
+
+
 def actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
     """`ActorWorker.micro_batch_loss` on the dense path: log-probs and entropy of the response positions
     from the `LogProbHead` (no logits), the PPO loss with its entropy term (and the KL loss)."""
@@ -201,4 +269,4 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "actor_loss", "as_held", "trace_micro_batch"]
+__all__ = ["KINDS", "actor_loss", "as_held", "trace_micro_batch", "trace_shared_prefix_update"]

@@ -129,6 +129,9 @@ MOVED_KEYS = {
     "trainer.save_freq": "trainer.checkpoint.save_freq",
     "trainer.keep_last_checkpoints": "trainer.checkpoint.keep_last",
     "trainer.resume": "trainer.checkpoint.resume",
+    "actor.router_aux_loss_coef": "actor.moe.aux_loss_coef",
+    "actor.router_z_loss_coef": "actor.moe.z_loss_coef",
+    "actor.router_replay": "actor.moe.router_replay",
     **{f"rollout.agent.{old}": f"rollout.agent.{new}" for old, new in AGENT_MOVED_KEYS.items()},
 }
 
@@ -451,6 +454,11 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role, None)
+        if getattr(section, "offload_prefix_activations", False) and not section.shared_prefix:
+            errors.append(f"{role}.offload_prefix_activations needs {role}.shared_prefix: true (it offloads the "
+                          "shared prompt pass's activations)")
     errors += _distill_errors(cfg)
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
@@ -594,8 +602,8 @@ def _repack_errors(cfg: RecipeConfig, ranks: dict[str, list[int]]) -> list[str]:
     for key, on in (("rollout.agent (multi-turn trajectories)", cfg.rollout.agent is not None),
                     (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline from the same call)",
                      algorithms.ADV_ESTIMATORS[cfg.algorithm.adv_estimator].greedy_baseline),
-                    ("actor.router_replay=rollout (routes of re-prefilled tokens are not recorded)",
-                     getattr(cfg.actor, "router_replay", "off") == "rollout")):
+                    ("actor.moe.router_replay=rollout (routes of re-prefilled tokens are not recorded)",
+                     cfg.actor.moe.router_replay == "rollout")):
         if on:
             errors.append(f"async_training.repack continues single-turn samples only; it does not support {key}")
     return errors
@@ -678,10 +686,7 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
 def _moe_errors(cfg: RecipeConfig) -> list[str]:
     """The actor's mixture-of-experts keys against its model's config.json (read, not loaded)."""
     actor = cfg.actor
-    asked = [key for key, on in (("actor.ep_size", actor.ep_size > 1),
-                                 ("actor.router_aux_loss_coef", bool(actor.router_aux_loss_coef)),
-                                 ("actor.router_z_loss_coef", bool(actor.router_z_loss_coef)),
-                                 ("actor.router_replay", actor.router_replay == "rollout")) if on]
+    asked = (["actor.ep_size"] if actor.ep_size > 1 else []) + [f"actor.moe.{key}" for key in actor.moe.asked]
     errors = []
     if not asked or not names_a_model(actor.model_path) or os.path.isfile(os.path.expanduser(actor.model_path)):
         return errors  # a missing path is reported by _model_path_errors; a .gguf is a dense model
@@ -700,20 +705,20 @@ def _moe_errors(cfg: RecipeConfig) -> list[str]:
 def _router_replay_errors(cfg: RecipeConfig) -> list[str]:
     """Routing replay reads the experts the rollout engine chose: only the native engine records them, for
     single-turn generation (`NativeEngine` ``record_routes``)."""
-    if getattr(cfg.actor, "router_replay", "off") != "rollout":
+    if cfg.actor.moe.router_replay != "rollout":
         return []
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     if not (isinstance(engine, type) and issubclass(engine, NativeEngine)):
-        return [f"actor.router_replay=rollout needs the experts the rollout engine routed each token to; "
+        return [f"actor.moe.router_replay=rollout needs the experts the rollout engine routed each token to; "
                 f"{getattr(engine, '__name__', engine)} does not return them here (vLLM has "
                 "enable_return_routed_experts, which VLLMEngine does not pass on yet): use the NativeEngine with "
-                "rollout.engine.record_routes=true, or actor.router_replay=off"]
+                "rollout.engine.record_routes=true, or actor.moe.router_replay=off"]
     errors = []
     if not getattr(cfg.rollout.engine, "record_routes", False):
-        errors.append("actor.router_replay=rollout needs rollout.engine.record_routes=true (the engine then returns "
+        errors.append("actor.moe.router_replay=rollout needs rollout.engine.record_routes=true (the engine then returns "
                       "routed_experts with each generation)")
     if cfg.rollout.agent is not None:
-        errors.append("actor.router_replay=rollout: the engine records routes for single-turn generation only, not "
+        errors.append("actor.moe.router_replay=rollout: the engine records routes for single-turn generation only, not "
                       "rollout.agent sessions")
     return errors
 

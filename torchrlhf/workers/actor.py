@@ -23,6 +23,7 @@ from torchrlhf.hybrid.broadcast import Manifest, send_weights, weight_manifest
 from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import LoRAConfig, adapter_disabled, is_adapter
 from torchrlhf.models.moe import (
+    MoETraining,
     Replay,
     RoutingRecord,
     expert_load,
@@ -51,22 +52,26 @@ class ActorWorker(FSDPWorker):
     ``shared_prefix`` (on by default) computes each distinct prompt once per mini-batch, packs the
     responses without padding and projects to the vocabulary only at response positions
     (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
+    ``offload_prefix_activations`` keeps what that prompt pass saves for backward in host memory while the
+    suffix micro-batches run (`utils.activation_offload`): the device then holds the prompts' keys/values and
+    one suffix micro-batch, not every prompt's activations too. Results are identical; it pays two copies of
+    those activations per mini-batch and frees nothing on a CPU device.
     ``freeze``: the reference policy or the distillation teacher (no optimizer; `compute_ref_log_prob` /
     `compute_teacher_log_prob` only).
     ``lora`` (`LoRAConfig`: ``rank``, ``alpha``, ``dropout``, ``target_modules``; off when None): train
     low-rank adapters on the frozen model (`models.lora`). Only the adapters get gradients, optimizer
     state, checkpoints and weight syncs; `compute_ref_log_prob` is the base model (adapters off).
-    ``router_aux_loss_coef``: a mixture-of-experts policy adds this times the load-balancing loss
-    (`models.moe.load_balancing_loss`, transformers' over every real token of each micro-batch's sequences, in
-    the dense and the shared-prefix layouts alike; token-weighted over micro-batches). 0 (the default, as
-    verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001. ``router_z_loss_coef``: adds this times
-    ST-MoE's router z-loss (`models.moe.router_z_loss`, over the same tokens with the same weights); 0 (the
-    default) adds none, ST-MoE used 0.001. Either way ``moe/aux_loss``, ``moe/z_loss`` and
-    ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
+    ``moe`` (`models.moe.MoETraining`), for a mixture-of-experts policy: ``aux_loss_coef`` adds this times the
+    load-balancing loss (`models.moe.load_balancing_loss`, transformers' over every real token of each
+    micro-batch's sequences, in the dense and the shared-prefix layouts alike; token-weighted over
+    micro-batches). 0 (the default, as verl's FSDP actor) adds none; Qwen3-MoE's own configs use 0.001.
+    ``z_loss_coef`` adds this times ST-MoE's router z-loss (`models.moe.router_z_loss`, over the same tokens with
+    the same weights); 0 (the default) adds none, ST-MoE used 0.001. Either way ``moe/aux_loss``,
+    ``moe/z_loss`` and ``moe/expert_load/max_over_mean`` are logged for an MoE policy.
     ``ep_size``: expert parallelism for a mixture-of-experts policy: each sparse block's experts split over
     ``ep_size`` adjacent data-parallel ranks, tokens sent to their experts' ranks and back by all-to-all
     (`models.expert_parallel.shard_experts`), FSDP2 sharding each rank's experts over the other ranks.
-    ``router_replay``: ``"rollout"`` routes every response token (as an input) to the experts the rollout
+    ``moe.router_replay``: ``"rollout"`` routes every response token (as an input) to the experts the rollout
     engine chose for it (the batch's ``routed_experts``, `NativeEngine(record_routes=True)`) in the actor's
     old-log-prob and update forwards; the gate weights still come from the actor's router, which keeps its
     gradient. ``"off"``: the actor routes by itself. Whenever the batch has ``routed_experts``,
@@ -92,10 +97,9 @@ class ActorWorker(FSDPWorker):
         cpu_offload: bool = False,
         compile: bool = False,
         shared_prefix: bool = True,
+        offload_prefix_activations: bool = False,
         lora: LoRAConfig | None = None,
-        router_aux_loss_coef: float = 0.0,
-        router_z_loss_coef: float = 0.0,
-        router_replay: str = "off",
+        moe: MoETraining = MoETraining(),
         freeze: bool = False,
         seed: int = 0,
     ) -> None:
@@ -105,7 +109,7 @@ class ActorWorker(FSDPWorker):
             raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")
         self.freeze = freeze
         self.loss = as_section(PolicyLoss, loss)
-        self.shared_prefix = shared_prefix
+        self._set_shared_prefix(shared_prefix, offload_prefix_activations)
         rollout_is = self.loss.rollout_is is not None
         self.loss_metrics = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                              "actor/ppo_kl", *(("actor/kl_loss",) if self.loss.use_kl_loss else ()),
@@ -117,17 +121,11 @@ class ActorWorker(FSDPWorker):
                                        compile=compile)
         self.window = sliding_window(self.model.config)
         self.num_experts = getattr(self.model.config, "num_experts", 0) if is_moe(self.model.config) else 0
-        self.router_aux_loss_coef, self.router_z_loss_coef = router_aux_loss_coef, router_z_loss_coef
-        for key, coef in (("router_aux_loss_coef", router_aux_loss_coef), ("router_z_loss_coef", router_z_loss_coef)):
-            if coef and not self.num_experts:
-                raise ValueError(f"actor.{key}={coef}: the policy ({self.model.config.model_type}) has no "
-                                 "mixture-of-experts router")
-        if router_replay not in ("off", "rollout"):
-            raise ValueError(f"actor.router_replay: 'off' or 'rollout', got {router_replay!r}")
-        if router_replay == "rollout" and not self.num_experts:
-            raise ValueError(f"actor.router_replay=rollout: the policy ({self.model.config.model_type}) has no "
+        self.moe = as_section(MoETraining, moe)
+        if self.moe.asked and not self.num_experts:
+            raise ValueError(f"actor.moe.{self.moe.asked[0]}: the policy ({self.model.config.model_type}) has no "
                              "mixture-of-experts router")
-        self.router_replay = router_replay == "rollout"
+        self.router_replay = self.moe.router_replay == "rollout"
         if self.num_experts:
             self.loss_metrics += ("moe/aux_loss", "moe/z_loss", "moe/routing_agreement")
             self.max_metrics += ("moe/expert_load/max_over_mean",)
@@ -199,7 +197,7 @@ class ActorWorker(FSDPWorker):
         position. They replace the actor's own choices with ``router_replay``; otherwise only compared."""
         if not self.num_experts or "routed_experts" not in mb:
             if self.router_replay:
-                raise KeyError("actor.router_replay=rollout: the batch has no 'routed_experts'; the rollout engine "
+                raise KeyError("actor.moe.router_replay=rollout: the batch has no 'routed_experts'; the rollout engine "
                                "must record them (rollout.engine.record_routes: true, NativeEngine)")
             return None
         routes = mb["routed_experts"]  # [b, R, moe_layers, top_k]
@@ -338,5 +336,5 @@ class ActorWorker(FSDPWorker):
             stats["moe/aux_loss"] = float(aux.detach())
             stats["moe/z_loss"] = float(z.detach())
             stats["moe/expert_load/max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
-        terms = [coef * term for coef, term in ((self.router_aux_loss_coef, aux), (self.router_z_loss_coef, z)) if coef]
+        terms = [coef * term for coef, term in ((self.moe.aux_loss_coef, aux), (self.moe.z_loss_coef, z)) if coef]
         return sum(terms[1:], terms[0]) if terms else None

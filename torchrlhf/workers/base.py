@@ -37,6 +37,7 @@ from torchrlhf.models.sharded import load_weights
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops, snapshot
+from torchrlhf.utils.activation_offload import host_bytes_available
 from torchrlhf.models.packed_attention import PrefixKV
 from torchrlhf.utils.compile_cache import enable_compile_cache
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, build_optimizer
@@ -98,6 +99,8 @@ class FSDPWorker(Worker):
     loss_metrics: tuple[str, ...] = ()  # summed over micro-batches and data-parallel ranks
     max_metrics: tuple[str, ...] = ()  # maximised instead
     lora: LoRAConfig | None = None  # adapters on a frozen base (`models.lora`); None: every weight trains
+    shared_prefix: bool = False  # each distinct prompt once per mini-batch (`workers.shared_prefix`)
+    offload_prefix_activations: bool = False  # the prompt pass's saved tensors in host memory until its backward
 
     def __init__(self, *, tp_size: int = 1, ep_size: int = 1, seed: int = 0) -> None:
         super().__init__(tp=tp_size, ep=ep_size)
@@ -126,6 +129,12 @@ class FSDPWorker(Worker):
     @property
     def tp_size(self) -> int:
         return self.parallel_dims.tp
+
+    def _set_shared_prefix(self, shared_prefix: bool, offload_prefix_activations: bool) -> None:
+        if offload_prefix_activations and not shared_prefix:
+            raise ValueError(f"{self.role}.offload_prefix_activations needs {self.role}.shared_prefix: true (it "
+                             "offloads the shared prompt pass's activations)")
+        self.shared_prefix, self.offload_prefix_activations = shared_prefix, offload_prefix_activations
 
     # ------------------------------------------------------------------ setup
     def _layout(self, dtype: torch.dtype, cpu_offload: bool, trainable: bool) -> str:
@@ -375,7 +384,10 @@ class FSDPWorker(Worker):
         maxes: dict[str, float] = defaultdict(float)
         plan = prefix = lengths = None
         if self.shared_prefix:  # prompts forward once here, backward once after the micro-batches
-            plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device)
+            offload = self.offload_prefix_activations
+            plan, prefix, lengths = run_prefixes(self.model, mini, self.window, self.device,
+                                                 offload_to="cpu" if offload else None,
+                                                 offload_limit=host_bytes_available() if offload else None)
         self._step_flops += self.flops_of.train(*forward_counts(mini, plan))
         for mb, index in self.micro_batches(mini, micro_batch_size=self.batching.ppo_micro_batch_size_per_device,
                                             max_tokens=self.batching.max_tokens, lengths=lengths):

@@ -35,8 +35,8 @@ class CriticWorker(FSDPWorker):
     """FSDP2 (× TP) value model. Arguments mirror the ``critic`` config section.
 
     ``optim`` and ``batching`` mean what they mean for `ActorWorker` (batch sizes global, in prompts), and
-    so does ``shared_prefix``: each distinct prompt runs once per mini-batch, responses are packed without
-    padding. ``loss`` (`ValueLoss`): the value clip and the aggregation.
+    so do ``shared_prefix`` (each distinct prompt runs once per mini-batch, responses are packed without
+    padding) and ``offload_prefix_activations``. ``loss`` (`ValueLoss`): the value clip and the aggregation.
     """
 
     role = "critic"
@@ -59,11 +59,12 @@ class CriticWorker(FSDPWorker):
         cpu_offload: bool = False,
         compile: bool = False,
         shared_prefix: bool = True,
+        offload_prefix_activations: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
         self.loss = as_section(ValueLoss, loss)
-        self.shared_prefix = shared_prefix
+        self._set_shared_prefix(shared_prefix, offload_prefix_activations)
         self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
                                        activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
                                        init_head_std=init_head_std, compile=compile)

@@ -24,6 +24,7 @@ the prefix pass needs no logits and a suffix row holds every position it predict
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from torchrlhf.data import Batch
 from torchrlhf.models.moe import RoutingRecord, record_routing
 from torchrlhf.models.packed_attention import PackedAttention, PrefixKV
+from torchrlhf.utils.activation_offload import saved_tensors_on
 from torchrlhf.utils.flops import causal_keys
 
 
@@ -148,27 +150,36 @@ class SharedPrefixPlan:
         )
 
 
-def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device) -> PrefixKV:
+def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device,
+                   offload_to: torch.device | str | None = None, offload_limit: int | None = None) -> PrefixKV:
     """Run every distinct prompt of ``plan`` once through ``model`` and keep its keys/values.
 
     ``model`` is a causal LM or a `ValueModel`: anything whose forward takes ``position_ids``,
     ``logits_to_keep`` (positions to project) and ``packed``. The K/V carry a graph when grad is enabled.
+    ``offload_to``: keep what the pass saves for its backward there (host memory) until that backward
+    (`utils.activation_offload`), at most ``offload_limit`` bytes; the K/V stay on ``device``.
     """
     input_ids, position_ids, attention = plan.prefix_inputs(device)
     none = torch.zeros(0, dtype=torch.long, device=device)
-    with record_routing(model) as routing:  # a mixture-of-experts model's: the prompts' share of the aux loss
+    offload = nullcontext()
+    if offload_to is not None and torch.is_grad_enabled():
+        offload = saved_tensors_on(offload_to, limit_bytes=offload_limit, what="offload_prefix_activations")
+    # a mixture-of-experts model's routing: the prompts' share of the aux loss
+    with offload as moved, record_routing(model) as routing:
         out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, attention_plan=attention)
     prefix = PrefixKV(attention, getattr(out, "logits", out), requires_grad=torch.is_grad_enabled())
+    prefix.offloaded_bytes = moved.bytes if moved is not None else 0
     if routing.logits:
         prefix.routing = RoutingRecord(prefix.hold(routing.logits), routing.experts)
     return prefix
 
 
-def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, device
+def run_prefixes(model: torch.nn.Module, batch: Batch, window: int | None, device,
+                 offload_to: torch.device | str | None = None, offload_limit: int | None = None
                  ) -> tuple[SharedPrefixPlan, PrefixKV, list[int]]:
     """Plan ``batch`` and run its prompts once: (plan, their K/V, each sample's suffix tokens for token budgets)."""
     plan = SharedPrefixPlan(batch, window)
-    return plan, prefix_forward(model, plan, device), plan.suffix_lengths()
+    return plan, prefix_forward(model, plan, device, offload_to, offload_limit), plan.suffix_lengths()
 
 
 def suffix_forward(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
