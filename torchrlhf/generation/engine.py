@@ -47,7 +47,7 @@ from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams
-from torchrlhf.generation.scheduler import AgentTurns, Scheduler, SingleTurn
+from torchrlhf.generation.scheduler import AgentTurns, Repack, Scheduler, SingleTurn
 from torchrlhf.generation.session import Session
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.moe import install_routers, routers
@@ -459,8 +459,8 @@ class NativeEngine:
                         check_every=self.check_every, min_span=self.min_decode_span, tokenizer=self.tokenizer,
                         use_prefix_cache=self.prefix_cache, between_steps=between_steps,
                         refresh_packed=self.prepacked.refresh if self.prepacked is not None else None, routes=self.routes,
-                        carried=carried, release_below=(release_below or 0.0) * self.max_batch_size,
-                        more=more if more_carried is not None else None)
+                        repack=Repack(carried, (release_below or 0.0) * self.max_batch_size,
+                                      more if more_carried is not None else None))
         in_fresh_stack_chunk(run.run)  # a hot loop: no Python stack-chunk boundary inside it
         res = run.results
         occupancy = {"rollout/decode_steps": float(run.decode_steps), "rollout/slot_steps": float(run.slot_steps),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -271,6 +272,29 @@ class SharedContexts:
         running.add(dst)
 
 
+# More carried samples arriving while a call runs: (contexts, budgets, prompt seeds, carried), or None.
+MoreCarried = Callable[[bool], tuple[list[list[int]], list[int], list[int], list[CarriedSample]] | None]
+
+
+@dataclass(frozen=True)
+class Repack:
+    """A call's part in Laminar's repack (`rollouts.repack`): the samples it continues, when it hands its own
+    back, and where more continued samples come from while it runs. The default is a plain call.
+
+    ``carried`` (single turn, one per sample): each sample continues one that another call stopped; its
+    context already holds the tokens it sampled, which it keeps (tokens, log-probs, versions), and it samples
+    on from where it stopped with its own uniforms. ``release_below`` (decoding slots): once no sample waits
+    and the decoding slots, having reached that many, fall below it, stop and hand the unfinished samples back
+    as they are (finish reason `CARRIED`). ``more`` (a call of carried samples): more carried samples that
+    arrive while it runs, asked whenever a slot is free and, with ``True``, once more before the call ends
+    (after which none may arrive); they join the call as its next sample ids.
+    """
+
+    carried: Sequence[CarriedSample] | None = None
+    release_below: float = 0.0
+    more: MoreCarried | None = None
+
+
 class Scheduler:
     """The scheduling state of one `generate` call.
 
@@ -289,24 +313,14 @@ class Scheduler:
                  stop_ids: Sequence[int], check_every: int, min_span: int = 1, tokenizer: Any = None,
                  use_prefix_cache: bool = True, between_steps: Callable[[], int] | None = None,
                  refresh_packed: Callable[[], None] | None = None, routes: tuple[int, int] | None = None,
-                 carried: Sequence[CarriedSample] | None = None, release_below: float = 0.0,
-                 more: Callable[[bool], tuple[list[list[int]], list[int], list[int], list[CarriedSample]] | None]
-                 | None = None) -> None:
+                 repack: Repack = Repack()) -> None:
         """``decode``: the decode step to run (``decoder.decode``, compiled or graphed); ``min_span``: the
         fewest slots it steps; ``refresh_packed``: what makes weights written between steps take effect;
-        ``routes`` ``(moe_layers, top_k)``: keep the experts of every fed token (eager ``decode`` only).
-
-        ``carried`` (single turn, one per sample): each sample continues one that another call stopped; its
-        context already holds the tokens it sampled, which it keeps (tokens, log-probs, versions), and it
-        samples on from where it stopped with its own uniforms. ``release_below`` (Laminar's repack): once no
-        sample waits and the decoding slots, having reached that many, fall below it, stop and hand the
-        unfinished samples back as they are (finish reason `CARRIED`). ``more`` (a call of carried samples):
-        more carried samples that arrive while it runs, as (contexts, budgets, prompt seeds, carried), asked
-        whenever a slot is free and, with ``True``, once more before the call ends (after which none may
-        arrive); they join the call as its next sample ids."""
+        ``routes`` ``(moe_layers, top_k)``: keep the experts of every fed token (eager ``decode`` only);
+        ``repack``: the samples this call continues and when it hands its own back (`Repack`)."""
         self.decoder, self.decode, self.cache = decoder, decode, cache
-        self.carried = list(carried) if carried is not None else None
-        self.release_below, self.peak_live, self.more = release_below, 0, more
+        self.carried = list(repack.carried) if repack.carried is not None else None
+        self.release_below, self.peak_live, self.more = repack.release_below, 0, repack.more
         self.decode_steps = self.slot_steps = 0  # occupancy: decode steps, and the slots they advanced
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, list(seeds), tokenizer
         self.between_steps, self.refresh_packed = between_steps, refresh_packed
