@@ -40,10 +40,10 @@ def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
     params = _hf_params(tiny_model_dir)
     weights_gib = params * 4 / 4 / 2**30  # fp32, sharded over 4 ranks
     assert f"actor parameters {weights_gib:.2f} GiB" in text
-    # shared prefix: a mini-batch's 4 prompts over 4 ranks = 1 prompt per rank (64 tokens) alive with one
-    # micro-batch of 2 x (1 + 8) suffix tokens: 82 tokens, 2 dense rows of 64 + 8
-    assert ("memory traced: 2 × (64 + 8) dense tokens, as many as a mini-batch's 1 prompt(s) and one micro-batch's "
-            "≤ 18 suffix tokens alive together, forward + backward + optimizer step on fake tensors") in text
+    # shared prefix: a mini-batch's 4 prompts over 4 ranks = 1 prompt per rank (64 tokens), run once, then its
+    # 4 samples in suffix micro-batches of 2 x (1 + 8) tokens
+    assert ("memory traced: 1 prompt(s) of 64 tokens once, then suffix micro-batches of 2 × (1 + 8) tokens, "
+            "forward + backward + optimizer step on fake tensors") in text
     assert text.count("rank ") >= 4 and "rank 3:" in text
 
 
@@ -92,19 +92,30 @@ def test_a_colocated_engine_is_memory_of_its_phase_and_a_split_one_is_held(tiny_
     assert re.match(r"  rank 0: [\d.]+ GiB  \(actor parameters", actor_line), actor_line  # a plain sum, no phase
 
 
-def test_a_shared_prefix_trace_holds_a_mini_batchs_prompts_and_one_micro_batch(tiny_model_dir, tmp_path):
-    # 8 prompts x 4, mini-batches of 4 prompts, micro-batches of 8 samples, one rank: the prefix pass of 4 prompts
-    # of 64 tokens (256) is alive with one micro-batch of 8 x (1 + 8) suffix tokens (72): 328 tokens, 5 dense rows
-    # of 64 + 8 (4.6 rounded up), not the 8 rows of a dense micro-batch.
-    batching = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_device": 8}
+def _activations(text: str) -> float:
+    return float(re.search(r"actor activations ([\d.]+) GiB", text).group(1))
+
+
+def test_a_shared_prefix_trace_holds_a_mini_batchs_prompts_through_its_micro_batches(tiny_model_dir, tmp_path):
+    # 8 prompts x 4, mini-batches of 8 prompts, micro-batches of 2 samples, one rank: the prompts' pass over 8
+    # prompts of 64 tokens (504 tokens without their last) lives through every suffix micro-batch of 2 x (1 + 8)
+    # tokens; a dense micro-batch holds 2 x (64 + 8) = 144 tokens. The old estimate (dense rows as many as those
+    # tokens, capped at the micro-batch's 2) undercounted what the rank holds.
+    batching = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_device": 2}
     shared = explain(load_recipe_config(load_config(write_config(
         tmp_path / "a.yaml", tiny_model_dir, data={"train_batch_size": 8}, actor={"batching": batching})), 1), 1)
-    assert ("memory traced: 5 × (64 + 8) dense tokens, as many as a mini-batch's 4 prompt(s) and one micro-batch's "
-            "≤ 72 suffix tokens alive together, forward + backward + optimizer step") in shared
+    assert ("memory traced: 8 prompt(s) of 64 tokens once, then suffix micro-batches of 2 × (1 + 8) tokens, "
+            "forward + backward + optimizer step") in shared
     dense = explain(load_recipe_config(load_config(write_config(
         tmp_path / "b.yaml", tiny_model_dir, data={"train_batch_size": 8},
         actor={"batching": batching, "shared_prefix": False})), 1), 1)
-    assert "memory traced: one micro-batch of 8 × (64 + 8) tokens, forward + backward + optimizer step" in dense
+    assert "memory traced: one micro-batch of 2 × (64 + 8) tokens, forward + backward + optimizer step" in dense
+    assert _activations(shared) > 2 * _activations(dense)
+    offloaded = explain(load_recipe_config(load_config(write_config(
+        tmp_path / "c.yaml", tiny_model_dir, data={"train_batch_size": 8},
+        actor={"batching": batching, "offload_prefix_activations": True})), 1), 1)
+    assert re.search(r"\(the prompts' pass's activations offloaded: [\d.]+ GiB of host memory per rank\)", offloaded)
+    assert _activations(offloaded) < _activations(shared)
 
 
 def test_cli_dry_run_prints_without_torchrun_and_fails_like_a_run(tiny_model_dir, tmp_path):

@@ -94,9 +94,15 @@ class Planner:
         self.roles_present = [r for r in OTHERS if r in self.p.models]
 
     # -------------------------------------------------------------- memory
-    def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int) -> tuple[float, float]:
-        """(held throughout the step, working set of its calls) per rank, in bytes."""
+    def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int, prompts: int = 0
+               ) -> tuple[float, float]:
+        """(held throughout the step, working set of its calls) per rank, in bytes. ``prompts``: with shared
+        prefixes, the distinct prompts a rank's prompts' pass holds through the micro-batches; they count as
+        dense rows of as many tokens on top of the micro-batch's suffixes (the dry run traces the schedule
+        itself, `trainer.memory.trace_shared_prefix_update`)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
+        if prompts:
+            micro = max(micro, math.ceil((prompts * p_len + micro * (1 + r_len)) / (p_len + r_len)))
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
         by_kind = micro_batch_memory(traced.model_path, kind=traced.kind, micro=micro, depths=depths,
@@ -123,8 +129,10 @@ class Planner:
         """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
         sets (their max in sync, their sum in async), and that working set; None if not even 1 fits."""
         traced = self.data.traced[role]
+        shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
+        prompts = max(1, math.ceil(per_rank / self.p.workload.n)) if shared else 0
         for micro in _micro_options(max(per_rank, 1)):
-            _, work = self._state(role, traced, dp, tp, micro)
+            _, work = self._state(role, traced, dp, tp, micro, prompts)
             peak = held + (work + sum(working) if asynchronous else max([work, *working]))
             if peak <= self.hw.memory_bytes:
                 return micro, work

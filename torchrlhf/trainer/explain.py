@@ -37,7 +37,7 @@ import transformers
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import model_layout
-from torchrlhf.trainer.memory import as_held, trace_micro_batch
+from torchrlhf.trainer.memory import as_held, trace_micro_batch, trace_shared_prefix_update
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
@@ -157,23 +157,32 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     rows_are = "[last prompt token] + response, prompts once per mini-batch" if shared else "prompt + response, padded"
     lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({rows_are})")
 
-    # one micro-batch traced on fake tensors (`trainer.memory`): the longest prompts and responses, dense
+    # traced on fake tensors (`trainer.memory`), at the longest prompts and responses
     if batching.use_dynamic_bsz:
-        micro = max(1, micro_tokens // (p_len + r_len))
-    rows, what = micro, f"one micro-batch of {micro} × ({p_len} + {r_len}) tokens"
-    if shared and not frozen:
-        # The prefix pass's graph is held until the mini-batch's last suffix backward: its prompts' tokens
-        # and one suffix micro-batch's are alive together. Traced as dense rows of as many tokens.
-        prompts_per_rank = math.ceil(batching.ppo_mini_batch_size / dp)
-        alive = prompts_per_rank * p_len + micro_tokens
-        rows = max(1, min(micro, math.ceil(alive / (p_len + r_len))))
-        what = (f"{rows} × ({p_len} + {r_len}) dense tokens, as many as a mini-batch's {prompts_per_rank} prompt(s) "
-                f"and one micro-batch's ≤ {micro_tokens} suffix tokens alive together")
-    traced = trace_micro_batch(
-        model_path, dtype=dtype, micro=rows, prompt_len=p_len, response_len=r_len, train=not frozen,
-        value_head=role == "critic", lora=lora, activation_checkpointing=getattr(sec, "activation_checkpointing", False),
-        optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
-        use_kl_loss=role == "actor" and sec.loss.use_kl_loss)
+        micro = max(1, micro_tokens // ((1 if shared else p_len) + r_len))
+    trace_kw = dict(dtype=dtype, value_head=role == "critic", lora=lora,
+                    activation_checkpointing=getattr(sec, "activation_checkpointing", False),
+                    optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
+                    use_kl_loss=role == "actor" and sec.loss.use_kl_loss)
+    if shared:
+        # The prompts' pass covers every distinct prompt the rank holds (a mini-batch's in an update, the step's in a
+        # no-grad pass) and its keys/values (and, training, its graph) live through every suffix micro-batch.
+        group = batching.ppo_mini_batch_size if not frozen else prompts
+        prompts_per_rank = max(1, math.ceil(group / dp))
+        per_prompt = max(1, (group * n // dp) // prompts_per_rank)
+        offload = not frozen and getattr(sec, "offload_prefix_activations", False)
+        traced = trace_shared_prefix_update(
+            model_path, prompts=prompts_per_rank, n=per_prompt, micro=micro, prompt_len=p_len, response_len=r_len,
+            offload=offload, train=not frozen, **trace_kw)
+        host = traced.pop("offloaded")
+        what = (f"{prompts_per_rank} prompt(s) of {p_len} tokens once, then suffix micro-batches of {micro} × "
+                f"(1 + {r_len}) tokens")
+        if offload:
+            what += f" (the prompts' pass's activations offloaded: {_gib(host)} of host memory per rank)"
+    else:
+        traced = trace_micro_batch(model_path, micro=micro, prompt_len=p_len, response_len=r_len, train=not frozen,
+                                   **trace_kw)
+        what = f"one micro-batch of {micro} × ({p_len} + {r_len}) tokens"
     memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
     lines.append(f"      memory traced: {what}, "
                  + ("forward" if frozen else "forward + backward + optimizer step")

@@ -16,12 +16,15 @@ What differs from a worker (said in the dry run's output too):
   role's ranks by FSDP2 or with compute copies on one rank, as `models.parallelize.model_layout` says) — exact arithmetic,
   not an approximation; activations and temporaries are the traced ones (divided by TP, whose split of
   the hidden units the trace does not run);
-- the micro-batch is the dense layout (prompt + response, padded); with ``shared_prefix`` a worker
-  forwards each prompt once per mini-batch instead, so the traced activations are an upper bound there.
+- with ``shared_prefix`` the step is the shared-prefix schedule (`trace_shared_prefix_update`): a rank's
+  distinct prompts once, their keys/values and graph alive through the suffix micro-batches (the old estimate,
+  a dense micro-batch, undercounted this when a rank holds more prompt tokens than one micro-batch); with
+  ``offload_prefix_activations`` what that pass saves goes to a storage-less stand-in for host memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,6 +104,49 @@ def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimi
     optimizer.zero_grad(set_to_none=True)
 
 
+def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.Tensor | None], *,
+           dtype: torch.dtype, train: bool, value_head: bool, lora: Any, activation_checkpointing: bool,
+           optim: dict | None) -> dict[str, float]:
+    """Peak bytes by kind of ``step(model, tracker)`` (which returns the loss to backward, or None after
+    running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on
+    fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted."""
+    model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
+    if not train:
+        model.requires_grad_(False)
+    if lora is not None:
+        inject_lora(model, lora)
+    # inputs the step builds from Python data (index tensors, plans) stay real: they are constants here
+    with FakeTensorMode(allow_non_fake_inputs=True), traceable_experts(model):
+        model = _materialize_fake(model, dtype)
+        if lora is not None and dtype.itemsize < 4:
+            hold_frozen_in(model, dtype)
+        if train and activation_checkpointing:
+            enable_activation_checkpointing(model)
+        optimizer = None
+        if train:
+            optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
+            _hold_optimizer_states(model, optimizer)
+        tracker = _FrozenAwareMemTracker()
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        with tracker:
+            with torch.set_grad_enabled(train):
+                loss = step(model, tracker)
+            if train:
+                if loss is not None:
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        peak = tracker.get_tracker_snapshot("peak")
+    by_kind: dict[str, float] = {}
+    for device, device_stats in peak.items():
+        if torch.device(device).type == "meta":
+            continue
+        for kind, n in device_stats.items():
+            if kind in KINDS and n:
+                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + n
+    return by_kind
+
+
 def trace_micro_batch(
     model_path: str,
     *,
@@ -118,46 +164,20 @@ def trace_micro_batch(
     """Peak bytes by kind of one micro-batch of ``micro`` samples of ``prompt_len + response_len`` tokens:
     forward (+ loss, backward and one optimizer step when ``train``), unsharded, in ``dtype``, on fake
     tensors (nothing is allocated). ``value_head``: the critic's `ValueModel` and a squared-error loss."""
-    model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
-    if not train:
-        model.requires_grad_(False)
-    if lora is not None:
-        inject_lora(model, lora)
-    with FakeTensorMode(), traceable_experts(model):
-        model = _materialize_fake(model, dtype)
-        if lora is not None and dtype.itemsize < 4:
-            hold_frozen_in(model, dtype)
-        if train and activation_checkpointing:
-            enable_activation_checkpointing(model)
-        optimizer = None
-        if train:
-            optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
-            _hold_optimizer_states(model, optimizer)
-        seq = prompt_len + response_len
+    seq = prompt_len + response_len
+
+    def step(model, tracker) -> torch.Tensor:
         input_ids = torch.zeros(micro, seq, dtype=torch.long)
         attention_mask = torch.ones(micro, seq, dtype=torch.long)
         position_ids = torch.arange(seq).expand(micro, seq)
-        tracker = _FrozenAwareMemTracker()
-        tracker.track_external(model, *([optimizer] if optimizer is not None else []))
-        with tracker:
-            with torch.set_grad_enabled(train):
-                if value_head:
-                    values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-                    values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
-                    loss = (values.float() ** 2).mean()
-                else:
-                    loss = actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
-            if train:
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
-    by_kind: dict[str, float] = {}
-    for device_stats in peak.values():
-        for kind, n in device_stats.items():
-            if kind in KINDS and n:
-                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + n
-    return by_kind
+        if value_head:
+            values = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            values = values[:, -response_len - 1:-1] if values.dim() == 2 else values
+            return (values.float() ** 2).mean()
+        return actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
+
+    return _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
+                  activation_checkpointing=activation_checkpointing, optim=optim)
 
 
 def trace_shared_prefix_update(
@@ -170,60 +190,60 @@ def trace_shared_prefix_update(
     prompt_len: int,
     response_len: int,
     offload: bool = False,
+    value_head: bool = False,
+    lora: Any = None,
     activation_checkpointing: bool = False,
-) -> dict[str, Any]:
+    optim: dict | None = None,
+    use_kl_loss: bool = False,
+    train: bool = True,
+    suffix_passes: int | None = 2,
+) -> dict[str, float]:
     """Peak bytes by kind of one shared-prefix mini-batch on one rank: ``prompts`` distinct prompts of
     ``prompt_len`` tokens with ``n`` responses of ``response_len`` each, as `FSDPWorker.train` runs it: the
-    prompts' pass once, every suffix micro-batch of ``micro`` samples (log-probs, PPO loss, backward), the
-    prompts' backward, one optimizer step; the actor, unsharded, on fake tensors.
+    prompts' pass once, suffix micro-batches of ``micro`` samples (forward, loss, backward), the prompts'
+    backward, one optimizer step (``train``; else the no-grad passes); unsharded, on fake tensors, worst case
+    for the prefix (every prompt full length, no two equal). ``suffix_passes``: how many suffix
+    micro-batches to run (None: all). The second is the steady state (the gradients of the parameters and of
+    the prompts' keys/values exist from the first on; each pass frees what it allocates), so two give the
+    peak of any number.
 
     ``offload`` (``offload_prefix_activations``): the prompt pass's saved tensors go to a storage-less device
     standing in for host memory, so the peak counts what the accelerator holds; ``"offloaded"`` is the host
-    bytes at their most. Worst case for the prefix: every prompt full length, no two equal.
+    bytes then held.
     """
     ids = torch.zeros(prompts, prompt_len, dtype=torch.long)
     ids[:, 0] = torch.arange(prompts)  # a distinct first token: no two prompts are shared
-    prompt_ids = ids.repeat_interleave(n, 0)
     responses = torch.zeros(prompts * n, response_len, dtype=torch.long)
-    batch = Batch({"input_ids": torch.cat([prompt_ids, responses], 1), "responses": responses,
+    batch = Batch({"input_ids": torch.cat([ids.repeat_interleave(n, 0), responses], 1), "responses": responses,
                    "attention_mask": torch.ones(prompts * n, prompt_len + response_len, dtype=torch.long)})
     plan = SharedPrefixPlan(batch)
     samples = list(range(prompts * n))
-    chunks = [samples[i: i + micro] for i in range(0, len(samples), micro)]
-    model = build_meta_causal_lm(model_path)
-    with FakeTensorMode(allow_non_fake_inputs=True), traceable_experts(model):
-        model = _materialize_fake(model, dtype)
-        if activation_checkpointing:
-            enable_activation_checkpointing(model)
-        optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6})
-        _hold_optimizer_states(model, optimizer)
-        tracker = _FrozenAwareMemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            prefix = prefix_forward(model, plan, "cpu", offload_to="meta" if offload else None)
-            for rows in chunks:
-                tracker.reset_mod_stats()  # per-module stats allow one root forward; the global peak stays
-                row = plan.suffix_row(rows, prefix, "cpu")
+    chunks = [samples[i: i + micro] for i in range(0, len(samples), micro)][:suffix_passes]
+    moved = {}
+
+    def step(model, tracker) -> None:
+        train = torch.is_grad_enabled()
+        prefix = prefix_forward(model, plan, "cpu", offload_to="meta" if offload and train else None)
+        for rows in chunks:
+            tracker.reset_mod_stats()  # its per-module stats allow one root forward; the global peak stays
+            row = plan.suffix_row(rows, prefix, "cpu")
+            if value_head:
+                loss = (suffix_forward(model, row).float() ** 2).mean()
+            else:
                 with model.get_output_embeddings().scoring(row.labels[None], 1.0, entropy_grad=True):
                     scores = suffix_forward(model, row)
                 log_prob = scatter_responses(scores[..., 0], row, len(rows), response_len)
-                mask = torch.ones_like(log_prob)
-                pg_loss, _ = compute_policy_loss("ppo", log_prob.detach(), log_prob, torch.zeros_like(log_prob), mask,
-                                                 loss_agg_mode="token-mean", normalizer=float(mask.numel()))
-                pg_loss.backward()
+                loss = _ppo_loss(log_prob, scatter_responses(scores[..., 1], row, len(rows), response_len),
+                                 use_kl_loss)
+            if train:
+                loss.backward()
+        if train:
             prefix.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
-    by_kind: dict[str, Any] = {}
-    for device, device_stats in peak.items():
-        if torch.device(device).type == "meta":  # the host's share
-            continue
-        for kind, nbytes in device_stats.items():
-            if kind in KINDS and nbytes:
-                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + nbytes
-    by_kind["offloaded"] = prefix.offloaded_bytes
-    return by_kind
+        moved["bytes"] = prefix.offloaded_bytes
+
+    traced = _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
+                    activation_checkpointing=activation_checkpointing, optim=optim)
+    return {**traced, "offloaded": moved["bytes"]}
 
 
 def actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
@@ -236,6 +256,11 @@ def actor_loss(model, input_ids, attention_mask, position_ids, response_len: int
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False, logits_to_keep=keep)
     log_prob, entropy = out.logits.unbind(-1)
+    return _ppo_loss(log_prob, entropy, use_kl_loss)
+
+
+def _ppo_loss(log_prob: torch.Tensor, entropy: torch.Tensor, use_kl_loss: bool) -> torch.Tensor:
+    """The PPO loss with its entropy term (and the KL loss) over ``[samples, responses]`` log-probs."""
     mask = torch.ones_like(log_prob)
     advantages = torch.zeros_like(log_prob)
     pg_loss, _ = compute_policy_loss("ppo", log_prob.detach(), log_prob, advantages, mask,
