@@ -152,6 +152,19 @@ def test_bad_config_is_refused_with_the_key(tmp_path, sections, message):
     assert message in str(e.value), str(e.value)
 
 
+def test_offloading_more_than_the_host_holds_is_refused_at_start_up(tmp_path, tiny_model_dir, monkeypatch):
+    """The prompts' pass of a mini-batch (4 prompts of 64 tokens on one rank) is traced; what it saves is
+    compared with the host memory a rank may use, here made 1 MiB, then 1 GiB."""
+    import torchrlhf.trainer.schema as schema
+
+    monkeypatch.setattr(schema, "host_bytes_available", lambda: 2**20)
+    with pytest.raises(ConfigError, match=r"actor.offload_prefix_activations: a mini-batch's prompts' pass \(4 prompt\(s\) "
+                                          r"of 64 tokens per rank\) saves [\d.]+ GiB, more than the 0.00 GiB of host"):
+        _check(tmp_path, tiny_model_dir, actor={"offload_prefix_activations": True})
+    monkeypatch.setattr(schema, "host_bytes_available", lambda: 2**30)
+    assert _check(tmp_path, tiny_model_dir, actor={"offload_prefix_activations": True}).actor.offload_prefix_activations
+
+
 def test_moe_keys_are_checked_against_the_models_config(tmp_path, tiny_model_dir):
     from torchrlhf.models import save_tiny_model
 

@@ -37,7 +37,7 @@ import transformers
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import model_layout
-from torchrlhf.trainer.memory import as_held, trace_micro_batch, trace_shared_prefix_update
+from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
@@ -158,8 +158,6 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     lines.append(f"      tokens per micro-batch ≤ {micro_tokens} ({rows_are})")
 
     # traced on fake tensors (`trainer.memory`), at the longest prompts and responses
-    if batching.use_dynamic_bsz:
-        micro = max(1, micro_tokens // ((1 if shared else p_len) + r_len))
     trace_kw = dict(dtype=dtype, value_head=role == "critic", lora=lora,
                     activation_checkpointing=getattr(sec, "activation_checkpointing", False),
                     optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
@@ -167,19 +165,18 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     if shared:
         # The prompts' pass covers every distinct prompt the rank holds (a mini-batch's in an update, the step's in a
         # no-grad pass) and its keys/values (and, training, its graph) live through every suffix micro-batch.
-        group = batching.ppo_mini_batch_size if not frozen else prompts
-        prompts_per_rank = max(1, math.ceil(group / dp))
-        per_prompt = max(1, (group * n // dp) // prompts_per_rank)
+        part = shared_prefix_shape(batching, n=n, dp=dp, step_prompts=prompts, response_len=r_len, frozen=frozen)
         offload = not frozen and getattr(sec, "offload_prefix_activations", False)
-        traced = trace_shared_prefix_update(
-            model_path, prompts=prompts_per_rank, n=per_prompt, micro=micro, prompt_len=p_len, response_len=r_len,
-            offload=offload, train=not frozen, **trace_kw)
+        traced = trace_shared_prefix_update(model_path, **part, prompt_len=p_len, response_len=r_len, offload=offload,
+                                            train=not frozen, **trace_kw)
         host = traced.pop("offloaded")
-        what = (f"{prompts_per_rank} prompt(s) of {p_len} tokens once, then suffix micro-batches of {micro} × "
+        what = (f"{part['prompts']} prompt(s) of {p_len} tokens once, then suffix micro-batches of {part['micro']} × "
                 f"(1 + {r_len}) tokens")
         if offload:
             what += f" (the prompts' pass's activations offloaded: {_gib(host)} of host memory per rank)"
     else:
+        if batching.use_dynamic_bsz:
+            micro = max(1, micro_tokens // (p_len + r_len))
         traced = trace_micro_batch(model_path, micro=micro, prompt_len=p_len, response_len=r_len, train=not frozen,
                                    **trace_kw)
         what = f"one micro-batch of {micro} × ({p_len} + {r_len}) tokens"

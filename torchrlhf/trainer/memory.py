@@ -24,6 +24,7 @@ What differs from a worker (said in the dry run's output too):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from torchrlhf.models.parallelize import enable_activation_checkpointing
 from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.data import Batch
 from torchrlhf.utils.optim import build_optimizer
+from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, scatter_responses, suffix_forward
 
 # MemTracker's kinds, as the dry run names them
@@ -180,6 +182,20 @@ def trace_micro_batch(
                   activation_checkpointing=activation_checkpointing, optim=optim)
 
 
+def shared_prefix_shape(batching: Batching, *, n: int, dp: int, step_prompts: int, response_len: int,
+                        frozen: bool = False) -> dict[str, int]:
+    """One rank's part of a shared-prefix pass, as `trace_shared_prefix_update` takes it: ``prompts``, the
+    distinct prompts its prompts' pass holds (a mini-batch's in an update, the step's ``step_prompts`` in a
+    frozen role's no-grad pass), ``n`` samples of each, and ``micro`` samples per suffix micro-batch (a token
+    budget's worth of the longest suffixes under ``use_dynamic_bsz``)."""
+    group = step_prompts if frozen else batching.ppo_mini_batch_size
+    prompts = max(1, math.ceil(group / dp))
+    micro = batching.log_prob_micro_batch_size if frozen else batching.ppo_micro_batch_size_per_device
+    if batching.use_dynamic_bsz:
+        micro = max(1, batching.max_tokens // (1 + response_len))
+    return {"prompts": prompts, "n": max(1, (group * n // dp) // prompts), "micro": micro}
+
+
 def trace_shared_prefix_update(
     model_path: str,
     *,
@@ -294,4 +310,4 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "actor_loss", "as_held", "trace_micro_batch", "trace_shared_prefix_update"]
+__all__ = ["KINDS", "actor_loss", "as_held", "shared_prefix_shape", "trace_micro_batch", "trace_shared_prefix_update"]

@@ -48,6 +48,8 @@ from torchrlhf.models.loading import RANDOM_PREFIX, random_model_dir
 from torchrlhf.models.lora import target_module_names
 from torchrlhf.models.moe import is_moe
 from torchrlhf.models.sharded import build_meta_causal_lm
+from torchrlhf.trainer.memory import shared_prefix_shape, trace_shared_prefix_update
+from torchrlhf.utils.activation_offload import host_bytes_available
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, LRSchedule
 from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
 from torchrlhf.workers.microbatch import Batching
@@ -454,11 +456,7 @@ def check(cfg: RecipeConfig, world_size: int) -> None:
             made_by = " (made by tools/prepare_gsm8k.py)" if any("gsm8k" in str(f) for f in missing) else ""
             errors.append(f"data.{key}: no such file(s) {missing}{made_by} (relative paths are from {os.getcwd()})")
     errors += _model_path_errors(cfg)
-    for role in ("actor", "critic"):
-        section = getattr(cfg, role, None)
-        if getattr(section, "offload_prefix_activations", False) and not section.shared_prefix:
-            errors.append(f"{role}.offload_prefix_activations needs {role}.shared_prefix: true (it offloads the "
-                          "shared prompt pass's activations)")
+    errors += _offload_errors(cfg, world_size)
     errors += _distill_errors(cfg)
     errors += _lora_errors(cfg)
     errors += _agent_errors(cfg)
@@ -681,6 +679,46 @@ def _engine_capability_errors(cfg: RecipeConfig) -> list[str]:
     """What the config asks of the rollout engine that it does not declare (`torchrlhf.generation.CAPABILITIES`)."""
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     return capability_errors(engine, lambda key: functools.reduce(getattr, key.split("."), cfg))
+
+
+def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
+    """``offload_prefix_activations`` needs shared prefixes, and host memory for what a rank's prompts' pass
+    saves: traced on fake tensors for the config's shape (`trainer.memory`; seconds, and only when it is on)
+    against this rank's share of the host's available memory (`host_bytes_available`), the limit the worker
+    enforces."""
+    errors = []
+    for role in ("actor", "critic"):
+        sec = getattr(cfg, role, None)
+        if not getattr(sec, "offload_prefix_activations", False):
+            continue
+        if not sec.shared_prefix:
+            errors.append(f"{role}.offload_prefix_activations needs {role}.shared_prefix: true (it offloads the "
+                          "shared prompt pass's activations)")
+            continue
+        layout = _layouts(cfg, role_ranks(cfg, world_size))[0].get(role)
+        path = sec.model_path
+        if layout is None or not names_a_model(path) or os.path.isfile(os.path.expanduser(path)):
+            continue  # a bad layout or model path is reported by its own check; a .gguf: the trace reads config.json
+        r_len = cfg.rollout.max_tokens
+        part = shared_prefix_shape(sec.batching, n=cfg.rollout.n, dp=layout.dims.dp,
+                                   step_prompts=cfg.data.train_batch_size, response_len=r_len)
+        try:
+            traced = trace_shared_prefix_update(
+                resolve_model_path(path), dtype=getattr(torch, sec.dtype), **part,
+                prompt_len=cfg.data.max_prompt_length, response_len=r_len, offload=True, value_head=role == "critic",
+                lora=getattr(sec, "lora", None), activation_checkpointing=sec.activation_checkpointing,
+                suffix_passes=1)
+        except (OSError, ValueError) as e:
+            errors.append(f"{role}.model_path: cannot trace its prompts' pass: {e}")
+            continue
+        need, have = traced["offloaded"], host_bytes_available()
+        if need > have:
+            errors.append(
+                f"{role}.offload_prefix_activations: a mini-batch's prompts' pass ({part['prompts']} prompt(s) of "
+                f"{cfg.data.max_prompt_length} tokens per rank) saves {need / 2**30:.2f} GiB, more than the "
+                f"{have / 2**30:.2f} GiB of host memory a rank may hold (90 % of MemAvailable over the node's ranks); "
+                f"turn it off, or lower {role}.batching.ppo_mini_batch_size or data.max_prompt_length")
+    return errors
 
 
 def _moe_errors(cfg: RecipeConfig) -> list[str]:
