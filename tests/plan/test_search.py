@@ -14,7 +14,7 @@ from torchrlhf.config import ConfigError
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.plan.hardware import load_hardware
 from torchrlhf.plan.auto import format_plan, plan
-from torchrlhf.trainer.memory import as_held, trace_micro_batch
+from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
 from torchrlhf.trainer.run import load
 
 
@@ -47,10 +47,19 @@ def recipe_config(tmp_path, tiny_model_dir):
 
 
 def _direct_peak(cfg, role_name: str, role, dtype=torch.float32) -> float:
-    """A rank's bytes for ``role`` (the actor) from `trace_micro_batch` at the chosen micro-batch, no extrapolation."""
-    traced = trace_micro_batch(cfg.actor.model_path, dtype=dtype, micro=role.micro, prompt_len=cfg.data.max_prompt_length,
-                               response_len=cfg.rollout.max_tokens, train=True, optim={"lr": 1e-6},
-                               use_kl_loss=cfg.actor.loss.use_kl_loss)
+    """A rank's bytes for ``role`` (the actor) traced at the chosen micro-batch, no extrapolation: the shared-prefix
+    schedule (`trace_shared_prefix_update`: the rank's prompts once, alive through the micro-batches) when the actor
+    shares prompts, else one dense micro-batch (`trace_micro_batch`)."""
+    kw = dict(dtype=dtype, prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_tokens,
+              optim={"lr": 1e-6}, use_kl_loss=cfg.actor.loss.use_kl_loss)
+    if cfg.actor.shared_prefix:
+        batching = dataclasses.replace(cfg.actor.batching, ppo_micro_batch_size_per_device=role.micro)
+        part = shared_prefix_shape(batching, n=cfg.rollout.n, dp=role.ranks // role.tp,
+                                   step_prompts=cfg.data.train_batch_size, response_len=cfg.rollout.max_tokens)
+        traced = trace_shared_prefix_update(cfg.actor.model_path, **part, **kw)
+        traced.pop("offloaded")
+    else:
+        traced = trace_micro_batch(cfg.actor.model_path, micro=role.micro, train=True, **kw)
     layout = model_layout(role.ranks, dtype, trainable=True)
     return sum(as_held(traced, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout).values())
 
