@@ -686,7 +686,7 @@ def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
     saves: traced on fake tensors for the config's shape (`trainer.memory`; seconds, and only when it is on)
     against this rank's share of the host's available memory (`host_bytes_available`), the limit the worker
     enforces."""
-    errors = []
+    errors, layouts = [], None
     for role in ("actor", "critic"):
         sec = getattr(cfg, role, None)
         if not getattr(sec, "offload_prefix_activations", False):
@@ -695,7 +695,8 @@ def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
             errors.append(f"{role}.offload_prefix_activations needs {role}.shared_prefix: true (it offloads the "
                           "shared prompt pass's activations)")
             continue
-        layout = _layouts(cfg, role_ranks(cfg, world_size))[0].get(role)
+        layouts = layouts if layouts is not None else _layouts(cfg, role_ranks(cfg, world_size))[0]
+        layout = layouts.get(role)
         path = sec.model_path
         if layout is None or not names_a_model(path) or os.path.isfile(os.path.expanduser(path)):
             continue  # a bad layout or model path is reported by its own check; a .gguf: the trace reads config.json
