@@ -23,7 +23,7 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
   compiled blocks and decode step (``actor.compile``, ``rollout.engine.compile``) on the ``-compile`` rows,
   ``-compile-resident`` also with ``rollout.offload_optimizer: false`` (its step time against ``-compile``'s is
   what moving the optimizer state to the host and back costs), ``-offload`` with
-  ``actor.offload_prefix_activations`` (its peak memory against ``train-1b``'s).
+  ``actor.memory.offload_prefix_activations`` (its peak memory against ``train-1b``'s).
   Figures: the last step's time and its actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
   memory against the dry run's estimate. ``--profile-dir DIR`` also records the step before the last with
   ``trainer.profile`` (``DIR/<check>/step_N/<role>_rank0.{json,txt}``).
@@ -71,7 +71,7 @@ TRAIN_ROWS = {
                                              "rollout.offload_optimizer=false"]),
     "train-1b-lora": ("1b", 16, ["actor.lora.rank=16", "actor.lora.alpha=32"]),
     # the prompt pass's activations in host memory: its peak against train-1b's (prompts here are short, <= 64)
-    "train-1b-offload": ("1b", 16, ["actor.offload_prefix_activations=true"]),
+    "train-1b-offload": ("1b", 16, ["actor.memory.offload_prefix_activations=true"]),
     "train-3b": ("3b", 8, []),
 }
 

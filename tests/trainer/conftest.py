@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,49 +67,87 @@ def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
-               max_restarts: int = 0, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run the recipe as a user would: ``python recipes/ppo.py`` (one process) or under torchrun
-    (``max_restarts``: torchrun's ``--max-restarts``), from ``cwd`` (the project folder)."""
+def _rank_env(**extra: str) -> dict[str, str]:
+    # tests/trainer on the path of every rank: custom_components.py is imported by ``_component_`` tests.
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, **extra}
+
+
+def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 600, max_restarts: int = 0,
+               cwd: Path = ROOT, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run the recipe's command line as a user would, from ``cwd`` (the project folder).
+
+    ``torchrun`` (or ``max_restarts``, torchrun's ``--max-restarts``): ``python recipes/ppo.py`` (one process)
+    or torchrun, exactly. Otherwise the ranks are forked from a process that imported the recipe once
+    (`warm_processes`, what most tests use: it saves each rank ~9 s of imports) and rendezvous as ``srun``
+    starts them; their outputs are joined in rank order, and a failed rank ends the others as torchrun does.
+    """
+    if not torchrun and not max_restarts:
+        env = {} if nproc == 1 else {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port(span=2))}
+        ranks = [_rank_env(**env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {}))
+                 for r in range(nproc)]
+        return _forked(["--config", str(config), *overrides], ranks, cwd, timeout, end_all_on_failure=True)
     if nproc == 1 and not max_restarts:
         cmd = [sys.executable, str(RECIPE)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={max_restarts}", str(RECIPE)]
-    # tests/trainer on the path of every rank: custom_components.py is imported by ``_component_`` tests.
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     return subprocess.run([*cmd, "--config", str(config), *overrides], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+                          timeout=timeout, env=_rank_env(), cwd=cwd)
 
 
 def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Each rank its own process with torchrun's variables set by hand, as ``srun`` (or one torchrun per node)
     starts them: no local agent stops the other ranks when one dies. One answer per rank."""
     port = free_port(span=2)  # the process group's store and, without a torchrun agent, RPC's
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    procs = []
-    for rank in range(nproc):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path,
-               "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, str(RECIPE), "--config", str(config), *overrides], stdout=out,
-                                stderr=err, text=True, env=env, cwd=ROOT)
-        procs.append((proc, out, err))
-    answers = []
-    try:
-        for proc, out, err in procs:
-            proc.wait(timeout=timeout)
-    finally:
-        for proc, out, err in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            out.seek(0)
-            err.seek(0)
-            answers.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
-    return answers
+    ranks = [_rank_env(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in range(nproc)]
+    return _forked(["--config", str(config), *overrides], ranks, ROOT, timeout, end_all_on_failure=False,
+                   joined=False)
+
+
+def _forked(argv: list[str], envs: list[dict[str, str]], cwd: Path, timeout: float, *, end_all_on_failure: bool,
+            joined: bool = True):
+    """Start one forked rank per environment (`warm_processes.start_recipe_rank`) and wait for all of them (killed past
+    ``timeout``, which then raises `subprocess.TimeoutExpired` as `subprocess.run` does). ``end_all_on_failure``:
+    once a rank fails, the others are stopped (SIGTERM, then SIGKILL), as torchrun's agent does. Returns the
+    ranks' outputs joined in rank order with the first failed rank's exit code (``joined``), or one answer per
+    rank."""
+    from warm_processes import start_recipe_rank
+
+    with tempfile.TemporaryDirectory(prefix="recipe-ranks-") as tmp:
+        files = [(Path(tmp) / f"{rank}.out", Path(tmp) / f"{rank}.err") for rank in range(len(envs))]
+        for path in (p for pair in files for p in pair):
+            path.touch()  # a rank that fails before its redirect (it cannot start) leaves them empty
+        procs = [start_recipe_rank(argv, env, cwd, out, err) for env, (out, err) in zip(envs, files)]
+        deadline, stopping_since, first_failure = time.monotonic() + timeout, None, 0
+        try:
+            while running := [p for p in procs if p.exitcode is None]:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(["recipes/ppo.py", *argv], timeout)
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                first_failure = first_failure or (failed[0] if failed else 0)
+                if end_all_on_failure and failed and stopping_since is None:
+                    stopping_since = time.monotonic()
+                    for p in running:
+                        p.terminate()
+                if stopping_since is not None and time.monotonic() - stopping_since > 10:
+                    for p in running:
+                        p.kill()
+                running[0].join(timeout=0.2)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        answers = [subprocess.CompletedProcess(argv, p.exitcode, out.read_text(), err.read_text())
+                   for p, (out, err) in zip(procs, files)]
+    if not joined:
+        return answers
+    code = first_failure or next((a.returncode for a in answers if a.returncode != 0), 0)
+    return subprocess.CompletedProcess(argv, code, "".join(a.stdout for a in answers),
+                                       "".join(a.stderr for a in answers))
 
 
 def metrics_of(output_dir: Path) -> list[dict[str, Any]]:

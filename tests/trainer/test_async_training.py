@@ -1,4 +1,4 @@
-"""Asynchronous training end to end (torchrun, 3 ranks: the actor on rank 0, two rollout replicas on 1-2).
+"""Asynchronous training end to end (3 ranks: the actor on rank 0, two rollout replicas on 1-2).
 
 Exactness (the deterministic schedule with no lag equals a synchronous run bit for bit; it reproduces
 itself across two runs and across a stop + resume), learning with stale rollouts, staleness bounds and

@@ -113,7 +113,7 @@ def test_a_shared_prefix_trace_holds_a_mini_batchs_prompts_through_its_micro_bat
     assert _activations(shared) > 2 * _activations(dense)
     offloaded = explain(load_recipe_config(load_config(write_config(
         tmp_path / "c.yaml", tiny_model_dir, data={"train_batch_size": 8},
-        actor={"batching": batching, "offload_prefix_activations": True})), 1), 1)
+        actor={"batching": batching, "memory": {"offload_prefix_activations": True}})), 1), 1)
     assert re.search(r"\(the prompts' pass's activations offloaded: [\d.]+ GiB of host memory per rank\)", offloaded)
     assert _activations(offloaded) < _activations(shared)
 

@@ -66,7 +66,7 @@ def test_dry_run_memory_knows_lora(tiny_model_dir, tmp_path):
 
 
 def test_split_placement_syncs_adapters_and_resumes(tiny_model_dir, tmp_path):
-    """torchrun, actor on rank 0, rollout on rank 1, KL loss against the actor's own base. Two mini-batches
+    """Actor on rank 0, rollout on rank 1, KL loss against the actor's own base. Two mini-batches
     make the actor recompute old log-probs, so a rollout engine still on the base weights (or on a stale
     merge) shows as a gap between its sampling probabilities and the actor's. Only adapter bytes travel.
     A run resumed from step 2 syncs the loaded adapters and then equals the uninterrupted run."""

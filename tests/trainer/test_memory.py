@@ -163,7 +163,7 @@ responses = torch.randint(3, 1000, (prompts * n, r))
 batch = Batch({"input_ids": torch.cat([ids, responses], 1), "responses": responses,
                "attention_mask": torch.ones(prompts * n, p + r, dtype=torch.long),
                "response_mask": torch.ones(prompts * n, r), "advantages": torch.randn(prompts * n, r)})
-actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=n, shared_prefix=True,
+actor = ActorWorker(path, optim={"lr": 1e-6}, run={"rollout_n": n}, shared_prefix=True,
                     batching=Batching(ppo_mini_batch_size=prompts, ppo_micro_batch_size_per_device=micro))
 actor.update(batch, temperature=1.0)
 open("/proc/self/clear_refs", "w").write("5")

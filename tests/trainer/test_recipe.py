@@ -173,7 +173,7 @@ def test_every_pass_logs_its_mfu(tiny_model_dir, tmp_path):
 
 
 def test_two_ranks_resume_continues_the_same_run(tiny_model_dir, tmp_path):
-    """torchrun, 2 FSDP ranks: stop after a checkpoint at step 2, resume; step 3 equals an uninterrupted run's."""
+    """2 FSDP ranks: stop after a checkpoint at step 2, resume; step 3 equals an uninterrupted run's."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = {"actor": {"optim": {"lr": 3e-2}, "batching": {"ppo_micro_batch_size_per_device": 4}}, "trainer": {"test_freq": 0}}
 
@@ -195,7 +195,7 @@ def test_two_ranks_resume_continues_the_same_run(tiny_model_dir, tmp_path):
 
 
 def test_split_placement_syncs_weights_and_resumes(tiny_model_dir, tmp_path):
-    """torchrun, 4 ranks: the actor FSDP2-sharded on ranks 0-1, the rollout on ranks 2-3 (weights pushed by
+    """4 ranks: the actor FSDP2-sharded on ranks 0-1, the rollout on ranks 2-3 (weights pushed by
     bucketed broadcast from rank 0).
 
     Two mini-batches per step make the actor recompute old log-probs, so every step compares the rollout

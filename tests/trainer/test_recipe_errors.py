@@ -18,7 +18,7 @@ INCONSISTENT = ("rollout.max_tokens=48", "placement.actor=[0]", "placement.rollo
 
 def _run_times(times: int, *overrides: str) -> list:
     with ThreadPoolExecutor(2) as pool:  # two at a time: ranks that compete for the cores, as on a busy host
-        return list(pool.map(lambda _: run_recipe(SHIPPED, *overrides, nproc=2, timeout=180), range(times)))
+        return list(pool.map(lambda _: run_recipe(SHIPPED, *overrides, nproc=2, timeout=180, torchrun=True), range(times)))
 
 
 def _assert_reported_once(proc, message: str) -> None:

@@ -106,8 +106,14 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"actor": {"router_aux_loss_coef": 0.001}}, "actor.router_aux_loss_coef: moved to actor.moe.aux_loss_coef"),
     ({"actor": {"router_replay": "rollout"}}, "actor.router_replay: moved to actor.moe.router_replay"),
     ({"actor": {"moe": {"router_replay": "engine"}}}, "router_replay: 'off' or 'rollout', got 'engine'"),
-    ({"actor": {"shared_prefix": False, "offload_prefix_activations": True}},
-     "actor.offload_prefix_activations needs actor.shared_prefix: true"),
+    ({"actor": {"shared_prefix": False, "memory": {"offload_prefix_activations": True}}},
+     "actor.memory.offload_prefix_activations needs actor.shared_prefix: true"),
+    ({"actor": {"activation_checkpointing": True}}, "actor.activation_checkpointing: moved to "
+                                                    "actor.memory.activation_checkpointing"),
+    ({"critic": {"model_path": "${model_path}", "cpu_offload": True}},
+     "critic.cpu_offload: moved to critic.memory.cpu_offload"),
+    ({"actor": {"rollout_n": 4}}, "actor.rollout_n: unknown key"),
+    ({"actor": {"run": {"rollout_n": 4}}}, "actor.run: unknown key"),
     ({"critic": {"model_path": "${model_path}", "cliprange_value": 0.2}},
      "critic.cliprange_value: moved to critic.loss.cliprange_value"),
     # the algorithm's, the trainer's checkpoint and the agent's keys that became sections
@@ -158,11 +164,12 @@ def test_offloading_more_than_the_host_holds_is_refused_at_start_up(tmp_path, ti
     import torchrlhf.trainer.schema as schema
 
     monkeypatch.setattr(schema, "host_bytes_available", lambda: 2**20)
-    with pytest.raises(ConfigError, match=r"actor.offload_prefix_activations: a mini-batch's prompts' pass \(4 prompt\(s\) "
+    with pytest.raises(ConfigError, match=r"actor.memory.offload_prefix_activations: a mini-batch's prompts' pass \(4 prompt\(s\) "
                                           r"of 64 tokens per rank\) saves [\d.]+ GiB, more than the 0.00 GiB of host"):
-        _check(tmp_path, tiny_model_dir, actor={"offload_prefix_activations": True})
+        _check(tmp_path, tiny_model_dir, actor={"memory": {"offload_prefix_activations": True}})
     monkeypatch.setattr(schema, "host_bytes_available", lambda: 2**30)
-    assert _check(tmp_path, tiny_model_dir, actor={"offload_prefix_activations": True}).actor.offload_prefix_activations
+    cfg = _check(tmp_path, tiny_model_dir, actor={"memory": {"offload_prefix_activations": True}})
+    assert cfg.actor.memory.offload_prefix_activations
 
 
 def test_moe_keys_are_checked_against_the_models_config(tmp_path, tiny_model_dir):

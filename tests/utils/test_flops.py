@@ -118,7 +118,7 @@ def test_update_counts_every_mini_batch_and_epoch_and_reports_mfu(model_dir, sha
     from torchrlhf.workers.microbatch import strided_mini_batches
 
     batch = rollout_batch(8, group_size=4, seed=2)
-    actor = ActorWorker(model_dir, rollout_n=4, shared_prefix=shared,
+    actor = ActorWorker(model_dir, run={"rollout_n": 4}, shared_prefix=shared,
                         batching=Batching(ppo_mini_batch_size=1, ppo_micro_batch_size_per_device=2, ppo_epochs=2))
     seen: list[float] = []
     real_mfu = actor.mfu

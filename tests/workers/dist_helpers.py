@@ -61,9 +61,14 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; fail (never hang) past ``timeout``."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fail (never hang) past ``timeout``.
+
+    The ranks are started by the `warm_processes` forkserver: fresh processes that find torch, transformers and
+    torchrlhf already imported."""
+    import warm_processes  # noqa: F401  (sets the forkserver's preload before it first starts)
+
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -115,10 +120,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def grouped(**kwargs) -> dict:
     """Worker keyword arguments written flat, with the optimizer keys (and ``grad_clip`` as ``clip_grad``) moved
-    into ``optim``, the batch-size keys into ``batching`` and the loss keys (``loss_agg_mode`` as ``agg_mode``)
-    into ``loss``: the sub-sections `ActorWorker` / `CriticWorker` take."""
+    into ``optim``, the batch-size keys into ``batching``, the loss keys (``loss_agg_mode`` as ``agg_mode``)
+    into ``loss``, the memory keys into ``memory`` and ``rollout_n`` / ``total_steps`` into ``run``: the
+    sub-sections `ActorWorker` / `CriticWorker` take."""
     from torchrlhf.algorithms import PolicyLoss, ValueLoss
     from torchrlhf.utils.optim import SCHEDULE_KEYS
+    from torchrlhf.workers import MemorySaving, TrainingRun
     from torchrlhf.workers.microbatch import Batching
 
     batch_keys = {f for f in Batching.__dataclass_fields__}
@@ -128,4 +135,7 @@ def grouped(**kwargs) -> dict:
         optim["clip_grad"] = kwargs.pop("grad_clip")
     batching = {k: kwargs.pop(k) for k in [*kwargs] if k in batch_keys}
     loss = {"agg_mode" if k == "loss_agg_mode" else k: kwargs.pop(k) for k in [*kwargs] if k in loss_keys}
-    return {**kwargs, "optim": optim, "batching": Batching(**batching), **({"loss": loss} if loss else {})}
+    memory = {k: kwargs.pop(k) for k in [*kwargs] if k in MemorySaving.__dataclass_fields__}
+    run = {k: kwargs.pop(k) for k in [*kwargs] if k in TrainingRun.__dataclass_fields__}
+    return {**kwargs, "optim": optim, "batching": Batching(**batching), **({"loss": loss} if loss else {}),
+            **({"memory": MemorySaving(**memory)} if memory else {}), **({"run": TrainingRun(**run)} if run else {})}

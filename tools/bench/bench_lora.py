@@ -63,7 +63,7 @@ def measure_update(side: str, args: argparse.Namespace) -> dict:
     path = str(smollm2_model_dir())
     batch = group_rollouts(args.prompts, args.n, args.prompt_len, args.response_len, 49152)
     batching = Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=args.micro)
-    common = dict(rollout_n=1, batching=batching, loss={"use_kl_loss": True})
+    common = dict(batching=batching, loss={"use_kl_loss": True})
     if side == "full":
         actor = ActorWorker(path, optim={"lr": 1e-6}, **common)
         ref = ActorWorker(path, batching=batching, freeze=True)
@@ -111,7 +111,7 @@ def time_main(args: argparse.Namespace) -> None:
     path = str(smollm2_model_dir())
     batch = group_rollouts(args.prompts, args.n, args.prompt_len, args.response_len, 49152)
     batching = Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=args.micro)
-    common = dict(rollout_n=1, batching=batching, loss={"use_kl_loss": True})
+    common = dict(batching=batching, loss={"use_kl_loss": True})
     actors = {"full": ActorWorker(path, optim={"lr": 1e-6}, **common)}
     for r in args.ranks:
         actors[f"lora-{r}"] = ActorWorker(path, optim={"lr": 1e-5}, lora={"rank": r, "alpha": 2 * r}, **common)

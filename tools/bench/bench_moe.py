@@ -69,7 +69,7 @@ def main() -> None:
     tokens = int(batch["response_mask"].sum())
     with tempfile.TemporaryDirectory() as root:
         paths = save_models(root, args)
-        actors = {name: ActorWorker(path, rollout_n=args.n, batching=Batching(
+        actors = {name: ActorWorker(path, run={"rollout_n": args.n}, batching=Batching(
             ppo_mini_batch_size=args.prompts, ppo_micro_batch_size_per_device=args.prompts * args.n))
             for name, path in paths.items()}
         params = {name: sum(p.numel() for p in a.model.parameters()) for name, a in actors.items()}

@@ -29,7 +29,7 @@ export of an older commit) every row also runs that code, interleaved, and print
     python tools/bench/bench_train.py --mfu --threads 2 --baseline /tmp/base [--shapes learn gsm8k] [--compile]
 
 ``--offload``: the traced peak of one shared-prefix mini-batch, without and with
-``actor.offload_prefix_activations`` (fake tensors: no time, no host load), per shape and dtype:
+``actor.memory.offload_prefix_activations`` (fake tensors: no time, no host load), per shape and dtype:
 
     python tools/bench/bench_train.py --offload --shapes gsm8k --dtypes float32 bfloat16
 """
@@ -111,7 +111,7 @@ def actor_step(path: str, batch: Batch, micro: int, shared: bool, dtype: str = "
     compiles each block (``actor.compile``)."""
     one_rank_group()
     lora = {"rank": lora_rank, "alpha": 2 * lora_rank} if lora_rank else None
-    actor = ActorWorker(path, optim={"lr": 1e-6}, rollout_n=1, shared_prefix=shared, dtype=dtype, lora=lora,
+    actor = ActorWorker(path, optim={"lr": 1e-6}, shared_prefix=shared, dtype=dtype, lora=lora,
                         compile=compile,
                         batching=Batching(ppo_mini_batch_size=len(batch), ppo_micro_batch_size_per_device=micro))
     return lambda: actor.update(batch, temperature=1.0)

@@ -91,19 +91,20 @@ def plan_input(cfg: RecipeConfig, *, prompt_len: float | None = None, response_l
     shapes: dict[str, ModelShape] = {"actor": model_shape(resolve_model_path(actor.model_path), actor.lora)}
     optim = _optim(actor.optim)
     traced = {"actor": TracedRole(resolve_model_path(actor.model_path), "train", getattr(torch, actor.dtype), actor.lora,
-                                  actor.activation_checkpointing, optim, actor.loss.use_kl_loss, actor.cpu_offload)}
+                                  actor.memory.activation_checkpointing, optim, actor.loss.use_kl_loss,
+                                  actor.memory.cpu_offload)}
     dtypes = {"actor": actor.dtype, "rollout": actor.dtype}
     heads = {}
     reference = needs_reference(cfg) and not reference_is_actor(cfg)
     if reference:
         ref = SimpleNamespace(**reference_kwargs(cfg))
         traced["ref"] = TracedRole(resolve_model_path(ref.model_path), "forward", getattr(torch, ref.dtype),
-                                   cpu_offload=ref.cpu_offload)
+                                   cpu_offload=ref.memory.cpu_offload)
     if distills(cfg):
         teacher = SimpleNamespace(**teacher_kwargs(cfg))
         shapes["teacher"] = model_shape(resolve_model_path(teacher.model_path))
         traced["teacher"] = TracedRole(resolve_model_path(teacher.model_path), "forward", getattr(torch, teacher.dtype),
-                                       cpu_offload=teacher.cpu_offload)
+                                       cpu_offload=teacher.memory.cpu_offload)
         dtypes["teacher"] = teacher.dtype
     mini_batches = {"actor": cfg.data.train_batch_size // actor.batching.ppo_mini_batch_size}
     epochs = {"actor": actor.batching.ppo_epochs}
@@ -113,7 +114,7 @@ def plan_input(cfg: RecipeConfig, *, prompt_len: float | None = None, response_l
         shapes["critic"] = model_shape(resolve_model_path(c.model_path))
         c_optim = _optim(c.optim)
         traced["critic"] = TracedRole(resolve_model_path(c.model_path), "value", getattr(torch, c.dtype), None,
-                                      getattr(c, "activation_checkpointing", False), c_optim)
+                                      c.memory.activation_checkpointing, c_optim, cpu_offload=c.memory.cpu_offload)
         dtypes["critic"] = c.dtype
         mini_batches["critic"] = cfg.data.train_batch_size // c.batching.ppo_mini_batch_size
         epochs["critic"] = c.batching.ppo_epochs

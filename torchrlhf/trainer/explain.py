@@ -118,8 +118,8 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     samples = prompts * n
     lora = getattr(sec, "lora", None)
     dtype = getattr(torch, sec.dtype)
-    cpu_offload = getattr(sec, "cpu_offload", False)
-    layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=cpu_offload, lora=lora is not None)
+    layout = model_layout(dp * tp, dtype, trainable=not frozen, cpu_offload=sec.memory.cpu_offload,
+                          lora=lora is not None)
     experts = (f"; experts split over EP {ep} (each rank's FSDP2-sharded over {dp // ep}; tokens to their experts "
                "by all-to-all)") if ep > 1 else ""
     held = {"fsdp": f"FSDP2 over {dp} × TP {tp} (mesh dp_shard={dp}, tp={tp}){experts}",
@@ -159,14 +159,14 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
 
     # traced on fake tensors (`trainer.memory`), at the longest prompts and responses
     trace_kw = dict(dtype=dtype, value_head=role == "critic", lora=lora,
-                    activation_checkpointing=getattr(sec, "activation_checkpointing", False),
+                    activation_checkpointing=sec.memory.activation_checkpointing,
                     optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
                     use_kl_loss=role == "actor" and sec.loss.use_kl_loss)
     if shared:
         # The prompts' pass covers every distinct prompt the rank holds (a mini-batch's in an update, the step's in a
         # no-grad pass) and its keys/values (and, training, its graph) live through every suffix micro-batch.
         part = shared_prefix_shape(batching, n=n, dp=dp, step_prompts=prompts, response_len=r_len, frozen=frozen)
-        offload = not frozen and getattr(sec, "offload_prefix_activations", False)
+        offload = not frozen and sec.memory.offload_prefix_activations
         traced = trace_shared_prefix_update(model_path, **part, prompt_len=p_len, response_len=r_len, offload=offload,
                                             train=not frozen, **trace_kw)
         host = traced.pop("offloaded")
@@ -281,7 +281,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         lines, mem = _trainer_lines("ref", ref, cfg, layouts["ref"], ref_shape, resolve_model_path(ref.model_path),
                                    frozen=True)
         out += lines
-        add("ref", ranks["ref"], {} if ref.cpu_offload else mem, working=WORKING_KINDS)
+        add("ref", ranks["ref"], {} if ref.memory.cpu_offload else mem, working=WORKING_KINDS)
     if distills(cfg):
         teacher = SimpleNamespace(**teacher_kwargs(cfg))
         teacher_path = resolve_model_path(teacher.model_path)
@@ -291,7 +291,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
         d = cfg.algorithm.distill
         out += lines + [f"      distillation: A = {d.task_coef:g} × A_task + {d.coef:g} × (log p_teacher − log p_student) "
                         "per sampled token"]
-        add("teacher", ranks["teacher"], {} if teacher.cpu_offload else mem, working=WORKING_KINDS)
+        add("teacher", ranks["teacher"], {} if teacher.memory.cpu_offload else mem, working=WORKING_KINDS)
     if cfg.critic is not None:
         critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
         shapes["critic"] = critic_shape

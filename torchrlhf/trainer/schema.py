@@ -3,7 +3,7 @@
 Worker sections (``actor``, ``critic``, ``reward_model``, ``cost_model``) and ``reward`` are generated
 from the constructors they configure, so a config key is always a constructor argument; a section's
 ``_component_`` names the class (a subclass of the library's, for users who override a method). Keys
-the recipe derives from other sections (``rollout_n``, ``total_steps``, ...) are excluded and read as
+the recipe derives from other sections (``run``, ``freeze``, ...) are excluded and read as
 unknown keys if set.
 """
 
@@ -51,7 +51,7 @@ from torchrlhf.models.sharded import build_meta_causal_lm
 from torchrlhf.trainer.memory import shared_prefix_shape, trace_shared_prefix_update
 from torchrlhf.utils.activation_offload import host_bytes_available
 from torchrlhf.utils.optim import CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD, LRSchedule
-from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, RewardModelWorker
+from torchrlhf.workers import ActorWorker, CriticWorker, JudgeWorker, MemorySaving, RewardModelWorker, TrainingRun
 from torchrlhf.workers.microbatch import Batching
 from torchrlhf.workers.rollout import ENGINE_ARGS_SET_BY_ROLE
 
@@ -72,20 +72,16 @@ MODEL_SCORERS = ("reward_model", "cost_model", "judge")  # roles `Scorer.models`
 OPTIM_SECTIONS = ("actor", "critic")  # sections with an ``optim`` sub-section (the optimizer is a component)
 
 
-def _rollout_n(cfg: Any) -> int:
-    return cfg.rollout.n
-
-
-def _total_steps(cfg: Any) -> int:
-    return cfg.trainer.total_steps
+def _training_run(cfg: Any) -> TrainingRun:
+    return TrainingRun(rollout_n=cfg.rollout.n, total_steps=cfg.trainer.total_steps)
 
 
 # Constructor arguments the recipe derives from other sections: never config keys (the schema leaves them
 # out; a config that sets one gets "unknown key") and filled in by `section_kwargs`. ``None``: an object
 # only the builder has (the run's tokenizer).
 DERIVED_ARGS: dict[str, dict[str, Callable[[Any], Any] | None]] = {
-    "actor": {"rollout_n": _rollout_n, "total_steps": _total_steps, "freeze": lambda cfg: False},
-    "critic": {"rollout_n": _rollout_n, "total_steps": _total_steps},
+    "actor": {"run": _training_run, "freeze": lambda cfg: False},
+    "critic": {"run": _training_run},
     "reward_model": {"output_key": lambda cfg: "rm_scores"},
     "cost_model": {"output_key": lambda cfg: "cost_scores"},
     "judge": {"policy_tokenizer_path": lambda cfg: resolve_model_path(cfg.tokenizer_path or cfg.actor.model_path)},
@@ -134,6 +130,8 @@ MOVED_KEYS = {
     "actor.router_aux_loss_coef": "actor.moe.aux_loss_coef",
     "actor.router_z_loss_coef": "actor.moe.z_loss_coef",
     "actor.router_replay": "actor.moe.router_replay",
+    **{f"{role}.{key}": f"{role}.memory.{key}" for role in ("actor", "critic")
+       for key in ("activation_checkpointing", "cpu_offload", "offload_prefix_activations")},
     **{f"rollout.agent.{old}": f"rollout.agent.{new}" for old, new in AGENT_MOVED_KEYS.items()},
 }
 
@@ -296,7 +294,7 @@ def frozen_kwargs(section: RefConfig, actor: Any) -> dict[str, Any]:
         "batching": dataclasses.replace(actor.batching, log_prob_micro_batch_size_per_device=micro),
         "tp_size": actor.tp_size,
         "ep_size": actor.ep_size,
-        "cpu_offload": section.cpu_offload,
+        "memory": MemorySaving(cpu_offload=section.cpu_offload),
         "compile": actor.compile,
         "shared_prefix": actor.shared_prefix,
         "freeze": True,
@@ -689,11 +687,11 @@ def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
     errors, layouts = [], None
     for role in ("actor", "critic"):
         sec = getattr(cfg, role, None)
-        if not getattr(sec, "offload_prefix_activations", False):
+        if sec is None or not sec.memory.offload_prefix_activations:
             continue
         if not sec.shared_prefix:
-            errors.append(f"{role}.offload_prefix_activations needs {role}.shared_prefix: true (it offloads the "
-                          "shared prompt pass's activations)")
+            errors.append(f"{role}.memory.offload_prefix_activations needs {role}.shared_prefix: true (it offloads "
+                          "the shared prompt pass's activations)")
             continue
         layouts = layouts if layouts is not None else _layouts(cfg, role_ranks(cfg, world_size))[0]
         layout = layouts.get(role)
@@ -707,7 +705,7 @@ def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
             traced = trace_shared_prefix_update(
                 resolve_model_path(path), dtype=getattr(torch, sec.dtype), **part,
                 prompt_len=cfg.data.max_prompt_length, response_len=r_len, offload=True, value_head=role == "critic",
-                lora=getattr(sec, "lora", None), activation_checkpointing=sec.activation_checkpointing,
+                lora=getattr(sec, "lora", None), activation_checkpointing=sec.memory.activation_checkpointing,
                 suffix_passes=1)
         except (OSError, ValueError) as e:
             errors.append(f"{role}.model_path: cannot trace its prompts' pass: {e}")
@@ -715,7 +713,7 @@ def _offload_errors(cfg: RecipeConfig, world_size: int) -> list[str]:
         need, have = traced["offloaded"], host_bytes_available()
         if need > have:
             errors.append(
-                f"{role}.offload_prefix_activations: a mini-batch's prompts' pass ({part['prompts']} prompt(s) of "
+                f"{role}.memory.offload_prefix_activations: a mini-batch's prompts' pass ({part['prompts']} prompt(s) of "
                 f"{cfg.data.max_prompt_length} tokens per rank) saves {need / 2**30:.2f} GiB, more than the "
                 f"{have / 2**30:.2f} GiB of host memory a rank may hold (90 % of MemAvailable over the node's ranks); "
                 f"turn it off, or lower {role}.batching.ppo_mini_batch_size or data.max_prompt_length")

@@ -35,7 +35,7 @@ from torchrlhf.models.moe import (
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, register
-from torchrlhf.workers.base import FSDPWorker, MiniBatchTotals, resolve_dtype
+from torchrlhf.workers.base import FSDPWorker, MemorySaving, MiniBatchTotals, TrainingRun, resolve_dtype
 from torchrlhf.workers.microbatch import Batching, pad_response_columns, trimmed_inputs
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, scatter_responses, suffix_forward
 
@@ -46,16 +46,18 @@ class ActorWorker(FSDPWorker):
     ``optim``: the optimizer (``_component_``, default `torch.optim.AdamW`, with its own arguments), the
     LR schedule keys and ``clip_grad`` (`torchrlhf.utils.optim`). ``batching``: global mini-batch sizes in
     prompts, epochs, micro-batches (`Batching`); micro-batching only changes speed, never the result.
+    ``run`` (`TrainingRun`, set by the controller from ``rollout.n`` and ``trainer.total_steps``): its
     ``total_steps`` and the schedule's ``warmup_steps`` count `update` calls (training iterations).
     ``loss`` (`PolicyLoss`): the policy loss, its clipping and aggregation, the entropy and KL terms, and
     the rollout correction ``rollout_is``.
     ``shared_prefix`` (on by default) computes each distinct prompt once per mini-batch, packs the
     responses without padding and projects to the vocabulary only at response positions
     (`workers.shared_prefix`); off, every sample runs as its own padded row (the dense reference).
-    ``offload_prefix_activations`` keeps what that prompt pass saves for backward in host memory while the
-    suffix micro-batches run (`utils.activation_offload`): the device then holds the prompts' keys/values and
-    one suffix micro-batch, not every prompt's activations too. Results are identical; it pays two copies of
-    those activations per mini-batch and frees nothing on a CPU device.
+    ``memory`` (`MemorySaving`): ``activation_checkpointing``, ``cpu_offload`` and
+    ``offload_prefix_activations``, which keeps what that prompt pass saves for backward in host memory while
+    the suffix micro-batches run (`utils.activation_offload`): the device then holds the prompts' keys/values
+    and one suffix micro-batch, not every prompt's activations too. Results are identical; it pays two copies
+    of those activations per mini-batch and frees nothing on a CPU device.
     ``freeze``: the reference policy or the distillation teacher (no optimizer; `compute_ref_log_prob` /
     `compute_teacher_log_prob` only).
     ``lora`` (`LoRAConfig`: ``rank``, ``alpha``, ``dropout``, ``target_modules``; off when None): train
@@ -88,16 +90,13 @@ class ActorWorker(FSDPWorker):
         dtype: str = "float32",
         optim: dict[str, Any] | None = None,
         batching: Batching | None = None,
-        rollout_n: int = 1,
-        total_steps: int | None = None,
+        run: TrainingRun = TrainingRun(),
         loss: PolicyLoss = PolicyLoss(),
         tp_size: int = 1,
         ep_size: int = 1,
-        activation_checkpointing: bool = False,
-        cpu_offload: bool = False,
+        memory: MemorySaving = MemorySaving(),
         compile: bool = False,
         shared_prefix: bool = True,
-        offload_prefix_activations: bool = False,
         lora: LoRAConfig | None = None,
         moe: MoETraining = MoETraining(),
         freeze: bool = False,
@@ -109,15 +108,15 @@ class ActorWorker(FSDPWorker):
             raise ValueError("a frozen ActorWorker (the reference) takes no lora: a LoRA actor is its own reference")
         self.freeze = freeze
         self.loss = as_section(PolicyLoss, loss)
-        self._set_shared_prefix(shared_prefix, offload_prefix_activations)
+        memory = as_section(MemorySaving, memory)
+        self._set_shared_prefix(shared_prefix, memory)
         rollout_is = self.loss.rollout_is is not None
         self.loss_metrics = ("actor/pg_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                              "actor/ppo_kl", *(("actor/kl_loss",) if self.loss.use_kl_loss else ()),
                              *(("actor/rollout_is_mean", "actor/rollout_is_clipped_frac") if rollout_is else ()))
         self.max_metrics = ("actor/rollout_is_max",) if rollout_is else ()
 
-        self.model = self._build_model(model_path, resolve_dtype(dtype), freeze=freeze,
-                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        self.model = self._build_model(model_path, resolve_dtype(dtype), freeze=freeze, memory=memory,
                                        compile=compile)
         self.window = sliding_window(self.model.config)
         self.num_experts = getattr(self.model.config, "num_experts", 0) if is_moe(self.model.config) else 0
@@ -133,7 +132,7 @@ class ActorWorker(FSDPWorker):
         if freeze:  # the reference: only no-grad passes, whose micro sizes come from ``batching``
             self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
         else:
-            self._init_training(optim=optim, batching=batching, rollout_n=rollout_n, total_steps=total_steps,
+            self._init_training(optim=optim, batching=batching, run=as_section(TrainingRun, run),
                                 loss_agg_mode=self.loss.agg_mode)
 
     # ------------------------------------------------------------------ weight sync (split placement)

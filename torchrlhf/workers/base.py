@@ -76,6 +76,31 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return math.sqrt(sq)
 
 
+@dataclass(frozen=True)
+class MemorySaving:
+    """Ways a trainable role trades speed for device memory (its ``memory`` section).
+
+    ``activation_checkpointing``: recompute each block's activations in backward instead of keeping them.
+    ``cpu_offload``: FSDP2 keeps the parameters, gradients and optimizer state in host memory.
+    ``offload_prefix_activations``: with ``shared_prefix``, what the mini-batch's prompt pass saves for backward
+    waits in host memory while the suffix micro-batches run (`utils.activation_offload`).
+    """
+
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    offload_prefix_activations: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What the controller tells a trainable role of the run it trains in, never a config key: responses per
+    prompt (``rollout.n``, which turns mini-batch sizes in prompts into samples) and the number of updates
+    (``trainer.total_steps``, the LR schedule's length; None: no decay)."""
+
+    rollout_n: int = 1
+    total_steps: int | None = None
+
+
 @dataclass
 class MiniBatchTotals:
     """Global counts of one mini-batch, over every data-parallel rank: what per-micro-batch losses divide by."""
@@ -130,11 +155,11 @@ class FSDPWorker(Worker):
     def tp_size(self) -> int:
         return self.parallel_dims.tp
 
-    def _set_shared_prefix(self, shared_prefix: bool, offload_prefix_activations: bool) -> None:
-        if offload_prefix_activations and not shared_prefix:
-            raise ValueError(f"{self.role}.offload_prefix_activations needs {self.role}.shared_prefix: true (it "
-                             "offloads the shared prompt pass's activations)")
-        self.shared_prefix, self.offload_prefix_activations = shared_prefix, offload_prefix_activations
+    def _set_shared_prefix(self, shared_prefix: bool, memory: MemorySaving) -> None:
+        if memory.offload_prefix_activations and not shared_prefix:
+            raise ValueError(f"{self.role}.memory.offload_prefix_activations needs {self.role}.shared_prefix: true "
+                             "(it offloads the shared prompt pass's activations)")
+        self.shared_prefix, self.offload_prefix_activations = shared_prefix, memory.offload_prefix_activations
 
     # ------------------------------------------------------------------ setup
     def _layout(self, dtype: torch.dtype, cpu_offload: bool, trainable: bool) -> str:
@@ -157,8 +182,7 @@ class FSDPWorker(Worker):
         *,
         value_head: bool = False,
         freeze: bool = False,
-        activation_checkpointing: bool = False,
-        cpu_offload: bool = False,
+        memory: MemorySaving = MemorySaving(),
         init_head_std: float | None = None,
         compile: bool = False,
     ) -> torch.nn.Module:
@@ -171,6 +195,7 @@ class FSDPWorker(Worker):
         only they train, and with a compute ``dtype`` below float32 the frozen base is held in it. With
         ``compile`` each transformer block's forward runs through ``torch.compile`` (`compile_blocks`).
         """
+        cpu_offload = memory.cpu_offload
         sharded = self.loads_sharded(model_path, dtype, cpu_offload, trainable=not freeze)
         if value_head:
             model = build_meta_value_model(model_path) if sharded else load_value_model(
@@ -186,7 +211,8 @@ class FSDPWorker(Worker):
                 init_lora(model, self.seed)
             if dtype.itemsize < 4:  # FSDP2 computes in ``dtype`` (a plain model is float32)
                 hold_frozen_in(model, dtype)
-        model = self._shard(model, dtype, activation_checkpointing and not freeze, cpu_offload, trainable=not freeze)
+        model = self._shard(model, dtype, memory.activation_checkpointing and not freeze, cpu_offload,
+                            trainable=not freeze)
         if compile:
             enable_compile_cache()
             compile_blocks(model)
@@ -229,17 +255,17 @@ class FSDPWorker(Worker):
         """Where the model's forward and backward run: with the compute copies when it has them."""
         return self.compute_copies.active() if self.compute_copies is not None else contextlib.nullcontext()
 
-    def _init_training(self, *, optim: Mapping | None, batching: Batching | Mapping | None, rollout_n: int,
-                       total_steps: int | None, loss_agg_mode: str) -> None:
+    def _init_training(self, *, optim: Mapping | None, batching: Batching | Mapping | None, run: TrainingRun,
+                       loss_agg_mode: str) -> None:
         """What `train` needs: the batch sizes (validated for this group), the optimizer, its schedule and the
         gradient clip (``optim.clip_grad``)."""
         self.batching = batching if isinstance(batching, Batching) else Batching(**(batching or {}))
-        self.batching.validate(rollout_n=rollout_n, dp_size=self.dp_size, role=self.role)
-        self.rollout_n = rollout_n
+        self.batching.validate(rollout_n=run.rollout_n, dp_size=self.dp_size, role=self.role)
+        self.rollout_n = run.rollout_n
         self.loss_agg_mode = loss_agg_mode
         optim = {**self.OPTIM_DEFAULTS, **(optim or {})}
         self.grad_clip = optim.get(CLIP_GRAD_KEY, DEFAULT_CLIP_GRAD)
-        self.optimizer, self.lr_scheduler = build_optimizer(self.model.parameters(), optim, total_steps=total_steps)
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model.parameters(), optim, total_steps=run.total_steps)
 
     # ------------------------------------------------------------------ collectives
     def dp_sum(self, values: list[float]) -> list[float]:

@@ -12,7 +12,7 @@ from torchrlhf.config import as_section
 from torchrlhf.data import Batch
 from torchrlhf.models.packed_attention import PrefixKV, sliding_window
 from torchrlhf.runtime.worker import Dispatch, register
-from torchrlhf.workers.base import FSDPWorker, MiniBatchTotals, resolve_dtype
+from torchrlhf.workers.base import FSDPWorker, MemorySaving, MiniBatchTotals, TrainingRun, resolve_dtype
 from torchrlhf.workers.microbatch import Batching, pad_response_columns, trimmed_inputs
 from torchrlhf.workers.shared_prefix import SharedPrefixPlan, scatter_responses, suffix_forward
 
@@ -36,7 +36,7 @@ class CriticWorker(FSDPWorker):
 
     ``optim`` and ``batching`` mean what they mean for `ActorWorker` (batch sizes global, in prompts), and
     so do ``shared_prefix`` (each distinct prompt runs once per mini-batch, responses are packed without
-    padding) and ``offload_prefix_activations``. ``loss`` (`ValueLoss`): the value clip and the aggregation.
+    padding), ``memory`` (`MemorySaving`) and ``run`` (`TrainingRun`). ``loss`` (`ValueLoss`): the value clip and the aggregation.
     """
 
     role = "critic"
@@ -50,26 +50,23 @@ class CriticWorker(FSDPWorker):
         dtype: str = "float32",
         optim: dict[str, Any] | None = None,
         batching: Batching | None = None,
-        rollout_n: int = 1,
-        total_steps: int | None = None,
+        run: TrainingRun = TrainingRun(),
         loss: ValueLoss = ValueLoss(),
         init_head_std: float | None = None,
         tp_size: int = 1,
-        activation_checkpointing: bool = False,
-        cpu_offload: bool = False,
+        memory: MemorySaving = MemorySaving(),
         compile: bool = False,
         shared_prefix: bool = True,
-        offload_prefix_activations: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(tp_size=tp_size, seed=seed)
         self.loss = as_section(ValueLoss, loss)
-        self._set_shared_prefix(shared_prefix, offload_prefix_activations)
-        self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True,
-                                       activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload,
+        memory = as_section(MemorySaving, memory)
+        self._set_shared_prefix(shared_prefix, memory)
+        self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True, memory=memory,
                                        init_head_std=init_head_std, compile=compile)
         self.window = sliding_window(self.model.config)
-        self._init_training(optim=optim, batching=batching, rollout_n=rollout_n, total_steps=total_steps,
+        self._init_training(optim=optim, batching=batching, run=as_section(TrainingRun, run),
                             loss_agg_mode=self.loss.agg_mode)
 
     def _values(self, mb: Batch, rows: list[int], plan: SharedPrefixPlan | None, prefix: PrefixKV | None):

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from torchrlhf.data import Batch
 from torchrlhf.models.heads import score_at_last_token
 from torchrlhf.runtime.worker import Dispatch, register
-from torchrlhf.workers.base import FSDPWorker, resolve_dtype
+from torchrlhf.workers.base import FSDPWorker, MemorySaving, resolve_dtype
 from torchrlhf.workers.microbatch import trimmed_inputs
 
 
@@ -47,7 +47,7 @@ class RewardModelWorker(FSDPWorker):
         self.micro_batch_size = micro_batch_size_per_device
         self.max_tokens = max_tokens_per_micro_batch if use_dynamic_bsz else None
         self.model = self._build_model(model_path, resolve_dtype(dtype), value_head=True, freeze=True,
-                                       cpu_offload=cpu_offload)
+                                       memory=MemorySaving(cpu_offload=cpu_offload))
         self.model.eval()
 
     @register(dispatch=Dispatch.DP_COMPUTE)

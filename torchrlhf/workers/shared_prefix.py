@@ -163,7 +163,7 @@ def prefix_forward(model: torch.nn.Module, plan: SharedPrefixPlan, device,
     none = torch.zeros(0, dtype=torch.long, device=device)
     offload = nullcontext()
     if offload_to is not None and torch.is_grad_enabled():
-        offload = saved_tensors_on(offload_to, limit_bytes=offload_limit, what="offload_prefix_activations")
+        offload = saved_tensors_on(offload_to, limit_bytes=offload_limit, what="memory.offload_prefix_activations")
     # a mixture-of-experts model's routing: the prompts' share of the aux loss
     with offload as moved, record_routing(model) as routing:
         out = model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=none, attention_plan=attention)
