@@ -61,14 +61,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fail (never hang) past ``timeout``.
-
-    The ranks are started by the `warm_processes` forkserver: fresh processes that find torch, transformers and
-    torchrlhf already imported."""
-    import warm_processes  # noqa: F401  (sets the forkserver's preload before it first starts)
-
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; fail (never hang) past ``timeout``."""
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
-                             start_method="forkserver")
+                             start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:

@@ -1,12 +1,14 @@
 """Test processes forked from one that has imported torch, transformers and the recipe once.
 
-A rank of ``recipes/ppo.py`` (or of a worker test) spends ~9 s of CPU importing torch, transformers and
+A rank of ``recipes/ppo.py`` spends ~9 s of CPU importing torch, transformers and
 torchrlhf before it does anything: most of a tiny test run, and on the CI host's two cores the ranks of one
 test import side by side with another test's. `WARM` is a multiprocessing *forkserver* context whose server
 imported this module, and with it the recipe, once per test process: a process it starts is what a fresh one
 would be after those imports (the server is a single-threaded interpreter that only imported).
-`dist_helpers.run_ranks` starts its ranks with it; `start_recipe_rank` starts a rank of the recipe, which sets
-the environment it is given, redirects its output to files and runs the recipe's command line.
+`start_recipe_rank` starts a rank of the recipe with it, which sets the environment it is given, redirects its
+output to files and runs the recipe's command line. There is one forkserver per process: where another module
+started it first (`torchrlhf.utils.isolated` preloads itself), a rank imports the recipe itself, which is slower,
+not different.
 
 The ranks rendezvous as ``srun`` starts them (``env://``, no torchrun agent: the process group's store at
 MASTER_PORT, RPC's at the next port), a launch the recipe supports. What torchrun's agent itself does (restarts,
