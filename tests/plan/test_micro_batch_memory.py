@@ -39,3 +39,21 @@ def test_shallow_depths_keep_the_blocks_heavier_than_the_rest():
     # 80 layers of 10 M block weights, 40 M elsewhere: 4 x 40 / 10 = 16 layers, then 32
     assert shallow_depths(80, 80 * 10_000_000, 40_000_000) == (16, 32)
     assert shallow_depths(30, 30 * 3_500_000, 28_000_000) is None  # SmolLM2: its embedding outweighs 32 layers
+
+
+def test_a_peak_flat_over_few_rows_still_grows_with_many(tmp_path):
+    """SmolLM2's vocabulary on two tiny layers, 256-token prompts: one moment with few activations alive (the
+    embedding's gradient being built) sets the peak of 1 to 4 rows, so 2 and 4 rows trace alike and a line through
+    them stays flat; 16 rows' activations outweigh it. The estimate is the direct trace at 16 rows and at least the
+    direct trace at 12."""
+    model = str(save_tiny_model(tmp_path / "wide", tokenizer_from="smollm2"))
+    common = dict(prompt_len=256, response_len=4, dtype=torch.float32, optim={"lr": 1e-6})
+
+    direct = {rows: sum(trace_micro_batch(model, micro=rows, train=True, **common).values()) for rows in (2, 4, 12, 16)}
+
+    def estimate(rows: int) -> float:
+        return sum(micro_batch_memory(model, kind="train", micro=rows, **common).values())
+
+    assert direct[2] == direct[4] and direct[16] > 1.2 * direct[4]  # the premise: flat, then rising
+    assert estimate(16) == pytest.approx(direct[16], rel=1e-9)
+    assert direct[12] <= estimate(12) <= direct[16]

@@ -64,11 +64,20 @@ def _direct_peak(cfg, role_name: str, role, dtype=torch.float32) -> float:
     return sum(as_held(traced, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout).values())
 
 
-def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_the_micro_batch(recipe_config):
-    cfg, _ = recipe_config()
+@pytest.mark.parametrize("sections", [
+    {},  # the recipe tests' shape: 64-token prompts, 8-token responses
+    # 256-token prompts, 4-token responses: a few rows peak at one flat moment, 16 rows' activations outweigh it
+    # (`plan.memory`), and the shared prompts' pass holds 4 prompts of 256 tokens
+    {"data": {"max_prompt_length": 256, "train_batch_size": 8},
+     "rollout": {"max_tokens": 4, "engine": {"max_seq_len": 300}}},
+], ids=["short-prompts", "long-prompts"])
+def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_the_micro_batch(recipe_config, sections):
+    cfg, _ = recipe_config(**sections)
     roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
     loose = plan(cfg, 2, hardware=roomy, prompt_len=20.0)
     assert max(c.mapping.roles["actor"].micro for c in loose.candidates) == 16  # 4 prompts x n 4 on one rank
+    for c in loose.candidates:  # the actor alone, traced directly, within the whole rank's estimate
+        assert _direct_peak(cfg, "actor", c.mapping.roles["actor"]) <= c.peak_bytes * (1 + 1e-9)
     # a device 10 % below the largest peak kept: the largest micro-batches no longer fit
     tight_gib = 0.9 * max(c.peak_bytes for c in loose.candidates) / GIB
     tight = plan(cfg, 2, hardware=dataclasses.replace(roomy, memory_gib=tight_gib), prompt_len=20.0)
@@ -76,7 +85,7 @@ def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_th
         c.mapping.roles["actor"].micro < 16 for c in tight.candidates)
     for c in tight.candidates:
         assert c.peak_bytes <= tight_gib * GIB
-        # the actor's memory at the chosen micro-batch, traced directly (the planner extrapolates from 1 and 2 rows)
+        # the actor's memory at the chosen micro-batch, traced directly (the planner interpolates between traces)
         assert _direct_peak(cfg, "actor", c.mapping.roles["actor"]) <= tight_gib * GIB
 
 

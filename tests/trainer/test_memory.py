@@ -90,6 +90,17 @@ def test_traced_step_against_measured_rss_growth(request, model, micro, prompt, 
     assert low * measured <= estimate <= high * measured, (estimate, measured, traced)
 
 
+def test_the_head_scores_in_the_tiles_of_the_device_it_will_train_on(wider_model_dir):
+    """The trace runs on fake CPU tensors, but a GPU worker's head works in [2048, 16384] tiles: one float32 tile of
+    logits is 128 MiB, where a CPU tile ([256, 4096]) is 4 MiB. Traced for "cuda", the temporaries hold at least
+    one GPU tile in the update; for "cpu", less than one."""
+    kw = dict(dtype=torch.float32, micro=1, prompt_len=8, response_len=2048)
+    cpu = trace_micro_batch(wider_model_dir, device_type="cpu", **kw)
+    gpu = trace_micro_batch(wider_model_dir, device_type="cuda", **kw)
+    gpu_tile = 2048 * 16384 * 4
+    assert gpu["temporaries"] >= gpu_tile > cpu["temporaries"], (cpu, gpu)
+
+
 def test_persistent_state_is_the_models_and_adamws(tiny_model_dir):
     # Independent count: the loaded model's parameters (fp32), AdamW's two states per trainable value
     # (+ a step counter per parameter tensor).

@@ -39,6 +39,9 @@ class LogProbHead(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self._request: _Request | None = None
         self.compile = False  # scoring's tile arithmetic through torch.compile (`compile_blocks` sets it)
+        # scoring's tiles (positions, vocabulary rows); None: `algorithms.logprob.tile_sizes` of the input's
+        # device. The memory trace (`trainer.memory`) runs on fake CPU tensors and sets the target device's.
+        self.tiles: tuple[int, int] | None = None
 
     @classmethod
     def install(cls, model: nn.Module) -> LogProbHead:
@@ -93,6 +96,8 @@ class LogProbHead(nn.Linear):
             hidden = DTensor.from_local(hidden, self.weight.device_mesh, [Replicate()], run_check=False)
             return F.linear(hidden, self.weight).full_tensor()
         weight, group, vocab_start = self._local_weight()
+        chunk_size, vocab_chunk_size = self.tiles or (None, None)
         log_probs, entropy = log_probs_from_hidden(hidden, weight, request.labels, request.temperature,
+                                                   chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
                                                    group=group, vocab_start=vocab_start, compile=self.compile)
         return torch.stack([log_probs, entropy if request.entropy_grad else entropy.detach()], dim=-1)

@@ -88,6 +88,11 @@ class HardwareProfile:
     compute_units_per_node: int | None = None
     concurrent_slowdown: float = 1.0
 
+    @property
+    def device_type(self) -> str:
+        """"cpu" for a CPU profile (it counts its compute units), else "cuda"."""
+        return "cpu" if self.compute_units_per_node is not None else "cuda"
+
     def __post_init__(self) -> None:
         problems = []
         for key in ("memory_gib", "memory_bandwidth_gbps"):

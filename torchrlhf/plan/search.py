@@ -81,8 +81,8 @@ def _tp_options(pool: int, node_size: int, heads: tuple[int, int]) -> list[int]:
 
 
 def _micro_options(per_rank: int) -> list[int]:
-    """Micro-batch sizes that split a rank's samples evenly (as the config check requires): largest first."""
-    return _divisors(per_rank)[::-1]
+    """Micro-batch sizes that split a rank's samples evenly (as the config check requires): smallest first."""
+    return _divisors(per_rank)
 
 
 class Planner:
@@ -94,22 +94,20 @@ class Planner:
         self.roles_present = [r for r in OTHERS if r in self.p.models]
 
     # -------------------------------------------------------------- memory
-    def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int, prompts: int = 0
-               ) -> tuple[float, float]:
-        """(held throughout the step, working set of its calls) per rank, in bytes. ``prompts``: with shared
-        prefixes, the distinct prompts a rank's prompts' pass holds through the micro-batches; they count as
-        dense rows of as many tokens on top of the micro-batch's suffixes (the dry run traces the schedule
-        itself, `trainer.memory.trace_shared_prefix_update`)."""
+    def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int,
+               shared: tuple[int, int] | None = None) -> tuple[float, float]:
+        """(held throughout the step, working set of its calls) per rank, in bytes. ``shared`` = (prompts, n):
+        with shared prefixes, the distinct prompts a rank's prompts' pass holds through its suffix micro-batches
+        and the samples of each; the schedule is traced as the dry run traces it
+        (`trainer.memory.trace_shared_prefix_update`)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
-        if prompts:
-            micro = max(micro, math.ceil((prompts * p_len + micro * (1 + r_len)) / (p_len + r_len)))
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
         by_kind = micro_batch_memory(traced.model_path, kind=traced.kind, micro=micro, depths=depths,
                                      layers=shape.layers,
                                      prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,
                                      activation_checkpointing=traced.activation_checkpointing, optim=traced.optim,
-                                     use_kl_loss=traced.use_kl_loss)
+                                     use_kl_loss=traced.use_kl_loss, shared=shared, device_type=self.hw.device_type)
         layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
                               lora=traced.lora is not None)
         held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
@@ -127,16 +125,31 @@ class Planner:
     def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
                    asynchronous: bool) -> tuple[int, float] | None:
         """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
-        sets (their max in sync, their sum in async), and that working set; None if not even 1 fits."""
+        sets (their max in sync, their sum in async), and that working set; None if not even 1 fits. Memory grows
+        with the micro-batch, so a bisection of the sizes finds it in a few traces."""
         traced = self.data.traced[role]
         shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
-        prompts = max(1, math.ceil(per_rank / self.p.workload.n)) if shared else 0
-        for micro in _micro_options(max(per_rank, 1)):
-            _, work = self._state(role, traced, dp, tp, micro, prompts)
+        prompts = max(1, math.ceil(per_rank / self.p.workload.n))
+        part = (prompts, max(1, per_rank // prompts)) if shared else None
+
+        def fits(micro: int) -> tuple[bool, float]:
+            _, work = self._state(role, traced, dp, tp, micro, part)
             peak = held + (work + sum(working) if asynchronous else max([work, *working]))
-            if peak <= self.hw.memory_bytes:
-                return micro, work
-        return None
+            return peak <= self.hw.memory_bytes, work
+
+        options = _micro_options(max(per_rank, 1))
+        ok, work = fits(options[0])
+        if not ok:
+            return None
+        best, lo, hi = (options[0], work), 1, len(options) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ok, work = fits(options[mid])
+            if ok:
+                best, lo = (options[mid], work), mid + 1
+            else:
+                hi = mid - 1
+        return best
 
     # -------------------------------------------------------------- search
     def candidates(self, world: int, nodes: int) -> tuple[list[Candidate], int]:

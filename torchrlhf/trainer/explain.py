@@ -37,7 +37,8 @@ import transformers
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import model_layout
-from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
+from torchrlhf.trainer.memory import (as_held, run_device_type, shared_prefix_shape, trace_micro_batch,
+                                      trace_shared_prefix_update)
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
@@ -161,7 +162,7 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     trace_kw = dict(dtype=dtype, value_head=role == "critic", lora=lora,
                     activation_checkpointing=sec.memory.activation_checkpointing,
                     optim=None if frozen else {f.name: getattr(sec.optim, f.name) for f in dataclasses.fields(sec.optim)},
-                    use_kl_loss=role == "actor" and sec.loss.use_kl_loss)
+                    use_kl_loss=role == "actor" and sec.loss.use_kl_loss, device_type=run_device_type())
     if shared:
         # The prompts' pass covers every distinct prompt the rank holds (a mini-batch's in an update, the step's in a
         # no-grad pass) and its keys/values (and, training, its graph) live through every suffix micro-batch.

@@ -16,6 +16,8 @@ What differs from a worker (said in the dry run's output too):
   role's ranks by FSDP2 or with compute copies on one rank, as `models.parallelize.model_layout` says) — exact arithmetic,
   not an approximation; activations and temporaries are the traced ones (divided by TP, whose split of
   the hidden units the trace does not run);
+- the fake tensors are CPU tensors, but the head scores in the tiles of the device the role trains on
+  (`run_device_type` for the dry run, the hardware profile's for the planner): a GPU's tiles hold ~30x a CPU's;
 - with ``shared_prefix`` the step is the shared-prefix schedule (`trace_shared_prefix_update`): a rank's
   distinct prompts once, their keys/values and graph alive through the suffix micro-batches (the old estimate,
   a dense micro-batch, undercounted this when a rank holds more prompt tokens than one micro-batch); with
@@ -34,8 +36,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from torchrlhf.algorithms.aggregation import agg_loss
 from torchrlhf.algorithms.kl import kl_penalty
+from torchrlhf.algorithms.logprob import tile_sizes
 from torchrlhf.algorithms.policy_loss import compute_policy_loss
 from torchrlhf.models.heads import build_meta_value_model
+from torchrlhf.models.lm_head import LogProbHead
 from torchrlhf.models.lora import hold_frozen_in, inject_lora
 from torchrlhf.models.moe import traceable_experts
 from torchrlhf.models.parallelize import enable_activation_checkpointing
@@ -75,6 +79,11 @@ class _FrozenAwareMemTracker(MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
+def run_device_type() -> str:
+    """The device type a run's workers train on here: "cuda" where there is one (`runtime.worker`)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _materialize_fake(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` (built on meta) with fake CPU tensors in place of its parameters and buffers, floating
     ones in ``dtype``; tied parameters stay tied. Call under the `FakeTensorMode`."""
@@ -108,11 +117,16 @@ def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.Tensor | None], *,
            dtype: torch.dtype, train: bool, value_head: bool, lora: Any, activation_checkpointing: bool,
-           optim: dict | None) -> dict[str, float]:
+           optim: dict | None, device_type: str) -> dict[str, float]:
     """Peak bytes by kind of ``step(model, tracker)`` (which returns the loss to backward, or None after
     running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on
-    fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted."""
+    fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted. The head scores in
+    the tiles it uses on ``device_type`` (a GPU's hold ~30x the temporaries of a CPU's), though the fake tensors
+    are CPU tensors."""
     model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
+    head = model.get_output_embeddings() if not value_head else None
+    if isinstance(head, LogProbHead):
+        head.tiles = tile_sizes(torch.device(device_type))
     if not train:
         model.requires_grad_(False)
     if lora is not None:
@@ -162,10 +176,12 @@ def trace_micro_batch(
     activation_checkpointing: bool = False,
     optim: dict | None = None,
     use_kl_loss: bool = False,
+    device_type: str = "cpu",
 ) -> dict[str, float]:
     """Peak bytes by kind of one micro-batch of ``micro`` samples of ``prompt_len + response_len`` tokens:
     forward (+ loss, backward and one optimizer step when ``train``), unsharded, in ``dtype``, on fake
-    tensors (nothing is allocated). ``value_head``: the critic's `ValueModel` and a squared-error loss."""
+    tensors (nothing is allocated), with the head's tiles of ``device_type`` (`run_device_type`).
+    ``value_head``: the critic's `ValueModel` and a squared-error loss."""
     seq = prompt_len + response_len
 
     def step(model, tracker) -> torch.Tensor:
@@ -179,7 +195,7 @@ def trace_micro_batch(
         return actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
 
     return _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
-                  activation_checkpointing=activation_checkpointing, optim=optim)
+                  activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type)
 
 
 def shared_prefix_shape(batching: Batching, *, n: int, dp: int, step_prompts: int, response_len: int,
@@ -213,6 +229,7 @@ def trace_shared_prefix_update(
     use_kl_loss: bool = False,
     train: bool = True,
     suffix_passes: int | None = 2,
+    device_type: str = "cpu",
 ) -> dict[str, float]:
     """Peak bytes by kind of one shared-prefix mini-batch on one rank: ``prompts`` distinct prompts of
     ``prompt_len`` tokens with ``n`` responses of ``response_len`` each, as `FSDPWorker.train` runs it: the
@@ -225,7 +242,7 @@ def trace_shared_prefix_update(
 
     ``offload`` (``offload_prefix_activations``): the prompt pass's saved tensors go to a storage-less device
     standing in for host memory, so the peak counts what the accelerator holds; ``"offloaded"`` is the host
-    bytes then held.
+    bytes then held. ``device_type``: the head's tiles, as `trace_micro_batch`'s.
     """
     ids = torch.zeros(prompts, prompt_len, dtype=torch.long)
     ids[:, 0] = torch.arange(prompts)  # a distinct first token: no two prompts are shared
@@ -258,7 +275,7 @@ def trace_shared_prefix_update(
         moved["bytes"] = prefix.offloaded_bytes
 
     traced = _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
-                    activation_checkpointing=activation_checkpointing, optim=optim)
+                    activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type)
     return {**traced, "offloaded": moved["bytes"]}
 
 
@@ -310,4 +327,5 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "actor_loss", "as_held", "shared_prefix_shape", "trace_micro_batch", "trace_shared_prefix_update"]
+__all__ = ["KINDS", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape", "trace_micro_batch",
+           "trace_shared_prefix_update"]
