@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -21,6 +22,9 @@ REWARD_FNS = Path(__file__).with_name("reward_fns.py")
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 from dist_helpers import free_port  # noqa: E402
+import warm_processes  # noqa: E402,F401
+
+multiprocessing.forkserver.ensure_running()  # the warm one, before a test starts another (`warm_processes`)
 
 # A small GRPO run on the arithmetic prompts; tests override what they exercise.
 BASE: dict[str, Any] = {

@@ -6,9 +6,9 @@ test import side by side with another test's. `WARM` is a multiprocessing *forks
 imported this module, and with it the recipe, once per test process: a process it starts is what a fresh one
 would be after those imports (the server is a single-threaded interpreter that only imported).
 `start_recipe_rank` starts a rank of the recipe with it, which sets the environment it is given, redirects its
-output to files and runs the recipe's command line. There is one forkserver per process: where another module
-started it first (`torchrlhf.utils.isolated` preloads itself), a rank imports the recipe itself, which is slower,
-not different.
+output to files and runs the recipe's command line. There is one forkserver per process, and the first module to
+start it chooses what it preloads (`torchrlhf.utils.isolated` preloads itself when it starts it), so the recipe
+tests' conftest starts it as pytest collects, before any test runs.
 
 The ranks rendezvous as ``srun`` starts them (``env://``, no torchrun agent: the process group's store at
 MASTER_PORT, RPC's at the next port), a launch the recipe supports. What torchrun's agent itself does (restarts,
