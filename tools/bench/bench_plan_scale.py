@@ -26,7 +26,7 @@ MODELS = ["llama2-7b", "llama2-13b", "codellama-34b", "llama2-70b"]
 
 def config(model: str, algorithm: str) -> dict:
     path = str(SHAPES / model)
-    trained = {"model_path": path, "dtype": "bfloat16", "activation_checkpointing": True,
+    trained = {"model_path": path, "dtype": "bfloat16", "memory": {"activation_checkpointing": True},
                "batching": {"ppo_mini_batch_size": 256 if algorithm == "ppo" else 32,
                             "ppo_micro_batch_size_per_device": 1}}
     cfg = {
