@@ -88,7 +88,7 @@ def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: 
     if b > a:
         lines.append((_excess_at(model_path, kind, setting, b, n, m0), (prompts - a) / (b - a)))
     if m1 > m0:
-        lines.append((_excess_at(model_path, kind, setting, a, n, m1), (min(micro, prompts * n) - m0) / (m1 - m0)))
+        lines.append((_excess_at(model_path, kind, setting, a, n, m1), (micro - m0) / (m1 - m0)))
     kinds = {*base, *(k for f, _ in lines for k in f)}
     return {k: max(0.0, base.get(k, 0.0) + sum(t * (f.get(k, 0.0) - base.get(k, 0.0)) for f, t in lines))
             for k in kinds}
@@ -135,9 +135,10 @@ def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: in
     def at(path: str) -> dict[str, float]:
         if shared is None:
             return _in_rows(functools.partial(_dense, path, kind, setting), micro)
-        rows = _dense_rows(shared[0], min(micro, shared[0] * shared[1]), prompt_len, response_len)
-        dense = _in_rows(functools.partial(_dense, path, kind, setting), rows)
-        excess = _shared_excess(path, kind, setting, *shared, micro)
+        suffix = min(micro, shared[0] * shared[1])  # a suffix micro-batch holds at most every sample
+        dense = _in_rows(functools.partial(_dense, path, kind, setting),
+                         _dense_rows(shared[0], suffix, prompt_len, response_len))
+        excess = _shared_excess(path, kind, setting, *shared, suffix)
         return {k: dense.get(k, 0.0) + excess.get(k, 0.0) for k in {*dense, *excess}}
 
     if depths is None:

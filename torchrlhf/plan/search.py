@@ -98,8 +98,7 @@ class Planner:
                shared: tuple[int, int] | None = None) -> tuple[float, float]:
         """(held throughout the step, working set of its calls) per rank, in bytes. ``shared`` = (prompts, n):
         with shared prefixes, the distinct prompts a rank's prompts' pass holds through its suffix micro-batches
-        and the samples of each; the schedule is traced as the dry run traces it
-        (`trainer.memory.trace_shared_prefix_update`)."""
+        and the samples of each (`plan.memory.micro_batch_memory` counts the schedule)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
