@@ -17,14 +17,26 @@ def deep_model_dir(tmp_path_factory) -> str:
                                intermediate_size=256, num_hidden_layers=12))
 
 
-@pytest.mark.parametrize("kind", ["train", "value", "forward"])
+@pytest.mark.parametrize("kind", ["train", "value", "forward", "value_forward"])
 def test_rows_extrapolate_to_a_direct_trace(deep_model_dir, kind):
     common = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
-    direct = trace_micro_batch(deep_model_dir, micro=5, train=kind != "forward", value_head=kind == "value", **common)
+    direct = trace_micro_batch(deep_model_dir, micro=5, train=kind in ("train", "value"),
+                               value_head=kind.startswith("value"), **common)
     estimate = micro_batch_memory(deep_model_dir, kind=kind, micro=5, **common)
     assert sum(estimate.values()) == pytest.approx(sum(direct.values()), rel=0.02)
     for k in ("parameters", "optimizer states"):
         assert estimate.get(k, 0.0) == pytest.approx(direct.get(k, 0.0), rel=1e-6)
+
+
+def test_a_no_grad_pass_holds_less_than_an_update_and_an_unknown_kind_is_refused(deep_model_dir):
+    common = dict(micro=8, prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
+    update = micro_batch_memory(deep_model_dir, kind="train", **common)
+    no_grad = micro_batch_memory(deep_model_dir, kind="forward", **common)
+    working = [sum(v for k, v in f.items() if k not in ("parameters", "gradients", "optimizer states"))
+               for f in (update, no_grad)]
+    assert working[1] < working[0] / 2  # no activations kept for backward
+    with pytest.raises(ValueError, match="kind must be one of"):
+        micro_batch_memory(deep_model_dir, kind="values", **common)
 
 
 def test_a_deep_model_extrapolates_from_two_shallow_depths(deep_model_dir):

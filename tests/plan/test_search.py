@@ -14,7 +14,8 @@ from torchrlhf.config import ConfigError
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.plan.hardware import load_hardware
 from torchrlhf.plan.auto import format_plan, plan
-from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
+from torchrlhf.trainer.memory import (STATE_KINDS, as_held, shared_prefix_shape, trace_micro_batch,
+                                      trace_shared_prefix_update)
 from torchrlhf.trainer.run import load
 
 
@@ -64,6 +65,26 @@ def _direct_peak(cfg, role_name: str, role, dtype=torch.float32) -> float:
     return sum(as_held(traced, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout).values())
 
 
+def _direct_no_grad_peak(cfg, role, dtype=torch.float32) -> float:
+    """A rank's bytes in the actor's old-log-prob pass at the chosen ``log_prob_micro``, traced directly: the
+    trained actor's parameters, gradients and optimizer states held beside a no-grad pass over the rank's share of
+    the step (all its prompts once, then suffix micro-batches, with shared prefixes; else one dense micro-batch)."""
+    kw = dict(dtype=dtype, prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_tokens)
+    dp = role.ranks // role.tp
+    layout = model_layout(role.ranks, dtype, trainable=True)
+    states = trace_micro_batch(cfg.actor.model_path, micro=1, train=True, optim={"lr": 1e-6}, **kw)
+    if cfg.actor.shared_prefix:
+        prompts = -(-cfg.data.train_batch_size // dp)
+        working = trace_shared_prefix_update(cfg.actor.model_path, prompts=prompts, n=cfg.rollout.n,
+                                             micro=role.log_prob_micro, train=False, **kw)
+        working.pop("offloaded")
+    else:
+        working = trace_micro_batch(cfg.actor.model_path, micro=role.log_prob_micro, train=False, **kw)
+    held = as_held(states, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout)
+    return (sum(v for k, v in held.items() if k in STATE_KINDS or k == "buffers")
+            + sum(v / role.tp for k, v in working.items() if k not in STATE_KINDS and k != "buffers"))
+
+
 @pytest.mark.parametrize("sections", [
     {},  # the recipe tests' shape: 64-token prompts, 8-token responses
     # 256-token prompts, 4-token responses: a few rows peak at one flat moment, 16 rows' activations outweigh it
@@ -87,6 +108,8 @@ def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_th
         assert c.peak_bytes <= tight_gib * GIB
         # the actor's memory at the chosen micro-batch, traced directly (the planner interpolates between traces)
         assert _direct_peak(cfg, "actor", c.mapping.roles["actor"]) <= tight_gib * GIB
+        # and its old-log-prob pass, estimated from no-grad traces
+        assert _direct_no_grad_peak(cfg, c.mapping.roles["actor"]) <= tight_gib * GIB
 
 
 def test_a_model_that_fits_nowhere_gets_no_plan_and_the_smallest_cluster_that_fits(recipe_config):

@@ -21,7 +21,7 @@ The shared-prefix schedule (`trainer.memory.trace_shared_prefix_update`) costs a
 its Python loop over the prompts makes each one slow; it is taken as the dense micro-batch holding as many tokens
 (`_dense_rows`) plus the schedule's excess over that, traced once at a small part (`_shared_excess`).
 
-The traces are cached per model, setting and size for the process. Fake tensors cost per operation, not per byte,
+The traces are cached per model, setting and size for the process, and on disk for the machine (`trace_cache`). Fake tensors cost per operation, not per byte,
 and the head runs in the target device's tiles (`trainer.memory.trace_micro_batch`), so on a GPU a large micro-batch
 traces about as fast as a small one (Qwen2.5-0.5B, 1024 tokens: 5 s at 1 row, 10 s at 64).
 """
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from torchrlhf.plan.trace_cache import cached
 from torchrlhf.trainer.memory import trace_micro_batch, trace_shared_prefix_update
 
 
@@ -67,7 +68,8 @@ def _at_depth(model_path: str, layers: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _dense(model_path: str, kind: str, setting: tuple, rows: int) -> dict[str, float]:
     """One trace: a dense micro-batch of ``rows`` samples."""
-    return trace_micro_batch(model_path, micro=rows, **_trace_kw(kind, setting))
+    return cached(model_path, "dense", (kind, setting, rows),
+                  lambda: trace_micro_batch(model_path, micro=rows, **_trace_kw(kind, setting)))
 
 
 def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int
@@ -96,16 +98,21 @@ def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: 
 
 @functools.lru_cache(maxsize=None)
 def _excess_at(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
-    shared = trace_shared_prefix_update(model_path, prompts=prompts, n=n, micro=micro, **_trace_kw(kind, setting))
-    shared.pop("offloaded")
+    shared = dict(cached(model_path, "shared", (kind, setting, prompts, n, micro),
+                         lambda: trace_shared_prefix_update(model_path, prompts=prompts, n=n, micro=micro,
+                                                            **_trace_kw(kind, setting))))
+    shared.pop("offloaded", None)
     dense = _in_rows(functools.partial(_dense, model_path, kind, setting), _dense_rows(prompts, micro, *setting[0]))
     return {k: max(0.0, v - dense.get(k, 0.0)) for k, v in shared.items()}
 
 
+KINDS = ("train", "value", "forward", "value_forward")  # traced with (train, value_head)
+
+
 def _trace_kw(kind: str, setting: tuple) -> dict[str, Any]:
     (prompt_len, response_len), dtype, lora, activation_checkpointing, optim, use_kl_loss, device_type = setting
-    return dict(dtype=dtype, prompt_len=prompt_len, response_len=response_len, train=kind != "forward",
-                value_head=kind == "value", lora=lora, activation_checkpointing=activation_checkpointing,
+    return dict(dtype=dtype, prompt_len=prompt_len, response_len=response_len, train=kind in ("train", "value"),
+                value_head=kind in ("value", "value_forward"), lora=lora, activation_checkpointing=activation_checkpointing,
                 optim=dict(optim) if optim else None, use_kl_loss=use_kl_loss, device_type=device_type)
 
 
@@ -119,25 +126,34 @@ def _dense_rows(prompts: int, micro: int, prompt_len: int, response_len: int) ->
 def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: int, response_len: int,
                        dtype: torch.dtype, lora: Any = None, activation_checkpointing: bool = False,
                        optim: dict | None = None, use_kl_loss: bool = False, shared: tuple[int, int] | None = None,
-                       device_type: str = "cpu", depths: tuple[int, int] | None = None, layers: int = 0
-                       ) -> dict[str, float]:
+                       device_type: str = "cpu", depths: tuple[int, int] | None = None, layers: int = 0,
+                       floor: bool = False) -> dict[str, float]:
     """Peak bytes by kind of one unsharded micro-batch of ``micro`` × (``prompt_len`` + ``response_len``) tokens
     through ``model_path``'s architecture, as `trace_micro_batch` would report it at the traced sizes and never
     less in between. ``kind``: ``"train"`` (an actor's forward, loss, backward and optimizer step), ``"value"``
-    (the critic's), ``"forward"`` (a frozen model's). ``shared`` = (prompts, n): the shared-prefix schedule
+    (the critic's), ``"forward"`` (a no-grad pass: a frozen model's, or an actor's old log-probs),
+    ``"value_forward"`` (the critic's no-grad values). ``floor``: the trace at the power of two at or below the
+    rows instead of the chord, a lower bound in one trace where the chord takes two, so a size whose floor
+    does not fit is rejected without tracing the size above. ``shared`` = (prompts, n): the shared-prefix schedule
     instead (`trace_shared_prefix_update`: a rank's ``prompts`` prompts once, alive through suffix micro-batches
     of ``micro`` of their ``n`` samples each), as its dense equivalent plus the schedule's excess over it.
     ``device_type``: the head's tiles, as `trace_micro_batch`'s. ``depths`` (`shallow_depths`): trace at those
     two depths and extrapolate to ``layers``."""
+    if kind not in KINDS:
+        raise ValueError(f"micro_batch_memory: kind must be one of {KINDS}, got {kind!r}")
+    if kind in ("forward", "value_forward"):  # a no-grad pass: no optimizer, loss or recomputation to trace, so an
+        activation_checkpointing, optim, use_kl_loss = False, None, False  # actor's shares its reference's traces
     setting = ((prompt_len, response_len), dtype, lora, activation_checkpointing, tuple(sorted((optim or {}).items())),
                use_kl_loss, device_type)
 
+    rows = _floor_rows if floor else _in_rows
+
     def at(path: str) -> dict[str, float]:
         if shared is None:
-            return _in_rows(functools.partial(_dense, path, kind, setting), micro)
+            return rows(functools.partial(_dense, path, kind, setting), micro)
         suffix = min(micro, shared[0] * shared[1])  # a suffix micro-batch holds at most every sample
-        dense = _in_rows(functools.partial(_dense, path, kind, setting),
-                         _dense_rows(shared[0], suffix, prompt_len, response_len))
+        dense = rows(functools.partial(_dense, path, kind, setting),
+                     _dense_rows(shared[0], suffix, prompt_len, response_len))
         excess = _shared_excess(path, kind, setting, *shared, suffix)
         return {k: dense.get(k, 0.0) + excess.get(k, 0.0) for k in {*dense, *excess}}
 
@@ -160,4 +176,9 @@ def _in_rows(corner: Callable[[int], dict[str, float]], micro: int) -> dict[str,
             for k in {*f_low, *f_high}}
 
 
-__all__ = ["micro_batch_memory", "shallow_depths"]
+def _floor_rows(corner: Callable[[int], dict[str, float]], micro: int) -> dict[str, float]:
+    """The trace at the power of two at or below ``micro``: the chord's lower end, at most its value."""
+    return dict(corner(1 << (max(micro, 1).bit_length() - 1)))
+
+
+__all__ = ["KINDS", "micro_batch_memory", "shallow_depths"]

@@ -95,18 +95,22 @@ class Planner:
 
     # -------------------------------------------------------------- memory
     def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int,
-               shared: tuple[int, int] | None = None) -> tuple[float, float]:
+               shared: tuple[int, int] | None = None, no_grad: bool = False, floor: bool = False
+               ) -> tuple[float, float]:
         """(held throughout the step, working set of its calls) per rank, in bytes. ``shared`` = (prompts, n):
         with shared prefixes, the distinct prompts a rank's prompts' pass holds through its suffix micro-batches
-        and the samples of each (`plan.memory.micro_batch_memory` counts the schedule)."""
+        and the samples of each (`plan.memory.micro_batch_memory` counts the schedule). ``no_grad``: the working
+        set of a trained role's no-grad pass (old log-probs, values) instead of its update's. ``floor``: a lower
+        bound in one trace (`micro_batch_memory`'s)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
-        by_kind = micro_batch_memory(traced.model_path, kind=traced.kind, micro=micro, depths=depths,
-                                     layers=shape.layers,
+        kind = {"train": "forward", "value": "value_forward"}.get(traced.kind, traced.kind) if no_grad else traced.kind
+        by_kind = micro_batch_memory(traced.model_path, kind=kind, micro=micro, depths=depths, layers=shape.layers,
                                      prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,
                                      activation_checkpointing=traced.activation_checkpointing, optim=traced.optim,
-                                     use_kl_loss=traced.use_kl_loss, shared=shared, device_type=self.hw.device_type)
+                                     use_kl_loss=traced.use_kl_loss, shared=shared, device_type=self.hw.device_type,
+                                     floor=floor)
         layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
                               lora=traced.lora is not None)
         held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
@@ -122,19 +126,24 @@ class Planner:
         return (shape.params * b + self.p.max_slots * self.data.max_seq_len * shape.kv_bytes_per_token(b)) / tp
 
     def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
-                   asynchronous: bool) -> tuple[int, float] | None:
+                   asynchronous: bool, no_grad: bool = False) -> tuple[int, float] | None:
         """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
         sets (their max in sync, their sum in async), and that working set; None if not even 1 fits. Memory grows
-        with the micro-batch, so a bisection of the sizes finds it in a few traces."""
+        with the micro-batch, so a bisection of the sizes finds it in a few traces, and a size whose lower bound
+        (`micro_batch_memory`'s ``floor``) does not fit costs one. ``no_grad``: its no-grad passes' micro-batch."""
         traced = self.data.traced[role]
         shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
         prompts = max(1, math.ceil(per_rank / self.p.workload.n))
         part = (prompts, max(1, per_rank // prompts)) if shared else None
 
         def fits(micro: int) -> tuple[bool, float]:
-            _, work = self._state(role, traced, dp, tp, micro, part)
-            peak = held + (work + sum(working) if asynchronous else max([work, *working]))
-            return peak <= self.hw.memory_bytes, work
+            work = 0.0
+            for floor in (True, False):
+                _, work = self._state(role, traced, dp, tp, micro, part, no_grad, floor)
+                peak = held + (work + sum(working) if asynchronous else max([work, *working]))
+                if peak > self.hw.memory_bytes:
+                    return False, work
+            return True, work
 
         options = _micro_options(max(per_rank, 1))
         ok, work = fits(options[0])
@@ -231,9 +240,9 @@ class Planner:
                     return None
                 fitted[role] = fit
                 working.append(fit[1])
-                if train:  # its forward passes (old log-probs, values) at the same memory per row
+                if train:  # its no-grad passes (old log-probs, values), beside the pool's other working sets
                     lp = self._fit_micro(role, r.dp, r.tp, math.ceil(w.samples / r.dp), held, working[:-1],
-                                         asynchronous)
+                                         asynchronous, no_grad=True)
                     fitted[role + "/log_prob"] = lp or fit
             pool_peak = held + (sum(working) if asynchronous else max(working, default=0.0))
             peak = max(peak, pool_peak)
