@@ -35,6 +35,12 @@ def plan(cfg: RecipeConfig, world_size: int, *, hardware: HardwareProfile, nodes
     data = plan_input(cfg, prompt_len=prompt_len, response_len=response_len)
     planner = Planner(data, hardware)
     candidates, considered = planner.candidates(world_size, nodes)
+    while candidates:  # the one written is checked with its shared-prefix schedules traced at their parts
+        best = planner.verify(candidates[0], world_size // nodes)
+        if best is not None:
+            candidates[0] = best
+            break
+        candidates.pop(0)
     w = data.problem.workload
     workload = (f"{w.prompts} prompts × n {w.n} per step; prompts of {w.prompt_len:.0f} tokens ({data.prompt_len_source}),"
                 f" responses of {w.response_len:.0f} (the longest {w.longest_response})")

@@ -97,11 +97,19 @@ def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: 
 
 
 @functools.lru_cache(maxsize=None)
-def _excess_at(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
+def _shared(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
+    """One trace of the shared-prefix schedule itself: ``prompts`` prompts of ``n`` samples, suffix micro-batches
+    of ``micro``."""
     shared = dict(cached(model_path, "shared", (kind, setting, prompts, n, micro),
                          lambda: trace_shared_prefix_update(model_path, prompts=prompts, n=n, micro=micro,
                                                             **_trace_kw(kind, setting))))
     shared.pop("offloaded", None)
+    return shared
+
+
+@functools.lru_cache(maxsize=None)
+def _excess_at(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
+    shared = _shared(model_path, kind, setting, prompts, n, micro)
     dense = _in_rows(functools.partial(_dense, model_path, kind, setting), _dense_rows(prompts, micro, *setting[0]))
     return {k: max(0.0, v - dense.get(k, 0.0)) for k, v in shared.items()}
 
@@ -127,14 +135,16 @@ def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: in
                        dtype: torch.dtype, lora: Any = None, activation_checkpointing: bool = False,
                        optim: dict | None = None, use_kl_loss: bool = False, shared: tuple[int, int] | None = None,
                        device_type: str = "cpu", depths: tuple[int, int] | None = None, layers: int = 0,
-                       floor: bool = False) -> dict[str, float]:
+                       floor: bool = False, exact: bool = False) -> dict[str, float]:
     """Peak bytes by kind of one unsharded micro-batch of ``micro`` × (``prompt_len`` + ``response_len``) tokens
     through ``model_path``'s architecture, as `trace_micro_batch` would report it at the traced sizes and never
     less in between. ``kind``: ``"train"`` (an actor's forward, loss, backward and optimizer step), ``"value"``
     (the critic's), ``"forward"`` (a no-grad pass: a frozen model's, or an actor's old log-probs),
     ``"value_forward"`` (the critic's no-grad values). ``floor``: the trace at the power of two at or below the
     rows instead of the chord, a lower bound in one trace where the chord takes two, so a size whose floor
-    does not fit is rejected without tracing the size above. ``shared`` = (prompts, n): the shared-prefix schedule
+    does not fit is rejected without tracing the size above. ``exact``: with ``shared``, the schedule traced at
+    this very part instead (`trace_shared_prefix_update`; a slow trace per part, what a written plan is checked
+    with). ``shared`` = (prompts, n): the shared-prefix schedule
     instead (`trace_shared_prefix_update`: a rank's ``prompts`` prompts once, alive through suffix micro-batches
     of ``micro`` of their ``n`` samples each), as its dense equivalent plus the schedule's excess over it.
     ``device_type``: the head's tiles, as `trace_micro_batch`'s. ``depths`` (`shallow_depths`): trace at those
@@ -152,6 +162,8 @@ def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: in
         if shared is None:
             return rows(functools.partial(_dense, path, kind, setting), micro)
         suffix = min(micro, shared[0] * shared[1])  # a suffix micro-batch holds at most every sample
+        if exact:
+            return _shared(path, kind, setting, *shared, suffix)
         dense = rows(functools.partial(_dense, path, kind, setting),
                      _dense_rows(shared[0], suffix, prompt_len, response_len))
         excess = _shared_excess(path, kind, setting, *shared, suffix)

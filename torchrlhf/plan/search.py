@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torchrlhf.plan.hardware import HardwareProfile
 from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
@@ -95,13 +95,13 @@ class Planner:
 
     # -------------------------------------------------------------- memory
     def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int,
-               shared: tuple[int, int] | None = None, no_grad: bool = False, floor: bool = False
-               ) -> tuple[float, float]:
+               shared: tuple[int, int] | None = None, no_grad: bool = False, floor: bool = False,
+               exact: bool = False) -> tuple[float, float]:
         """(held throughout the step, working set of its calls) per rank, in bytes. ``shared`` = (prompts, n):
         with shared prefixes, the distinct prompts a rank's prompts' pass holds through its suffix micro-batches
         and the samples of each (`plan.memory.micro_batch_memory` counts the schedule). ``no_grad``: the working
         set of a trained role's no-grad pass (old log-probs, values) instead of its update's. ``floor``: a lower
-        bound in one trace (`micro_batch_memory`'s)."""
+        bound in one trace; ``exact``: the shared-prefix schedule traced at this part (`micro_batch_memory`'s)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
@@ -110,7 +110,7 @@ class Planner:
                                      prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,
                                      activation_checkpointing=traced.activation_checkpointing, optim=traced.optim,
                                      use_kl_loss=traced.use_kl_loss, shared=shared, device_type=self.hw.device_type,
-                                     floor=floor)
+                                     floor=floor, exact=exact)
         layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
                               lora=traced.lora is not None)
         held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
@@ -126,11 +126,13 @@ class Planner:
         return (shape.params * b + self.p.max_slots * self.data.max_seq_len * shape.kv_bytes_per_token(b)) / tp
 
     def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
-                   asynchronous: bool, no_grad: bool = False) -> tuple[int, float] | None:
+                   asynchronous: bool, no_grad: bool = False, only: int | None = None, exact: bool = False
+                   ) -> tuple[int, float] | None:
         """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
         sets (their max in sync, their sum in async), and that working set; None if not even 1 fits. Memory grows
         with the micro-batch, so a bisection of the sizes finds it in a few traces, and a size whose lower bound
-        (`micro_batch_memory`'s ``floor``) does not fit costs one. ``no_grad``: its no-grad passes' micro-batch."""
+        (`micro_batch_memory`'s ``floor``) does not fit costs one. ``no_grad``: its no-grad passes' micro-batch.
+        ``only``: that size or None; ``exact``: shared-prefix schedules traced at their part (`verify`)."""
         traced = self.data.traced[role]
         shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
         prompts = max(1, math.ceil(per_rank / self.p.workload.n))
@@ -138,14 +140,14 @@ class Planner:
 
         def fits(micro: int) -> tuple[bool, float]:
             work = 0.0
-            for floor in (True, False):
-                _, work = self._state(role, traced, dp, tp, micro, part, no_grad, floor)
+            for floor in (False,) if exact else (True, False):
+                _, work = self._state(role, traced, dp, tp, micro, part, no_grad, floor, exact)
                 peak = held + (work + sum(working) if asynchronous else max([work, *working]))
                 if peak > self.hw.memory_bytes:
                     return False, work
             return True, work
 
-        options = _micro_options(max(per_rank, 1))
+        options = [only] if only else _micro_options(max(per_rank, 1))
         ok, work = fits(options[0])
         if not ok:
             return None
@@ -201,7 +203,11 @@ class Planner:
             yield self._candidate(name, roles, pools, pool_of, mode, k, node_size)
 
     def _candidate(self, name: str, roles: dict[str, Role], pools: tuple, pool_of: dict, mode: str, k: int,
-                   node_size: int) -> Candidate | None:
+                   node_size: int, fixed: dict[str, int] | None = None) -> Candidate | None:
+        """The mapping's candidate with the largest micro-batches that fit, or None. ``fixed``: check these sizes
+        (role, and ``role/log_prob`` for its no-grad passes), with shared-prefix schedules traced at their part."""
+        exact = fixed is not None
+        fixed = fixed or {}
         asynchronous = mode == "async"
         w = self.p.workload
         # the roles on each pool's ranks, traced ones with their layouts
@@ -235,14 +241,17 @@ class Planner:
                 if train and mini % r.dp:
                     return None  # a mini-batch's samples must split over the data-parallel ranks
                 per_rank = mini // r.dp if train else math.ceil(w.samples / r.dp)
-                fit = self._fit_micro(role, r.dp, r.tp, per_rank, held, working, asynchronous)
+                fit = self._fit_micro(role, r.dp, r.tp, per_rank, held, working, asynchronous,
+                                      only=fixed.get(role), exact=exact)
                 if fit is None:
                     return None
                 fitted[role] = fit
                 working.append(fit[1])
                 if train:  # its no-grad passes (old log-probs, values), beside the pool's other working sets
                     lp = self._fit_micro(role, r.dp, r.tp, math.ceil(w.samples / r.dp), held, working[:-1],
-                                         asynchronous, no_grad=True)
+                                         asynchronous, no_grad=True, only=fixed.get(role + "/log_prob"), exact=exact)
+                    if lp is None and exact:
+                        return None
                     fitted[role + "/log_prob"] = lp or fit
             pool_peak = held + (sum(working) if asynchronous else max(working, default=0.0))
             peak = max(peak, pool_peak)
@@ -261,6 +270,29 @@ class Planner:
         world = max(r.first + r.ranks for r in roles.values())
         seq = self.data.max_prompt_len + w.longest_response
         return Candidate(name, mapping, estimate, peak, overrides(mapping, world, self.data.dynamic_batching, seq))
+
+
+    def verify(self, cand: Candidate, node_size: int) -> Candidate | None:
+        """``cand`` checked with its shared-prefix schedules traced at their very parts (the search extends traces
+        of two and four prompts), at its chosen micro-batches: the candidate with that peak, or None when it does
+        not fit. Without shared prefixes the search's estimate is already an upper bound, and ``cand`` is kept."""
+        if not any(self.p.shared_prefix.values()):
+            return cand
+        pools = tuple(tuple(s for s in pool if s != "others" or self.roles_present)
+                      for pool in PLACEMENTS[cand.placement])
+        pool_of = {s: i for i, pool in enumerate(pools) for s in pool}
+        roles = cand.mapping.roles
+        fixed = {}
+        for role, r in roles.items():
+            if role in self.data.traced:
+                fixed[role], fixed[role + "/log_prob"] = r.micro, r.log_prob_micro
+        if "ref" in self.data.traced:  # the reference runs in the actor's log-prob micro-batches
+            fixed["ref"] = roles["actor"].log_prob_micro
+        checked = self._candidate(cand.placement, dict(roles), pools, pool_of, cand.mapping.mode,
+                                  cand.mapping.max_staleness, node_size, fixed)
+        if checked is None or checked.peak_bytes > self.hw.memory_bytes:
+            return None
+        return replace(cand, peak_bytes=checked.peak_bytes)
 
 
 def _dedupe(cands: list[Candidate]) -> list[Candidate]:
