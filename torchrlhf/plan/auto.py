@@ -24,6 +24,7 @@ from torchrlhf.plan.search import Candidate, Planner, PlanResult
 from torchrlhf.trainer.schema import RecipeConfig
 
 MAX_WORLD = 16384  # where the search for the smallest fitting cluster stops
+VERIFY_ROWS = 8  # candidates checked by direct traces before the plan gives up on the rest
 
 
 def plan(cfg: RecipeConfig, world_size: int, *, hardware: HardwareProfile, nodes: int = 1,
@@ -35,12 +36,7 @@ def plan(cfg: RecipeConfig, world_size: int, *, hardware: HardwareProfile, nodes
     data = plan_input(cfg, prompt_len=prompt_len, response_len=response_len)
     planner = Planner(data, hardware)
     candidates, considered = planner.candidates(world_size, nodes)
-    while candidates:  # the one written is checked with its shared-prefix schedules traced at their parts
-        best = planner.verify(candidates[0], world_size // nodes)
-        if best is not None:
-            candidates[0] = best
-            break
-        candidates.pop(0)
+    candidates = _verified_first(planner, candidates, world_size // nodes)
     w = data.problem.workload
     workload = (f"{w.prompts} prompts × n {w.n} per step; prompts of {w.prompt_len:.0f} tokens ({data.prompt_len_source}),"
                 f" responses of {w.response_len:.0f} (the longest {w.longest_response})")
@@ -51,6 +47,21 @@ def plan(cfg: RecipeConfig, world_size: int, *, hardware: HardwareProfile, nodes
             world *= 2
         result.smallest_fit = world if world <= MAX_WORLD else None
     return result
+
+
+def _verified_first(planner: Planner, candidates: list[Candidate], node_size: int) -> list[Candidate]:
+    """The candidates with the fastest one that fits by `Planner.verify` first: rows are checked in order until a
+    checked one is at least as fast as the next unchecked estimate (a check only shrinks micro-batches, so never
+    speeds a row up), at most `VERIFY_ROWS` of them; none checked, none kept."""
+    checked, rest = [], list(candidates)
+    while rest and len(checked) < VERIFY_ROWS:
+        c = planner.verify(rest.pop(0), node_size)
+        if c is not None:
+            checked.append(c)
+        checked.sort(key=lambda c: c.estimate.seconds)
+        if checked and (not rest or checked[0].estimate.seconds <= rest[0].estimate.seconds):
+            break
+    return checked[:1] + sorted(checked[1:] + rest, key=lambda c: c.estimate.seconds) if checked else []
 
 
 def _ranks(first: int, count: int) -> str:

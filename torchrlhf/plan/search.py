@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torchrlhf.plan.hardware import HardwareProfile
 from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
@@ -126,13 +126,13 @@ class Planner:
         return (shape.params * b + self.p.max_slots * self.data.max_seq_len * shape.kv_bytes_per_token(b)) / tp
 
     def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
-                   asynchronous: bool, no_grad: bool = False, only: int | None = None, exact: bool = False
+                   asynchronous: bool, no_grad: bool = False, at_most: int | None = None, exact: bool = False
                    ) -> tuple[int, float] | None:
         """The largest micro-batch of ``role`` whose working set fits beside ``held`` and the pool's other working
         sets (their max in sync, their sum in async), and that working set; None if not even 1 fits. Memory grows
         with the micro-batch, so a bisection of the sizes finds it in a few traces, and a size whose lower bound
         (`micro_batch_memory`'s ``floor``) does not fit costs one. ``no_grad``: its no-grad passes' micro-batch.
-        ``only``: that size or None; ``exact``: shared-prefix schedules traced at their part (`verify`)."""
+        ``at_most``: no larger than that; ``exact``: shared-prefix schedules traced at their part (`verify`)."""
         traced = self.data.traced[role]
         shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
         prompts = max(1, math.ceil(per_rank / self.p.workload.n))
@@ -147,7 +147,7 @@ class Planner:
                     return False, work
             return True, work
 
-        options = [only] if only else _micro_options(max(per_rank, 1))
+        options = [m for m in _micro_options(max(per_rank, 1)) if at_most is None or m <= at_most] or [1]
         ok, work = fits(options[0])
         if not ok:
             return None
@@ -204,8 +204,9 @@ class Planner:
 
     def _candidate(self, name: str, roles: dict[str, Role], pools: tuple, pool_of: dict, mode: str, k: int,
                    node_size: int, fixed: dict[str, int] | None = None) -> Candidate | None:
-        """The mapping's candidate with the largest micro-batches that fit, or None. ``fixed``: check these sizes
-        (role, and ``role/log_prob`` for its no-grad passes), with shared-prefix schedules traced at their part."""
+        """The mapping's candidate with the largest micro-batches that fit, or None. ``fixed``: no larger than
+        these (role, and ``role/log_prob`` for its no-grad passes), with shared-prefix schedules traced at their
+        part."""
         exact = fixed is not None
         fixed = fixed or {}
         asynchronous = mode == "async"
@@ -242,14 +243,15 @@ class Planner:
                     return None  # a mini-batch's samples must split over the data-parallel ranks
                 per_rank = mini // r.dp if train else math.ceil(w.samples / r.dp)
                 fit = self._fit_micro(role, r.dp, r.tp, per_rank, held, working, asynchronous,
-                                      only=fixed.get(role), exact=exact)
+                                      at_most=fixed.get(role), exact=exact)
                 if fit is None:
                     return None
                 fitted[role] = fit
                 working.append(fit[1])
                 if train:  # its no-grad passes (old log-probs, values), beside the pool's other working sets
                     lp = self._fit_micro(role, r.dp, r.tp, math.ceil(w.samples / r.dp), held, working[:-1],
-                                         asynchronous, no_grad=True, only=fixed.get(role + "/log_prob"), exact=exact)
+                                         asynchronous, no_grad=True, at_most=fixed.get(role + "/log_prob"),
+                                         exact=exact)
                     if lp is None and exact:
                         return None
                     fitted[role + "/log_prob"] = lp or fit
@@ -274,8 +276,9 @@ class Planner:
 
     def verify(self, cand: Candidate, node_size: int) -> Candidate | None:
         """``cand`` checked with its shared-prefix schedules traced at their very parts (the search extends traces
-        of two and four prompts), at its chosen micro-batches: the candidate with that peak, or None when it does
-        not fit. Without shared prefixes the search's estimate is already an upper bound, and ``cand`` is kept."""
+        of two and four prompts): the largest micro-batches up to its own that fit by those traces, timed again, or
+        None when not even one row fits. Without shared prefixes the search's estimate is already an upper bound,
+        and ``cand`` is kept."""
         if not any(self.p.shared_prefix.values()):
             return cand
         pools = tuple(tuple(s for s in pool if s != "others" or self.roles_present)
@@ -288,11 +291,8 @@ class Planner:
                 fixed[role], fixed[role + "/log_prob"] = r.micro, r.log_prob_micro
         if "ref" in self.data.traced:  # the reference runs in the actor's log-prob micro-batches
             fixed["ref"] = roles["actor"].log_prob_micro
-        checked = self._candidate(cand.placement, dict(roles), pools, pool_of, cand.mapping.mode,
-                                  cand.mapping.max_staleness, node_size, fixed)
-        if checked is None or checked.peak_bytes > self.hw.memory_bytes:
-            return None
-        return replace(cand, peak_bytes=checked.peak_bytes)
+        return self._candidate(cand.placement, dict(roles), pools, pool_of, cand.mapping.mode,
+                               cand.mapping.max_staleness, node_size, fixed)
 
 
 def _dedupe(cands: list[Candidate]) -> list[Candidate]:
