@@ -5,8 +5,9 @@ cluster, from a simulator of one RL step calibrated on the user's hardware (Hybr
     python recipes/ppo.py --calibrate [--hardware-out FILE]
 
 Layers: `hardware` (profiles), `simulate` (pure arithmetic of a step), `memory` (traced micro-batch memory at any
-depth and size), `problem` (a config read once), `search` (enumeration, pruning, ranking), `auto` (the entry point:
-table and written config), `calibrate` (probes that write a profile).
+depth and size; `trace_cache` keeps the traces on disk), `problem` (a config read once), `search` (enumeration,
+pruning, ranking, the written candidate's check), `auto` (the entry point: table and written config), `calibrate`
+(probes that write a profile).
 """
 
 from torchrlhf.plan.auto import format_plan, plan, write_plan
