@@ -140,6 +140,14 @@ def smollm2_gguf_path() -> Path:
 USER_CACHE = Path.home() / ".cache" / "torchrlhf"  # what torchrlhf keeps per user: converted models, readings
 
 
+def user_cache_path(env: str, default: Path) -> Path | None:
+    """``$env`` if set (None when set empty: keep nothing there), else ``default``."""
+    value = os.environ.get(env)
+    if value is not None:
+        return Path(value).expanduser() if value else None
+    return default
+
+
 def default_cache_dir() -> Path:
     """`$TORCHRLHF_CACHE` if set, else ~/.cache/torchrlhf/smollm2-135m-instruct."""
     env = os.environ.get("TORCHRLHF_CACHE")

@@ -147,7 +147,7 @@ class Planner:
                     return False, work
             return True, work
 
-        options = [m for m in _micro_options(max(per_rank, 1)) if at_most is None or m <= at_most] or [1]
+        options = [m for m in _micro_options(max(per_rank, 1)) if at_most is None or m <= at_most]
         ok, work = fits(options[0])
         if not ok:
             return None

@@ -23,17 +23,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from torchrlhf.models.loading import USER_CACHE
+from torchrlhf.models.loading import USER_CACHE, user_cache_path
 
 ENV = "TORCHRLHF_PLAN_CACHE"
 
 
 def plan_cache_root() -> Path | None:
     """Where traces are kept, or None (``TORCHRLHF_PLAN_CACHE=""``: no disk cache)."""
-    env = os.environ.get(ENV)
-    if env is not None:
-        return Path(env).expanduser() if env else None
-    return USER_CACHE / "plan"
+    return user_cache_path(ENV, USER_CACHE / "plan")
 
 
 @functools.lru_cache(maxsize=1)

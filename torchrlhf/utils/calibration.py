@@ -21,17 +21,14 @@ from pathlib import Path
 
 import torch
 
-from torchrlhf.models.loading import USER_CACHE
+from torchrlhf.models.loading import USER_CACHE, user_cache_path
 
 ENV = "TORCHRLHF_CALIBRATION"
 
 
 def calibration_file() -> Path | None:
     """Where readings are kept, or None (``TORCHRLHF_CALIBRATION=""``): measure in every process."""
-    env = os.environ.get(ENV)
-    if env is not None:
-        return Path(env).expanduser() if env else None
-    return USER_CACHE / "calibration.json"
+    return user_cache_path(ENV, USER_CACHE / "calibration.json")
 
 
 def device_name(device: torch.device) -> str:

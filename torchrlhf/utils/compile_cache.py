@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from torchrlhf.models.loading import USER_CACHE
+from torchrlhf.models.loading import USER_CACHE, user_cache_path
 from torchrlhf.utils.calibration import device_name
 
 ENV = "TORCHRLHF_COMPILE_CACHE"
@@ -43,10 +43,7 @@ log = logging.getLogger(__name__)
 
 def compile_cache_root() -> Path | None:
     """Where compile caches are kept, or None (``TORCHRLHF_COMPILE_CACHE=""``: torch's defaults)."""
-    env = os.environ.get(ENV)
-    if env is not None:
-        return Path(env).expanduser() if env else None
-    return USER_CACHE / "compile"
+    return user_cache_path(ENV, USER_CACHE / "compile")
 
 
 def machine_stamp() -> dict[str, str]:
