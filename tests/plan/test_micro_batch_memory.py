@@ -1,4 +1,5 @@
-"""The planner's extrapolated micro-batch memory against a direct trace of the whole model (`trace_micro_batch`)."""
+"""The planner's extrapolated micro-batch memory against a direct trace of the whole model (`trace_micro_batch`; a
+trained role's beside its mini-batch's gradients, as the planner counts it)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def deep_model_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("kind", ["train", "value", "forward", "value_forward"])
 def test_rows_extrapolate_to_a_direct_trace(deep_model_dir, kind):
     common = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
-    direct = trace_micro_batch(deep_model_dir, micro=5, train=kind in ("train", "value"),
+    train = kind in ("train", "value")
+    direct = trace_micro_batch(deep_model_dir, micro=5, train=train, accumulating=train,
                                value_head=kind.startswith("value"), **common)
     estimate = micro_batch_memory(deep_model_dir, kind=kind, micro=5, **common)
     assert sum(estimate.values()) == pytest.approx(sum(direct.values()), rel=0.02)
@@ -41,7 +43,7 @@ def test_a_no_grad_pass_holds_less_than_an_update_and_an_unknown_kind_is_refused
 
 def test_a_deep_model_extrapolates_from_two_shallow_depths(deep_model_dir):
     common = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
-    direct = trace_micro_batch(deep_model_dir, micro=3, train=True, **common)
+    direct = trace_micro_batch(deep_model_dir, micro=3, train=True, accumulating=True, **common)
     estimate = micro_batch_memory(deep_model_dir, kind="train", micro=3, depths=(3, 6), layers=12, **common)
     assert sum(estimate.values()) == pytest.approx(sum(direct.values()), rel=0.03)
     assert estimate["parameters"] == pytest.approx(direct["parameters"], rel=1e-6)
@@ -61,7 +63,8 @@ def test_a_peak_flat_over_few_rows_still_grows_with_many(tmp_path):
     model = str(save_tiny_model(tmp_path / "wide", tokenizer_from="smollm2"))
     common = dict(prompt_len=256, response_len=4, dtype=torch.float32, optim={"lr": 1e-6})
 
-    direct = {rows: sum(trace_micro_batch(model, micro=rows, train=True, **common).values()) for rows in (2, 4, 12, 16)}
+    direct = {rows: sum(trace_micro_batch(model, micro=rows, train=True, accumulating=True, **common).values())
+              for rows in (2, 4, 12, 16)}
 
     def estimate(rows: int) -> float:
         return sum(micro_batch_memory(model, kind="train", micro=rows, **common).values())

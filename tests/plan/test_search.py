@@ -14,8 +14,9 @@ from torchrlhf.config import ConfigError
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.plan.hardware import load_hardware
 from torchrlhf.plan.auto import format_plan, plan
-from torchrlhf.trainer.memory import (STATE_KINDS, as_held, shared_prefix_shape, trace_micro_batch,
-                                      trace_shared_prefix_update)
+from torchrlhf.plan.problem import plan_input
+from torchrlhf.plan.search import Planner
+from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
 from torchrlhf.trainer.run import load
 
 
@@ -59,8 +60,10 @@ def _direct_peak(cfg, role_name: str, role, dtype=torch.float32) -> float:
                                    step_prompts=cfg.data.train_batch_size, response_len=cfg.rollout.max_tokens)
         traced = trace_shared_prefix_update(cfg.actor.model_path, **part, **kw)
         traced.pop("offloaded")
-    else:
-        traced = trace_micro_batch(cfg.actor.model_path, micro=role.micro, train=True, **kw)
+    else:  # beside the mini-batch's gradients from its second micro-batch on
+        per_rank = cfg.actor.batching.ppo_mini_batch_size * cfg.rollout.n // (role.ranks // role.tp)
+        traced = trace_micro_batch(cfg.actor.model_path, micro=role.micro, train=True, accumulating=per_rank > role.micro,
+                                   **kw)
     layout = model_layout(role.ranks, dtype, trainable=True)
     return sum(as_held(traced, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout).values())
 
@@ -81,8 +84,8 @@ def _direct_no_grad_peak(cfg, role, dtype=torch.float32) -> float:
     else:
         working = trace_micro_batch(cfg.actor.model_path, micro=role.log_prob_micro, train=False, **kw)
     held = as_held(states, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout)
-    return (sum(v for k, v in held.items() if k in STATE_KINDS or k == "buffers")
-            + sum(v / role.tp for k, v in working.items() if k not in STATE_KINDS and k != "buffers"))
+    return (sum(v for k, v in held.items() if k in ("parameters", "buffers", "optimizer states"))
+            + sum(v / role.tp for k, v in working.items() if k in ("activations", "temporaries", "other")))
 
 
 @pytest.mark.parametrize("sections", [
@@ -115,7 +118,7 @@ def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_th
 def test_the_written_candidate_fits_by_a_direct_trace_of_its_shared_prefix_schedule(recipe_config):
     """Twelve prompts per rank, past the two and four the search traces its shared-prefix excess at: the best
     candidate (the one written) is checked with the schedule traced at its part, and the peak it reports is that
-    trace's (the actor's update sets the rank's peak here). Measured: the search's estimate 91.2 MB, the direct
+    trace's (the actor's update sets the rank's peak here). Measured: the search's estimate 103.8 MB, the direct
     trace 85.3 MB."""
     cfg, _ = recipe_config(1, data={"train_batch_size": 12}, rollout={"n": 2},
                            actor={"batching": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_device": 1}})
@@ -124,6 +127,26 @@ def test_the_written_candidate_fits_by_a_direct_trace_of_its_shared_prefix_sched
     best = result.best
     assert best.peak_bytes == pytest.approx(_direct_peak(cfg, "actor", best.mapping.roles["actor"]), rel=1e-9)
     assert "   1 " in format_plan(result)
+
+
+def test_a_written_candidate_that_its_direct_trace_does_not_fit_shrinks_its_micro_batch(recipe_config):
+    """The check's other path. The best mapping with its actor micro-batch halved (two suffix micro-batches, the
+    second beside the first one's gradients), checked on a device one byte smaller than that schedule's direct
+    trace: it is re-fitted to a smaller micro-batch, and the peak it reports is that micro-batch's direct trace."""
+    cfg, _ = recipe_config(1, data={"train_batch_size": 12}, rollout={"n": 2},
+                           actor={"batching": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_device": 1}})
+    roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
+    best = plan(cfg, 1, hardware=roomy, prompt_len=20.0).best
+    actor = best.mapping.roles["actor"]
+    half = dataclasses.replace(actor, micro=actor.micro // 2)
+    cand = dataclasses.replace(best, mapping=dataclasses.replace(best.mapping, roles={**best.mapping.roles,
+                                                                                       "actor": half}))
+    tight = dataclasses.replace(roomy, memory_gib=(_direct_peak(cfg, "actor", half) - 1) / GIB)
+    checked = Planner(plan_input(cfg, prompt_len=20.0), tight).verify(cand, node_size=1)
+    shrunk = checked.mapping.roles["actor"]
+    assert shrunk.micro < half.micro
+    assert checked.peak_bytes <= tight.memory_bytes
+    assert checked.peak_bytes == pytest.approx(_direct_peak(cfg, "actor", shrunk), rel=1e-9)
 
 
 def test_a_model_that_fits_nowhere_gets_no_plan_and_the_smallest_cluster_that_fits(recipe_config):

@@ -35,7 +35,7 @@ from torchrlhf.utils.optim import build_optimizer
 def kib(key):
     return int(re.search(rf"{key}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 
-path, micro, p, r = sys.argv[1], *map(int, sys.argv[2:])
+path, micro, p, r, passes = sys.argv[1], *map(int, sys.argv[2:])
 torch.manual_seed(0)
 model = load_causal_lm(path, dtype=torch.float32)
 LogProbHead.install(model)
@@ -44,7 +44,8 @@ ids = torch.randint(0, 1000, (micro, p + r))
 mask, pos = torch.ones_like(ids), torch.arange(p + r).expand(micro, p + r)
 
 def step():
-    actor_loss(model, ids, mask, pos, r, False).backward()
+    for _ in range(passes):  # gradient accumulation: micro-batches after the first sum into the gradients
+        actor_loss(model, ids, mask, pos, r, False).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -58,9 +59,9 @@ print("growth", kib("VmHWM") - before)
 PERSISTENT = ("parameters", "buffers", "optimizer states")
 
 
-def _measured_growth(model_dir: str, micro: int, prompt: int, response: int) -> int:
+def _measured_growth(model_dir: str, micro: int, prompt: int, response: int, passes: int = 1) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", MEASURE, model_dir, str(micro), str(prompt), str(response)],
+    p = subprocess.run([sys.executable, "-c", MEASURE, model_dir, str(micro), str(prompt), str(response), str(passes)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     return int(re.search(r"growth (\d+)", p.stdout).group(1))
@@ -76,17 +77,20 @@ def wider_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable peak RSS")
-@pytest.mark.parametrize("model,micro,prompt,response,low,high", [
-    ("wider_model_dir", 16, 16, 96, 0.9, 1.1),
+@pytest.mark.parametrize("model,micro,prompt,response,passes,low,high", [
+    ("wider_model_dir", 16, 16, 96, 1, 0.9, 1.1),
+    # two micro-batches of a mini-batch: the second runs beside the first one's gradients (``accumulating``)
+    ("wider_model_dir", 16, 16, 96, 2, 0.9, 1.1),
     # few tokens against a 49k x 256 tied head: the peak is the head's and the embedding's [V, D] gradient
     # temporaries, which the trace counts at 3 while the process touches pages of fewer (measured: 1.45x)
-    ("wider_model_dir", 8, 32, 32, 0.9, 1.6),
+    ("wider_model_dir", 8, 32, 32, 1, 0.9, 1.6),
 ])
-def test_traced_step_against_measured_rss_growth(request, model, micro, prompt, response, low, high):
+def test_traced_step_against_measured_rss_growth(request, model, micro, prompt, response, passes, low, high):
     model_dir = request.getfixturevalue(model)
-    traced = trace_micro_batch(model_dir, dtype=torch.float32, micro=micro, prompt_len=prompt, response_len=response)
+    traced = trace_micro_batch(model_dir, dtype=torch.float32, micro=micro, prompt_len=prompt, response_len=response,
+                               accumulating=passes > 1)
     estimate = sum(v for k, v in traced.items() if k not in PERSISTENT)
-    measured = _measured_growth(model_dir, micro, prompt, response)
+    measured = _measured_growth(model_dir, micro, prompt, response, passes)
     assert low * measured <= estimate <= high * measured, (estimate, measured, traced)
 
 
@@ -115,6 +119,10 @@ def test_persistent_state_is_the_models_and_adamws(tiny_model_dir):
     assert 0 <= step_counters <= 4 * len(params) * 4  # a scalar step per tensor, padded to the allocator's unit
     frozen = trace_micro_batch(tiny_model_dir, dtype=torch.float32, micro=2, prompt_len=4, response_len=4, train=False)
     assert "optimizer states" not in frozen and "gradients" not in frozen
+    # a micro-batch after its mini-batch's first: every parameter's gradient is alive at its peak
+    accumulating = trace_micro_batch(tiny_model_dir, dtype=torch.float32, micro=2, prompt_len=4, response_len=4,
+                                     accumulating=True)
+    assert accumulating["gradients"] >= 4 * n > traced["gradients"]
 
 
 def test_lora_trace_holds_the_base_in_the_compute_dtype_and_adapter_states_only(tiny_model_dir):

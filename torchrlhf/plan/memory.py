@@ -6,7 +6,7 @@ rows ``m`` (a layer's activations grow with ``m``, the weights, gradients and op
 the largest of those lines, is convex in ``m``: flat while a moment with few activations alive sets it (the
 embedding's gradient being built, the optimizer step), then rising once the activations outweigh that. Where it
 turns depends on the model and the lengths: on a tiny model with SmolLM2's vocabulary and 256-token prompts, 1, 2
-and 4 rows peak alike and 16 rows 37 % higher, so a line through 2 and 4 rows (this module's first model) stayed
+and 4 rows peak alike and 16 rows 32 % higher, so a line through 2 and 4 rows (this module's first model) stayed
 flat and let the planner keep micro-batches that do not fit. So ``m`` is traced at the powers of two around it,
 ``p ≤ m ≤ 2p`` (one trace at a power of two), and takes the chord between them,
 
@@ -67,9 +67,11 @@ def _at_depth(model_path: str, layers: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _dense(model_path: str, kind: str, setting: tuple, rows: int) -> dict[str, float]:
-    """One trace: a dense micro-batch of ``rows`` samples."""
+    """One trace: a dense micro-batch of ``rows`` samples, a trained one beside its mini-batch's gradients (an upper
+    bound for any number of micro-batches, exact from the second on)."""
     return cached(model_path, "dense", (kind, setting, rows),
-                  lambda: trace_micro_batch(model_path, micro=rows, **_trace_kw(kind, setting)))
+                  lambda: trace_micro_batch(model_path, micro=rows, accumulating=kind in ("train", "value"),
+                                            **_trace_kw(kind, setting)))
 
 
 def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int

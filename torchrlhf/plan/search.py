@@ -28,7 +28,7 @@ from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
 from torchrlhf.plan.problem import PlanInput, TracedRole
 from torchrlhf.plan.simulate import Mapping, Role, StepEstimate, step_estimate
 from torchrlhf.models.parallelize import model_layout
-from torchrlhf.trainer.memory import STATE_KINDS, as_held
+from torchrlhf.trainer.memory import WORKING_KINDS, as_held
 
 STALENESS = (1, 2, 4)
 PLACEMENTS = {  # name -> pools, each a tuple of role sets; the actor's pool first (rank 0 is the controller)
@@ -97,7 +97,8 @@ class Planner:
     def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int,
                shared: tuple[int, int] | None = None, no_grad: bool = False, floor: bool = False,
                exact: bool = False) -> tuple[float, float]:
-        """(held throughout the step, working set of its calls) per rank, in bytes. ``shared`` = (prompts, n):
+        """(held throughout the step, working set of its calls: its gradients, activations and temporaries) per rank,
+        in bytes. ``shared`` = (prompts, n):
         with shared prefixes, the distinct prompts a rank's prompts' pass holds through its suffix micro-batches
         and the samples of each (`plan.memory.micro_batch_memory` counts the schedule). ``no_grad``: the working
         set of a trained role's no-grad pass (old log-probs, values) instead of its update's. ``floor``: a lower
@@ -114,10 +115,10 @@ class Planner:
         layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
                               lora=traced.lora is not None)
         held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
-        state = sum(v for k, v in held.items() if k in STATE_KINDS or k == "buffers")
-        if traced.cpu_offload:
-            state = 0.0
-        return state, sum(v for k, v in held.items() if k not in STATE_KINDS and k != "buffers")
+        if traced.cpu_offload:  # FSDP2's CPU offload keeps parameters, gradients and optimizer states on the host
+            held = {k: v for k, v in held.items() if k in WORKING_KINDS and k != "gradients"}
+        return (sum(v for k, v in held.items() if k not in WORKING_KINDS),
+                sum(v for k, v in held.items() if k in WORKING_KINDS))
 
     def _engine(self, tp: int) -> float:
         """The engine's weights and KV cache per rank (its configured slots × sequence length)."""
@@ -132,7 +133,8 @@ class Planner:
         sets (their max in sync, their sum in async), and that working set; None if not even 1 fits. Memory grows
         with the micro-batch, so a bisection of the sizes finds it in a few traces, and a size whose lower bound
         (`micro_batch_memory`'s ``floor``) does not fit costs one. ``no_grad``: its no-grad passes' micro-batch.
-        ``at_most``: no larger than that; ``exact``: shared-prefix schedules traced at their part (`verify`)."""
+        ``at_most``: no larger than that, and tried first; ``exact``: shared-prefix schedules traced at their part
+        (`verify`)."""
         traced = self.data.traced[role]
         shared = self.p.shared_prefix.get("actor" if role == "ref" else role, False)
         prompts = max(1, math.ceil(per_rank / self.p.workload.n))
@@ -148,6 +150,13 @@ class Planner:
             return True, work
 
         options = [m for m in _micro_options(max(per_rank, 1)) if at_most is None or m <= at_most]
+        if at_most is not None:  # a check of the search's size, which most often fits: one trace then
+            ok, work = fits(options[-1])
+            if ok:
+                return options[-1], work
+            options = options[:-1]
+            if not options:
+                return None
         ok, work = fits(options[0])
         if not ok:
             return None

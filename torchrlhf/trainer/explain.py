@@ -37,8 +37,8 @@ import transformers
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.moe import install_routers
 from torchrlhf.models.parallelize import model_layout
-from torchrlhf.trainer.memory import (as_held, run_device_type, shared_prefix_shape, trace_micro_batch,
-                                      trace_shared_prefix_update)
+from torchrlhf.trainer.memory import (WORKING_KINDS, as_held, run_device_type, shared_prefix_shape,
+                                      trace_micro_batch, trace_shared_prefix_update)
 from torchrlhf.trainer.schema import (
     RecipeConfig,
     distills,
@@ -55,7 +55,6 @@ from torchrlhf.utils.flops import TransformerFlops, generation_counts
 from torchrlhf.workers.shared_prefix import layout_counts
 
 GIB = 1 << 30
-WORKING_KINDS = ("gradients", "activations", "temporaries", "other")  # a training role's, during its calls only
 
 
 @dataclass
@@ -178,8 +177,9 @@ def _trainer_lines(role: str, sec: Any, cfg: RecipeConfig, layout: RoleLayout, s
     else:
         if batching.use_dynamic_bsz:
             micro = max(1, micro_tokens // (p_len + r_len))
+        # a second micro-batch of the mini-batch runs beside the first one's gradients
         traced = trace_micro_batch(model_path, micro=micro, prompt_len=p_len, response_len=r_len, train=not frozen,
-                                   **trace_kw)
+                                   accumulating=not frozen and per_rank > micro, **trace_kw)
         what = f"one micro-batch of {micro} × ({p_len} + {r_len}) tokens"
     memory = as_held(traced, dtype=dtype, shards=dp * tp, tp=tp, layout=layout, lora=lora is not None)
     lines.append(f"      memory traced: {what}, "

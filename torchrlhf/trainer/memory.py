@@ -53,6 +53,9 @@ from torchrlhf.workers.shared_prefix import SharedPrefixPlan, prefix_forward, sc
 KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients", "Optstate": "optimizer states",
          "Activation": "activations", "Temp": "temporaries", "Other": "other"}
 STATE_KINDS = ("parameters", "gradients", "optimizer states")
+# what a trained role holds only during its own calls (its gradients are freed after each optimizer step); the
+# rest (parameters, buffers, optimizer states) it holds throughout the step
+WORKING_KINDS = ("gradients", "activations", "temporaries", "other")
 
 
 class _NoHook:
@@ -115,14 +118,22 @@ def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimi
     optimizer.zero_grad(set_to_none=True)
 
 
+def _hold_gradients(model: torch.nn.Module) -> None:
+    """Zero gradients on every trained parameter, before the traced step: what a micro-batch after a mini-batch's
+    first holds throughout, the earlier ones' gradients, which its backward sums into."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
 def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.Tensor | None], *,
            dtype: torch.dtype, train: bool, value_head: bool, lora: Any, activation_checkpointing: bool,
-           optim: dict | None, device_type: str) -> dict[str, float]:
+           optim: dict | None, device_type: str, accumulating: bool = False) -> dict[str, float]:
     """Peak bytes by kind of ``step(model, tracker)`` (which returns the loss to backward, or None after
     running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on
     fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted. The head scores in
     the tiles it uses on ``device_type`` (a GPU's hold ~30x the temporaries of a CPU's), though the fake tensors
-    are CPU tensors."""
+    are CPU tensors. ``accumulating``: the gradients held from the start (`_hold_gradients`)."""
     model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
     head = model.get_output_embeddings() if not value_head else None
     if isinstance(head, LogProbHead):
@@ -142,6 +153,8 @@ def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.
         if train:
             optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
             _hold_optimizer_states(model, optimizer)
+            if accumulating:
+                _hold_gradients(model)
         tracker = _FrozenAwareMemTracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         with tracker:
@@ -177,11 +190,14 @@ def trace_micro_batch(
     optim: dict | None = None,
     use_kl_loss: bool = False,
     device_type: str = "cpu",
+    accumulating: bool = False,
 ) -> dict[str, float]:
     """Peak bytes by kind of one micro-batch of ``micro`` samples of ``prompt_len + response_len`` tokens:
     forward (+ loss, backward and one optimizer step when ``train``), unsharded, in ``dtype``, on fake
     tensors (nothing is allocated), with the head's tiles of ``device_type`` (`run_device_type`).
-    ``value_head``: the critic's `ValueModel` and a squared-error loss."""
+    ``value_head``: the critic's `ValueModel` and a squared-error loss. ``accumulating``: a micro-batch after
+    its mini-batch's first, the earlier ones' gradients held throughout (a lone micro-batch builds them during
+    its backward, so its peak can hold fewer): exact for it, an upper bound for a lone one."""
     seq = prompt_len + response_len
 
     def step(model, tracker) -> torch.Tensor:
@@ -195,7 +211,8 @@ def trace_micro_batch(
         return actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
 
     return _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
-                  activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type)
+                  activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type,
+                  accumulating=accumulating and train)
 
 
 def shared_prefix_shape(batching: Batching, *, n: int, dp: int, step_prompts: int, response_len: int,
@@ -327,5 +344,5 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape", "trace_micro_batch",
-           "trace_shared_prefix_update"]
+__all__ = ["KINDS", "STATE_KINDS", "WORKING_KINDS", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape",
+           "trace_micro_batch", "trace_shared_prefix_update"]
