@@ -16,7 +16,8 @@ from torchrlhf.plan.hardware import load_hardware
 from torchrlhf.plan.auto import format_plan, plan
 from torchrlhf.plan.problem import plan_input
 from torchrlhf.plan.search import Planner
-from torchrlhf.trainer.memory import as_held, shared_prefix_shape, trace_micro_batch, trace_shared_prefix_update
+from torchrlhf.trainer.memory import (WORKING_KINDS, as_held, shared_prefix_shape, trace_micro_batch,
+                                      trace_shared_prefix_update)
 from torchrlhf.trainer.run import load
 
 
@@ -84,8 +85,8 @@ def _direct_no_grad_peak(cfg, role, dtype=torch.float32) -> float:
     else:
         working = trace_micro_batch(cfg.actor.model_path, micro=role.log_prob_micro, train=False, **kw)
     held = as_held(states, dtype=dtype, shards=role.ranks, tp=role.tp, layout=layout)
-    return (sum(v for k, v in held.items() if k in ("parameters", "buffers", "optimizer states"))
-            + sum(v / role.tp for k, v in working.items() if k in ("activations", "temporaries", "other")))
+    return (sum(v for k, v in held.items() if k not in WORKING_KINDS)
+            + sum(v / role.tp for k, v in working.items() if k in WORKING_KINDS))
 
 
 @pytest.mark.parametrize("sections", [

@@ -108,22 +108,17 @@ def _materialize_fake(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
     return model
 
 
-def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep_gradients: bool) -> None:
     """One optimizer step on zero gradients, before the traced step: the optimizer states a worker holds from
-    its second step on then exist, as a traced first forward and backward would leave them, at none of its cost."""
+    its second step on then exist, as a traced first forward and backward would leave them, at none of its cost.
+    ``keep_gradients``: the zero gradients stay, as a micro-batch after its mini-batch's first holds the earlier
+    ones' gradients throughout (its backward sums into them)."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _hold_gradients(model: torch.nn.Module) -> None:
-    """Zero gradients on every trained parameter, before the traced step: what a micro-batch after a mini-batch's
-    first holds throughout, the earlier ones' gradients, which its backward sums into."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+    if not keep_gradients:
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.Tensor | None], *,
@@ -133,7 +128,7 @@ def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.
     running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on
     fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted. The head scores in
     the tiles it uses on ``device_type`` (a GPU's hold ~30x the temporaries of a CPU's), though the fake tensors
-    are CPU tensors. ``accumulating``: the gradients held from the start (`_hold_gradients`)."""
+    are CPU tensors. ``accumulating``: the gradients held from the start (`_hold_optimizer_states`)."""
     model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
     head = model.get_output_embeddings() if not value_head else None
     if isinstance(head, LogProbHead):
@@ -152,9 +147,7 @@ def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.
         optimizer = None
         if train:
             optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-6, **(optim or {})})
-            _hold_optimizer_states(model, optimizer)
-            if accumulating:
-                _hold_gradients(model)
+            _hold_optimizer_states(model, optimizer, keep_gradients=accumulating)
         tracker = _FrozenAwareMemTracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         with tracker:
