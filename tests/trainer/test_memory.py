@@ -105,6 +105,32 @@ def test_the_head_scores_in_the_tiles_of_the_device_it_will_train_on(wider_model
     assert gpu["temporaries"] >= gpu_tile > cpu["temporaries"], (cpu, gpu)
 
 
+@pytest.mark.parametrize("train, shared", [(True, False), (False, False), (True, True)])
+def test_the_trace_runs_a_few_head_tiles_and_peaks_as_with_all_of_them(wider_model_dir, monkeypatch, train, shared):
+    """On fake tensors the head runs its first two tiles and its last (`algorithms.logprob._chunks`): here 3 of 8
+    position chunks × 3 of 12 vocabulary tiles (CPU tiles over 16 × 128 responses and a 49k vocabulary), with the
+    peak of every tile run, kind by kind."""
+    from torchrlhf.algorithms import logprob
+
+    folds = []
+    fold = logprob._fold_tile
+    monkeypatch.setattr(logprob, "_fold_tile", lambda *a: folds.append(1) or fold(*a))
+    kw = dict(dtype=torch.float32, prompt_len=16, response_len=128, train=train)
+
+    def trace() -> dict[str, float]:
+        folds.clear()
+        if shared:
+            return trace_shared_prefix_update(wider_model_dir, prompts=4, n=4, micro=16, suffix_passes=1, **kw)
+        return trace_micro_batch(wider_model_dir, micro=16, **kw)
+
+    few = trace()
+    assert len(folds) == 3 * 3
+    monkeypatch.setattr(logprob, "is_fake", lambda t: False)
+    every = trace()
+    assert len(folds) == 8 * 12
+    assert few == every
+
+
 def test_persistent_state_is_the_models_and_adamws(tiny_model_dir):
     # Independent count: the loaded model's parameters (fp32), AdamW's two states per trainable value
     # (+ a step counter per parameter tensor).
