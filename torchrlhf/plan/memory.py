@@ -12,10 +12,12 @@ flat and let the planner keep micro-batches that do not fit. So ``m`` is traced 
 
     f(L, m) = f(L, p) + (m - p) (f(L, 2p) - f(L, p)) / p,
 
-exact at the traced sizes and, the peak being convex, never below it in between. A deep model (`shallow_depths`)
-is traced at two shallower depths ``a < b`` instead and extrapolated linearly in ``L``. Both depths are deep enough
-that the blocks outweigh the embedding and the head: with fewer layers the embedding's optimizer states set the peak
-at another moment of the step, and the kinds stop being linear.
+exact at the traced sizes and, the peak being convex, never below it in between. A model of alike layers is traced
+at two shallow depths instead of its own (`shallow_depths`: 2 and 4 layers) and deepened (`_deepen`): the optimizer
+step along the line through the two, the passes from the deeper one's peak, growing per layer as the larger of
+the peak's own growth and the blocks' output's (`trainer.memory.StepMemory`). A line through the two peaks alone
+fell short where the embedding or the head sets a shallow model's peak; this never did, on the models and passes
+tested (`tests/plan/test_micro_batch_memory.py`), and is exact where the blocks' activations set it.
 
 The shared-prefix schedule (`trainer.memory.trace_shared_prefix_update`) costs a trace per part and micro-batch, and
 its Python loop over the prompts makes each one slow; it is taken as the dense micro-batch holding as many tokens
@@ -28,6 +30,7 @@ traces about as fast as a small one (Qwen2.5-0.5B, 1024 tokens: 5 s at 1 row, 10
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,15 +42,23 @@ from typing import Any
 import torch
 
 from torchrlhf.plan.trace_cache import cached
-from torchrlhf.trainer.memory import trace_micro_batch, trace_shared_prefix_update
+from torchrlhf.trainer.memory import StepMemory, trace_micro_batch, trace_shared_prefix_update
 
 
-def shallow_depths(layers: int, block_params: int, other_params: int) -> tuple[int, int] | None:
-    """Two depths ``a < b < layers`` to trace instead of the whole model, ``a`` the shallowest whose blocks hold 4×
-    the other parameters (embedding, head, norms); None when the model is not deeper than ``2a``."""
-    per_layer = max(1, block_params // max(layers, 1))
-    a = max(1, -(-4 * other_params // per_layer))
-    return (a, 2 * a) if 2 * a < layers else None
+SHALLOW_DEPTHS = (2, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def shallow_depths(model_path: str, layers: int) -> tuple[int, int] | None:
+    """`SHALLOW_DEPTHS`, the depths a model of ``layers`` alike layers is traced at instead of its own; None when it
+    is not deeper, or its config makes some layers differ from others (attention types, dense layers among
+    mixture-of-experts ones), so that a shallow copy's layers would not be a sample of the model's."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if layers <= SHALLOW_DEPTHS[1] or len(set(config.get("layer_types") or [])) > 1 or config.get("mlp_only_layers"):
+        return None
+    if config.get("num_experts") and config.get("decoder_sparse_step", 1) > 1:
+        return None
+    return SHALLOW_DEPTHS
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,13 +76,17 @@ def _at_depth(model_path: str, layers: int) -> str:
     return str(d)
 
 
+def _cached(model_path: str, what: str, args: tuple, trace: Callable[[], StepMemory]) -> StepMemory:
+    return StepMemory(**cached(model_path, what, args, lambda: dataclasses.asdict(trace())))
+
+
 @functools.lru_cache(maxsize=None)
-def _dense(model_path: str, kind: str, setting: tuple, rows: int) -> dict[str, float]:
+def _dense(model_path: str, kind: str, setting: tuple, rows: int) -> StepMemory:
     """One trace: a dense micro-batch of ``rows`` samples, a trained one beside its mini-batch's gradients (an upper
     bound for any number of micro-batches, exact from the second on)."""
-    return cached(model_path, "dense", (kind, setting, rows),
-                  lambda: trace_micro_batch(model_path, micro=rows, accumulating=kind in ("train", "value"),
-                                            **_trace_kw(kind, setting)))
+    return _cached(model_path, "dense", (kind, setting, rows),
+                   lambda: trace_micro_batch(model_path, micro=rows, accumulating=kind in ("train", "value"),
+                                             phases=True, **_trace_kw(kind, setting)))
 
 
 def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int
@@ -99,20 +114,19 @@ def _shared_excess(model_path: str, kind: str, setting: tuple, prompts: int, n: 
 
 
 @functools.lru_cache(maxsize=None)
-def _shared(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
+def _shared(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> StepMemory:
     """One trace of the shared-prefix schedule itself: ``prompts`` prompts of ``n`` samples, suffix micro-batches
     of ``micro``."""
-    shared = dict(cached(model_path, "shared", (kind, setting, prompts, n, micro),
-                         lambda: trace_shared_prefix_update(model_path, prompts=prompts, n=n, micro=micro,
-                                                            **_trace_kw(kind, setting))))
-    shared.pop("offloaded", None)
-    return shared
+    return _cached(model_path, "shared", (kind, setting, prompts, n, micro),
+                   lambda: trace_shared_prefix_update(model_path, prompts=prompts, n=n, micro=micro, phases=True,
+                                                      **_trace_kw(kind, setting)))
 
 
 @functools.lru_cache(maxsize=None)
 def _excess_at(model_path: str, kind: str, setting: tuple, prompts: int, n: int, micro: int) -> dict[str, float]:
-    shared = _shared(model_path, kind, setting, prompts, n, micro)
-    dense = _in_rows(functools.partial(_dense, model_path, kind, setting), _dense_rows(prompts, micro, *setting[0]))
+    shared = _shared(model_path, kind, setting, prompts, n, micro).peak
+    dense = _in_rows(functools.partial(_dense, model_path, kind, setting),
+                     _dense_rows(prompts, micro, *setting[0])).peak
     return {k: max(0.0, v - dense.get(k, 0.0)) for k, v in shared.items()}
 
 
@@ -150,49 +164,89 @@ def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: in
     instead (`trace_shared_prefix_update`: a rank's ``prompts`` prompts once, alive through suffix micro-batches
     of ``micro`` of their ``n`` samples each), as its dense equivalent plus the schedule's excess over it.
     ``device_type``: the head's tiles, as `trace_micro_batch`'s. ``depths`` (`shallow_depths`): trace at those
-    two depths and extrapolate to ``layers``."""
+    two depths and deepen to ``layers`` (`_deepen`)."""
     if kind not in KINDS:
         raise ValueError(f"micro_batch_memory: kind must be one of {KINDS}, got {kind!r}")
     if kind in ("forward", "value_forward"):  # a no-grad pass: no optimizer, loss or recomputation to trace, so an
         activation_checkpointing, optim, use_kl_loss = False, None, False  # actor's shares its reference's traces
     setting = ((prompt_len, response_len), dtype, lora, activation_checkpointing, tuple(sorted((optim or {}).items())),
                use_kl_loss, device_type)
+    return dict(_estimate(model_path, kind, setting, micro, shared, depths, layers, floor, exact))
 
+
+@functools.lru_cache(maxsize=None)
+def _estimate(model_path: str, kind: str, setting: tuple, micro: int, shared: tuple[int, int] | None,
+              depths: tuple[int, int] | None, layers: int, floor: bool, exact: bool) -> dict[str, float]:
+    """`micro_batch_memory`, kept per argument: a search asks for the same sizes of each role again and again."""
+    (prompt_len, response_len) = setting[0]
     rows = _floor_rows if floor else _in_rows
+    suffix = min(micro, shared[0] * shared[1]) if shared else micro  # a suffix micro-batch holds at most every sample
 
-    def at(path: str) -> dict[str, float]:
-        if shared is None:
-            return rows(functools.partial(_dense, path, kind, setting), micro)
-        suffix = min(micro, shared[0] * shared[1])  # a suffix micro-batch holds at most every sample
-        if exact:
-            return _shared(path, kind, setting, *shared, suffix)
-        dense = rows(functools.partial(_dense, path, kind, setting),
-                     _dense_rows(shared[0], suffix, prompt_len, response_len))
-        excess = _shared_excess(path, kind, setting, *shared, suffix)
-        return {k: dense.get(k, 0.0) + excess.get(k, 0.0) for k in {*dense, *excess}}
+    def dense(path: str, n_rows: int) -> StepMemory:
+        return rows(functools.partial(_dense, path, kind, setting), n_rows)
 
+    if shared is None or exact:  # one traced step: the dense micro-batch, or the schedule at this very part
+        def step(path: str) -> StepMemory:
+            return dense(path, micro) if shared is None else _shared(path, kind, setting, *shared, suffix)
+
+        if depths is None:
+            return step(model_path).peak
+        return _deepen(*(step(_at_depth(model_path, d)) for d in depths), *depths, layers)
+
+    # the search's estimate of the schedule: its dense equivalent plus the schedule's excess over it
+    n_rows = _dense_rows(shared[0], suffix, prompt_len, response_len)
     if depths is None:
-        return at(model_path)
-    (a, b) = depths
-    fa, fb = at(_at_depth(model_path, a)), at(_at_depth(model_path, b))
-    return {k: max(0.0, fa.get(k, 0.0) + (layers - a) * (fb.get(k, 0.0) - fa.get(k, 0.0)) / (b - a))
-            for k in {*fa, *fb}}
+        equivalent = dense(model_path, n_rows).peak
+        excess = _shared_excess(model_path, kind, setting, *shared, suffix)
+    else:
+        paths = [_at_depth(model_path, d) for d in depths]
+        equivalent = _deepen(*(dense(p, n_rows) for p in paths), *depths, layers)
+        excess = _line(*(_shared_excess(p, kind, setting, *shared, suffix) for p in paths),
+                       (layers - depths[0]) / (depths[1] - depths[0]))
+    return {k: equivalent.get(k, 0.0) + max(0.0, excess.get(k, 0.0)) for k in {*equivalent, *excess}}
 
 
-def _in_rows(corner: Callable[[int], dict[str, float]], micro: int) -> dict[str, float]:
+def _total(f: dict[str, float]) -> float:
+    return sum(f.values())
+
+
+def _line(f0: dict[str, float], f1: dict[str, float], t: float) -> dict[str, float]:
+    """``f0 + t (f1 - f0)``, by kind."""
+    return {k: f0.get(k, 0.0) + t * (f1.get(k, 0.0) - f0.get(k, 0.0)) for k in {*f0, *f1}}
+
+
+def _deepen(fa: StepMemory, fb: StepMemory, a: int, b: int, layers: int) -> dict[str, float]:
+    """The peak by kind of a step through ``layers`` layers from its traces at depths ``a < b``. The optimizer step
+    holds the same per parameter at any depth, so its peak is on the line through the two. The passes' peak is
+    ``b``'s plus, for each further layer, the larger per-layer growth of two moments: the blocks' output
+    (`StepMemory.forward_end`: every block's saved activations alive, as at the deepest moment of any backward)
+    and the peak's own. A line through two shallow peaks alone can fall short: where the embedding's or the head's
+    temporaries set the peak at depth ``b``, it grows by a layer's weights only, while a deeper model's peak is
+    set by the blocks' activations and grows by those too (a 12-layer model with SmolLM2's vocabulary, 8 rows of
+    264 tokens: 0.87x from depths 1 and 2; with activation checkpointing 0.97x from depths 2 and 4)."""
+    grow = (fa.forward_end, fb.forward_end)
+    if _total(fb.passes) - _total(fa.passes) > _total(fb.forward_end) - _total(fa.forward_end):
+        grow = (fa.passes, fb.passes)
+    passes = {k: fb.passes.get(k, 0.0) + (layers - b) / (b - a) * (grow[1].get(k, 0.0) - grow[0].get(k, 0.0))
+              for k in {*fb.passes, *grow[0], *grow[1]}}
+    optimizer = _line(fa.optimizer, fb.optimizer, (layers - a) / (b - a))
+    return {k: max(0.0, v) for k, v in max(passes, optimizer, key=_total).items()}
+
+
+def _in_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:
     """``micro`` rows on the chord between the traces at the powers of two around it (one trace at a power of
     two): exact there and, the peak being convex in the rows, never below it in between."""
     low = 1 << (max(micro, 1).bit_length() - 1)
     if micro == low:
-        return dict(corner(micro))
-    f_low, f_high = corner(low), corner(2 * low)
-    return {k: f_low.get(k, 0.0) + (micro - low) * (f_high.get(k, 0.0) - f_low.get(k, 0.0)) / low
-            for k in {*f_low, *f_high}}
+        return corner(micro)
+    f_low, f_high, t = corner(low), corner(2 * low), (micro - low) / low
+    return StepMemory(passes=_line(f_low.passes, f_high.passes, t), optimizer=_line(f_low.optimizer, f_high.optimizer, t),
+                      forward_end=_line(f_low.forward_end, f_high.forward_end, t))
 
 
-def _floor_rows(corner: Callable[[int], dict[str, float]], micro: int) -> dict[str, float]:
+def _floor_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:
     """The trace at the power of two at or below ``micro``: the chord's lower end, at most its value."""
-    return dict(corner(1 << (max(micro, 1).bit_length() - 1)))
+    return corner(1 << (max(micro, 1).bit_length() - 1))
 
 
-__all__ = ["KINDS", "micro_batch_memory", "shallow_depths"]
+__all__ = ["KINDS", "SHALLOW_DEPTHS", "micro_batch_memory", "shallow_depths"]

@@ -105,7 +105,7 @@ class Planner:
         bound in one trace; ``exact``: the shared-prefix schedule traced at this part (`micro_batch_memory`'s)."""
         p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
         shape = self.p.models["actor" if role == "ref" else role]
-        depths = shallow_depths(shape.layers, shape.flops.block_params, shape.params - shape.flops.block_params)
+        depths = shallow_depths(traced.model_path, shape.layers)
         kind = {"train": "forward", "value": "value_forward"}.get(traced.kind, traced.kind) if no_grad else traced.kind
         by_kind = micro_batch_memory(traced.model_path, kind=kind, micro=micro, depths=depths, layers=shape.layers,
                                      prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,

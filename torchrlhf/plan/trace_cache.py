@@ -19,6 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -44,9 +45,10 @@ def _code_version() -> str:
     return h.hexdigest()
 
 
-def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """``trace()`` (peak bytes by kind of ``model_path``'s architecture), read from the disk cache when this
-    machine traced the same ``what`` and ``args`` before. ``args``' ``repr`` must name every argument."""
+def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``trace()`` (a JSON object: bytes of ``model_path``'s architecture by phase and kind), read from the disk
+    cache when this machine traced the same ``what`` and ``args`` before. ``args``' ``repr`` must name every
+    argument."""
     root = plan_cache_root()
     config = Path(model_path) / "config.json"
     if root is None or not config.is_file():
@@ -54,8 +56,10 @@ def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str
     key = hashlib.sha256(json.dumps([_code_version(), config.read_text(), what, repr(args)]).encode()).hexdigest()
     path = root / key[:2] / f"{key}.json"
     try:
-        return {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
-    except (OSError, ValueError, AttributeError, TypeError):
+        kept = json.loads(path.read_text())
+        if isinstance(kept, dict):
+            return kept
+    except (OSError, ValueError):
         pass
     result = trace()
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,11 +64,61 @@ class _NoHook:
         pass
 
 
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak bytes by kind of a traced step, split as `plan.memory` needs to deepen a shallow copy of the model:
+    ``passes`` (forward and backward), ``optimizer`` (its step; empty when not trained), and ``forward_end``, the
+    largest of the moments the blocks' output reaches the final norm: every block's saved activations (and, in a
+    no-grad pass, every block's keys and values the pass still holds) are alive then, so it grows with depth as
+    a deep model's peak does, where a shallow model's peak may be set by the embedding or the head instead."""
+
+    passes: dict[str, float]
+    optimizer: dict[str, float] = field(default_factory=dict)
+    forward_end: dict[str, float] = field(default_factory=dict)
+    offloaded: float = 0.0  # host bytes of the prompts' pass (`trace_shared_prefix_update`'s ``offload``)
+
+    @property
+    def peak(self) -> dict[str, float]:
+        """The whole step's peak: the larger of its passes' and its optimizer step's."""
+        return max(self.passes, self.optimizer, key=lambda f: sum(f.values()))
+
+
+def _by_kind(snapshot: dict) -> dict[str, float]:
+    """A `MemTracker` snapshot in the dry run's kinds, summed over devices; the ``meta`` device (a stand-in for
+    host memory) not counted."""
+    by_kind: dict[str, float] = {}
+    for device, device_stats in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
+        for kind, n in device_stats.items():
+            if kind in KINDS and n:
+                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + n
+    return by_kind
+
+
 class _FrozenAwareMemTracker(MemTracker):
     """`MemTracker` for models with frozen parameters (a reference, a LoRA base), keeping the global peak
-    only. torch 2.13's tracker registers a gradient hook on every parameter, which a tensor without
-    ``requires_grad`` refuses; and after every op it walks every module's stats for per-module peaks
-    (O(ops x modules): minutes for SmolLM2), which the dry run does not print."""
+    only, split into phases (`end_phase`), and the largest of the moments marked (`mark`). torch 2.13's
+    tracker registers a gradient hook on every parameter, which a tensor without ``requires_grad`` refuses;
+    and after every op it walks every module's stats for per-module peaks (O(ops x modules): minutes for
+    SmolLM2), which the dry run does not print."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked: dict[str, float] = {}
+
+    def mark(self) -> None:
+        """Keep the current snapshot if it holds more than the moments marked before."""
+        now = _by_kind(self.get_tracker_snapshot("current"))
+        if sum(now.values()) > sum(self.marked.values()):
+            self.marked = now
+
+    def end_phase(self) -> dict[str, float]:
+        """The peak since the last phase ended; the next phase's peak starts from the current state."""
+        peak = _by_kind(self.get_tracker_snapshot("peak"))
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+        return peak
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
@@ -121,12 +172,12 @@ def _hold_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimi
         optimizer.zero_grad(set_to_none=True)
 
 
-def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.Tensor | None], *,
+def _trace(model_path: str, step: Callable[[torch.nn.Module, _FrozenAwareMemTracker], torch.Tensor | None], *,
            dtype: torch.dtype, train: bool, value_head: bool, lora: Any, activation_checkpointing: bool,
-           optim: dict | None, device_type: str, accumulating: bool = False) -> dict[str, float]:
+           optim: dict | None, device_type: str, accumulating: bool = False) -> StepMemory:
     """Peak bytes by kind of ``step(model, tracker)`` (which returns the loss to backward, or None after
-    running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on
-    fake tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted. The head scores in
+    running its own backward passes) and, when ``train``, one optimizer step, on the role's model built on fake
+    tensors. Tensors on the ``meta`` device (stand-ins for host memory) are not counted. The head scores in
     the tiles it uses on ``device_type`` (a GPU's hold ~30x the temporaries of a CPU's), though the fake tensors
     are CPU tensors. ``accumulating``: the gradients held from the start (`_hold_optimizer_states`)."""
     model = build_meta_value_model(model_path) if value_head else build_meta_causal_lm(model_path)
@@ -150,23 +201,18 @@ def _trace(model_path: str, step: Callable[[torch.nn.Module, MemTracker], torch.
             _hold_optimizer_states(model, optimizer, keep_gradients=accumulating)
         tracker = _FrozenAwareMemTracker()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+        model.model.norm.register_forward_pre_hook(lambda *_: tracker.mark())  # the blocks' output: `StepMemory`
         with tracker:
             with torch.set_grad_enabled(train):
                 loss = step(model, tracker)
+            if train and loss is not None:
+                loss.backward()
+            passes = tracker.end_phase()
             if train:
-                if loss is not None:
-                    loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
-    by_kind: dict[str, float] = {}
-    for device, device_stats in peak.items():
-        if torch.device(device).type == "meta":
-            continue
-        for kind, n in device_stats.items():
-            if kind in KINDS and n:
-                by_kind[KINDS[kind]] = by_kind.get(KINDS[kind], 0) + n
-    return by_kind
+            optimizer_step = tracker.end_phase() if train else {}
+    return StepMemory(passes=passes, optimizer=optimizer_step, forward_end=tracker.marked)
 
 
 def trace_micro_batch(
@@ -184,13 +230,15 @@ def trace_micro_batch(
     use_kl_loss: bool = False,
     device_type: str = "cpu",
     accumulating: bool = False,
-) -> dict[str, float]:
+    phases: bool = False,
+) -> dict[str, float] | StepMemory:
     """Peak bytes by kind of one micro-batch of ``micro`` samples of ``prompt_len + response_len`` tokens:
     forward (+ loss, backward and one optimizer step when ``train``), unsharded, in ``dtype``, on fake
     tensors (nothing is allocated), with the head's tiles of ``device_type`` (`run_device_type`).
     ``value_head``: the critic's `ValueModel` and a squared-error loss. ``accumulating``: a micro-batch after
     its mini-batch's first, the earlier ones' gradients held throughout (a lone micro-batch builds them during
-    its backward, so its peak can hold fewer): exact for it, an upper bound for a lone one."""
+    its backward, so its peak can hold fewer): exact for it, an upper bound for a lone one. ``phases``: the
+    `StepMemory` instead."""
     seq = prompt_len + response_len
 
     def step(model, tracker) -> torch.Tensor:
@@ -203,9 +251,10 @@ def trace_micro_batch(
             return (values.float() ** 2).mean()
         return actor_loss(model, input_ids, attention_mask, position_ids, response_len, use_kl_loss)
 
-    return _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
-                  activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type,
-                  accumulating=accumulating and train)
+    traced = _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
+                    activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type,
+                    accumulating=accumulating and train)
+    return traced if phases else traced.peak
 
 
 def shared_prefix_shape(batching: Batching, *, n: int, dp: int, step_prompts: int, response_len: int,
@@ -240,7 +289,8 @@ def trace_shared_prefix_update(
     train: bool = True,
     suffix_passes: int | None = 2,
     device_type: str = "cpu",
-) -> dict[str, float]:
+    phases: bool = False,
+) -> dict[str, float] | StepMemory:
     """Peak bytes by kind of one shared-prefix mini-batch on one rank: ``prompts`` distinct prompts of
     ``prompt_len`` tokens with ``n`` responses of ``response_len`` each, as `FSDPWorker.train` runs it: the
     prompts' pass once, suffix micro-batches of ``micro`` samples (forward, loss, backward), the prompts'
@@ -252,7 +302,8 @@ def trace_shared_prefix_update(
 
     ``offload`` (``offload_prefix_activations``): the prompt pass's saved tensors go to a storage-less device
     standing in for host memory, so the peak counts what the accelerator holds; ``"offloaded"`` is the host
-    bytes then held. ``device_type``: the head's tiles, as `trace_micro_batch`'s.
+    bytes then held. ``device_type``: the head's tiles, as `trace_micro_batch`'s. ``phases``: the `StepMemory`
+    instead (its ``offloaded`` the host bytes).
     """
     ids = torch.zeros(prompts, prompt_len, dtype=torch.long)
     ids[:, 0] = torch.arange(prompts)  # a distinct first token: no two prompts are shared
@@ -286,7 +337,8 @@ def trace_shared_prefix_update(
 
     traced = _trace(model_path, step, dtype=dtype, train=train, value_head=value_head, lora=lora,
                     activation_checkpointing=activation_checkpointing, optim=optim, device_type=device_type)
-    return {**traced, "offloaded": moved["bytes"]}
+    traced = replace(traced, offloaded=moved["bytes"])
+    return traced if phases else {**traced.peak, "offloaded": traced.offloaded}
 
 
 def actor_loss(model, input_ids, attention_mask, position_ids, response_len: int, use_kl_loss: bool):
@@ -337,5 +389,5 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "STATE_KINDS", "WORKING_KINDS", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape",
+__all__ = ["KINDS", "STATE_KINDS", "WORKING_KINDS", "StepMemory", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape",
            "trace_micro_batch", "trace_shared_prefix_update"]
