@@ -15,7 +15,7 @@ flat and let the planner keep micro-batches that do not fit. So ``m`` is traced 
 exact at the traced sizes and, the peak being convex, never below it in between. A model of alike layers is traced
 at two shallow depths instead of its own (`shallow_depths`: 2 and 4 layers) and deepened (`_deepen`): the optimizer
 step along the line through the two, the passes from the deeper one's peak, growing per layer as the larger of
-the peak's own growth and the blocks' output's (`trainer.memory.StepMemory`). A line through the two peaks alone
+the peak's own growth and each of the blocks' outputs' (`trainer.memory.StepMemory`). A line through the two peaks alone
 fell short where the embedding or the head sets a shallow model's peak; this never did, on the models and passes
 tested (`tests/plan/test_micro_batch_memory.py`), and is exact where the blocks' activations set it.
 
@@ -217,18 +217,20 @@ def _line(f0: dict[str, float], f1: dict[str, float], t: float) -> dict[str, flo
 
 def _deepen(fa: StepMemory, fb: StepMemory, a: int, b: int, layers: int) -> dict[str, float]:
     """The peak by kind of a step through ``layers`` layers from its traces at depths ``a < b``. The optimizer step
-    holds the same per parameter at any depth, so its peak is on the line through the two. The passes' peak is
-    ``b``'s plus, for each further layer, the larger per-layer growth of two moments: the blocks' output
-    (`StepMemory.forward_end`: every block's saved activations alive, as at the deepest moment of any backward)
-    and the peak's own. A line through two shallow peaks alone can fall short: where the embedding's or the head's
-    temporaries set the peak at depth ``b``, it grows by a layer's weights only, while a deeper model's peak is
-    set by the blocks' activations and grows by those too (a 12-layer model with SmolLM2's vocabulary, 8 rows of
-    264 tokens: 0.87x from depths 1 and 2; with activation checkpointing 0.97x from depths 2 and 4)."""
-    grow = (fa.forward_end, fb.forward_end)
-    if _total(fb.passes) - _total(fa.passes) > _total(fb.forward_end) - _total(fa.forward_end):
-        grow = (fa.passes, fb.passes)
-    passes = {k: fb.passes.get(k, 0.0) + (layers - b) / (b - a) * (grow[1].get(k, 0.0) - grow[0].get(k, 0.0))
-              for k in {*fb.passes, *grow[0], *grow[1]}}
+    holds the same per parameter at any depth, so its peak is on the line through the two. Each moment of the passes
+    holds bytes on a line in the depth, and the passes' peak is the largest of them: ``b``'s peak plus, for each
+    further layer, the steepest growth among the peak's own and each moment the blocks' output reaches the final
+    norm (`StepMemory.block_outputs`: every block's saved activations, or keys and values, alive). A line through
+    two shallow peaks alone can fall short: where the embedding's or the head's temporaries set the peak at depth
+    ``b``, it grows by a layer's weights only, while a deeper model's peak is set by the blocks' activations and
+    grows by those too (a 12-layer model with SmolLM2's vocabulary, 8 rows of 264 tokens: 0.87x from depths 1 and
+    2; with activation checkpointing 0.97x from depths 2 and 4). The largest of the marked moments alone fell short
+    too: Llama-2 7B's no-grad pass over 256 prompts of 1 024 tokens, suffix micro-batches of 64, is set at 2, 4
+    and 8 layers by one moment and at 32 by a steeper one (0.98x)."""
+    lines = [(fa.passes, fb.passes), *zip(fa.block_outputs, fb.block_outputs)]
+    low, high = max(lines, key=lambda line: _total(line[1]) - _total(line[0]))
+    passes = {k: fb.passes.get(k, 0.0) + (layers - b) / (b - a) * (high.get(k, 0.0) - low.get(k, 0.0))
+              for k in {*fb.passes, *low, *high}}
     optimizer = _line(fa.optimizer, fb.optimizer, (layers - a) / (b - a))
     return {k: max(0.0, v) for k, v in max(passes, optimizer, key=_total).items()}
 
@@ -241,7 +243,7 @@ def _in_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:
         return corner(micro)
     f_low, f_high, t = corner(low), corner(2 * low), (micro - low) / low
     return StepMemory(passes=_line(f_low.passes, f_high.passes, t), optimizer=_line(f_low.optimizer, f_high.optimizer, t),
-                      forward_end=_line(f_low.forward_end, f_high.forward_end, t))
+                      block_outputs=[_line(lo, hi, t) for lo, hi in zip(f_low.block_outputs, f_high.block_outputs)])
 
 
 def _floor_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:

@@ -67,14 +67,15 @@ class _NoHook:
 @dataclass(frozen=True)
 class StepMemory:
     """Peak bytes by kind of a traced step, split as `plan.memory` needs to deepen a shallow copy of the model:
-    ``passes`` (forward and backward), ``optimizer`` (its step; empty when not trained), and ``forward_end``, the
-    largest of the moments the blocks' output reaches the final norm: every block's saved activations (and, in a
-    no-grad pass, every block's keys and values the pass still holds) are alive then, so it grows with depth as
-    a deep model's peak does, where a shallow model's peak may be set by the embedding or the head instead."""
+    ``passes`` (forward and backward), ``optimizer`` (its step; empty when not trained), and ``block_outputs``, the
+    moments the blocks' output reaches the final norm, one per forward in order: every block's saved
+    activations (and, in a no-grad pass, every block's keys and values the pass still holds) are alive then, so
+    each grows with depth as a deep model's peak may, where a shallow model's peak is set by the embedding, the
+    head or one block's temporaries instead."""
 
     passes: dict[str, float]
     optimizer: dict[str, float] = field(default_factory=dict)
-    forward_end: dict[str, float] = field(default_factory=dict)
+    block_outputs: list[dict[str, float]] = field(default_factory=list)
     offloaded: float = 0.0  # host bytes of the prompts' pass (`trace_shared_prefix_update`'s ``offload``)
 
     @property
@@ -98,20 +99,18 @@ def _by_kind(snapshot: dict) -> dict[str, float]:
 
 class _FrozenAwareMemTracker(MemTracker):
     """`MemTracker` for models with frozen parameters (a reference, a LoRA base), keeping the global peak
-    only, split into phases (`end_phase`), and the largest of the moments marked (`mark`). torch 2.13's
+    only, split into phases (`end_phase`), and the moments marked (`mark`). torch 2.13's
     tracker registers a gradient hook on every parameter, which a tensor without ``requires_grad`` refuses;
     and after every op it walks every module's stats for per-module peaks (O(ops x modules): minutes for
     SmolLM2), which the dry run does not print."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.marked: dict[str, float] = {}
+        self.marks: list[dict[str, float]] = []
 
     def mark(self) -> None:
-        """Keep the current snapshot if it holds more than the moments marked before."""
-        now = _by_kind(self.get_tracker_snapshot("current"))
-        if sum(now.values()) > sum(self.marked.values()):
-            self.marked = now
+        """Keep the current snapshot."""
+        self.marks.append(_by_kind(self.get_tracker_snapshot("current")))
 
     def end_phase(self) -> dict[str, float]:
         """The peak since the last phase ended; the next phase's peak starts from the current state."""
@@ -212,7 +211,7 @@ def _trace(model_path: str, step: Callable[[torch.nn.Module, _FrozenAwareMemTrac
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             optimizer_step = tracker.end_phase() if train else {}
-    return StepMemory(passes=passes, optimizer=optimizer_step, forward_end=tracker.marked)
+    return StepMemory(passes=passes, optimizer=optimizer_step, block_outputs=tracker.marks)
 
 
 def trace_micro_batch(
