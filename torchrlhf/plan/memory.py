@@ -14,17 +14,18 @@ flat and let the planner keep micro-batches that do not fit. So ``m`` is traced 
 
 exact at the traced sizes and, the peak being convex, never below it in between. A model of alike layers is traced
 at two shallow depths instead of its own (`shallow_depths`: 2 and 4 layers) and deepened (`_deepen`): the optimizer
-step along the line through the two, the passes from the deeper one's peak, growing per layer as the larger of
-the peak's own growth and each of the blocks' outputs' (`trainer.memory.StepMemory`). A line through the two peaks alone
-fell short where the embedding or the head sets a shallow model's peak; this never did, on the models and passes
-tested (`tests/plan/test_micro_batch_memory.py`), and is exact where the blocks' activations set it.
+step along the line through the two, the passes from the deeper one's peak, growing per layer as the steepest of
+the peak itself and each moment the blocks' output reaches the final norm (`trainer.memory.StepMemory`). A line
+through the two peaks alone fell short where the embedding or the head sets a shallow model's peak; this never did,
+on the models and passes tested (`tests/plan/test_micro_batch_memory.py`), and is exact where the blocks' activations
+set it.
 
 The shared-prefix schedule (`trainer.memory.trace_shared_prefix_update`) costs a trace per part and micro-batch, and
 its Python loop over the prompts makes each one slow; it is taken as the dense micro-batch holding as many tokens
 (`_dense_rows`) plus the schedule's excess over that, traced once at a small part (`_shared_excess`).
 
-The traces are cached per model, setting and size for the process, and on disk for the machine (`trace_cache`). Fake tensors cost per operation, not per byte,
-and the head runs in the target device's tiles (`trainer.memory.trace_micro_batch`), so on a GPU a large micro-batch
+The traces are cached per model, setting and size for the process, and on disk for the machine (`trace_cache`).
+Fake tensors cost per operation, not per byte, and the head runs in the target device's tiles (`trainer.memory.trace_micro_batch`), so on a GPU a large micro-batch
 traces about as fast as a small one (Qwen2.5-0.5B, 1024 tokens: 5 s at 1 row, 10 s at 64).
 """
 
@@ -242,7 +243,8 @@ def _in_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:
     if micro == low:
         return corner(micro)
     f_low, f_high, t = corner(low), corner(2 * low), (micro - low) / low
-    return StepMemory(passes=_line(f_low.passes, f_high.passes, t), optimizer=_line(f_low.optimizer, f_high.optimizer, t),
+    return StepMemory(passes=_line(f_low.passes, f_high.passes, t),
+                      optimizer=_line(f_low.optimizer, f_high.optimizer, t),
                       block_outputs=[_line(lo, hi, t) for lo, hi in zip(f_low.block_outputs, f_high.block_outputs)])
 
 

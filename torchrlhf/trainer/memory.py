@@ -388,5 +388,5 @@ def as_held(traced: dict[str, float], *, dtype: torch.dtype, shards: int, tp: in
     return held
 
 
-__all__ = ["KINDS", "STATE_KINDS", "WORKING_KINDS", "StepMemory", "actor_loss", "as_held", "run_device_type", "shared_prefix_shape",
-           "trace_micro_batch", "trace_shared_prefix_update"]
+__all__ = ["KINDS", "STATE_KINDS", "WORKING_KINDS", "StepMemory", "actor_loss", "as_held", "run_device_type",
+           "shared_prefix_shape", "trace_micro_batch", "trace_shared_prefix_update"]
