@@ -52,12 +52,14 @@ from torchrlhf.generation import vllm_available
 
 ROOT = Path(__file__).resolve().parents[1]
 # Test files with tests that skip without CUDA (tests/tools/test_gpu_check.py keeps this list complete).
-CUDA_TESTS = ["tests/generation/test_cuda_graphs.py", "tests/hybrid/test_mode_cuda.py"]
+CUDA_TESTS = ["tests/generation/test_cuda_graphs.py", "tests/generation/test_decode_attention.py",
+              "tests/hybrid/test_mode_cuda.py"]
 BENCH = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "smol",
          "--batch-sizes", "1", "16", "64", "--max-new-tokens", "64", "--repeats", "1"]
 # issue 38's target row: the 1.07 B shape's decode at batch 128, 256 tokens, against the memory bound
 DECODE_1B = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bfloat16", "--shape", "1b",
-             "--batch-sizes", "128", "--max-new-tokens", "256", "--repeats", "2", "--skip-hf", "--compile"]
+             "--batch-sizes", "128", "--max-new-tokens", "256", "--repeats", "2", "--skip-hf", "--compile",
+             "--sdpa-too"]
 # issue 38's agent row: multi-turn decode against single-turn on the same engine and batch (random smol weights)
 AGENT = ["tools/bench/bench_agent.py", "--device", "cuda", "--dtype", "bfloat16", "--trajectories", "64", "--n", "1",
          "--turns", "8", "--stop-every", "25", "--max-tokens", "256", "--repeats", "2"]
@@ -110,7 +112,7 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
               "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.checkpoint.save_freq=0",
               "trainer.loggers=[console,jsonl]", "actor.dtype=bfloat16"]
     found = [
-        Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *CUDA_TESTS], 150),
+        Check("cuda-tests", "the CUDA tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *CUDA_TESTS], 240),
         Check("generate", "native decode with CUDA graphs vs HF generate", [py, *BENCH], 180),
         Check("decode-1b", "native decode, 1.07 B shape, batch 128, 256 tokens", [py, *DECODE_1B], 360),
         Check("recipe", f"GRPO recipe, world size 1, SmolLM2, {RECIPE_STEPS} steps", recipe, 300),
@@ -147,10 +149,16 @@ def _figure_of_training(output_dir: str, estimate_gib: float | None) -> str:
     return text
 
 
-def dry_run_estimate(command: list[str]) -> float | None:
-    """The dry run's memory estimate for rank 0 of a recipe command (GiB), or None if it did not print one."""
-    p = subprocess.run([*command, "--dry-run", "--world-size", "1"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+def dry_run_estimate(command: list[str], timeout: float = 300) -> float | None:
+    """The dry run's memory estimate for rank 0 of a recipe command (GiB), or None if it did not print one in
+    ``timeout`` seconds."""
+    if timeout < 10:
+        return None
+    try:
+        p = subprocess.run([*command, "--dry-run", "--world-size", "1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
     found = re.search(r"^\s*rank 0: ([\d.]+) GiB", p.stdout, re.MULTILINE)
     return float(found.group(1)) if found else None
 
@@ -169,7 +177,9 @@ def _figure_of_bench(out: str, vllm: bool) -> str:
     warm = re.findall(r"warm-up of (\w+) .*: ([\d.]+) s", out)
     if warm:
         text += ", warm-up " + ", ".join(f"{name} {sec} s" for name, sec in warm)
-    return text + f", {float(r[-1]):.0%} of the memory bound"
+    text += f", {float(r[-1]):.0%} of the memory bound"
+    attention = re.search(r"decode attention at batch \d+, \w+ step: (.*)$", out, re.MULTILINE)
+    return text + (f"; {attention.group(1)}" if attention else "")
 
 
 def _figure_of_agent(out: str) -> str:
@@ -277,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             elif check.name in ("generate", "vllm", "decode-1b"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
             elif check.name in TRAIN_ROWS:
-                estimate = dry_run_estimate([a for a in check.command if not a.startswith("trainer.profile")])
+                estimate = dry_run_estimate([a for a in check.command if not a.startswith("trainer.profile")],
+                                            min(300.0, args.budget_s - (time.monotonic() - start)))
                 results.append(Result(check.name, result, _figure_of_training(os.path.join(tmp, check.name), estimate)))
             else:
                 step, update = _figures_of_recipe(os.path.join(tmp, "recipe")) if result == "pass" else ("", "")

@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also time VLLMEngine (needs the vllm extra)")
     parser.add_argument("--compile", action="store_true",
                         help="the native engine compiles its decode step; also time it uncompiled")
+    parser.add_argument("--sdpa-too", action="store_true",
+                        help="also time the (uncompiled) engine attending through SDPA instead of the decode kernel")
     args = parser.parse_args()
     _tune_malloc()  # glibc's malloc keeps freed memory, as on every rank of a run (both engines run in this process)
     torch.set_num_threads(args.threads)
@@ -260,6 +262,8 @@ def main() -> None:
         engines = {"native": NativeEngine(path, tokenizer, **native, compile=args.compile)}
         if args.compile:
             engines["uncompiled"] = NativeEngine(path, tokenizer, **native)
+        if args.sdpa_too:  # the decode kernel's share: the same step attending through SDPA
+            engines["sdpa"] = NativeEngine(path, tokenizer, **native, decode_attention="sdpa")
         # The same engine without graph replay (CUDA) or without prepacked weights (CPU): what each buys.
         baseline = "eager" if cuda else "unpacked"
         engines[baseline] = NativeEngine(path, tokenizer, **native, cuda_graphs=False, cpu_prepack=False)
@@ -325,6 +329,11 @@ def main() -> None:
                                 bytes_per_s)
         print(f"{bs:>5} {native:>13.1f} {hf:>10.1f} {native / hf:>6.2f} {tail} {bound:>15.0f} {native / bound:>9.3f}",
               flush=True)
+        if args.sdpa_too:
+            same = "uncompiled" if args.compile else "native"
+            attention = "kernel" if engines[same].decoder.decode_kernel else "SDPA"
+            print(f"decode attention at batch {bs}, {same} step: {attention} {max(runs[same]):.1f} tok/s, "
+                  f"SDPA {max(runs['sdpa']):.1f} tok/s: {max(runs[same]) / max(runs['sdpa']):.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from torchrlhf.generation.base import (
     validate_prompts,
 )
 from torchrlhf.generation.cuda_graphs import GraphedDecode
+from torchrlhf.generation.decode_attention import available as decode_kernel_available
 from torchrlhf.generation.kv_cache import KVCache
 from torchrlhf.generation.model import TP_SHARD_DIMS, CachedDecoder
 from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
@@ -68,6 +69,17 @@ def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch
             return compiled(*args)
 
     return step
+
+
+def _decode_kernel(choice: str, device: torch.device) -> bool:
+    """Whether decode steps attend through the Triton kernel (``NativeEngine(decode_attention=)``)."""
+    if choice not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"decode_attention must be 'auto', 'sdpa' or 'triton', got {choice!r}")
+    runs = decode_kernel_available(device)
+    if choice == "triton" and not runs:
+        raise ValueError(f"decode_attention='triton' needs a CUDA device and the triton package; the engine is on "
+                         f"{device}{'' if decode_kernel_available(torch.device('cuda')) else ' without triton'}")
+    return choice == "triton" or (choice == "auto" and runs)
 
 
 def _load_model(path: str | Path, device, dtype) -> nn.Module:
@@ -150,6 +162,10 @@ class NativeEngine:
             moe_layers, top_k], int16; index t for token t, zeros where no step fed it), for routing replay
             in training (``actor.moe.router_replay: rollout``). Single-turn generation with the eager decode step
             only (the compiled and graphed steps cannot hand the routers' choices out).
+        decode_attention: how a decode step attends: ``"triton"``, the flash-decoding kernel
+            (`generation.decode_attention`: each slot reads only its own keys, the query heads of a KV head
+            together), CUDA only; ``"sdpa"``, SDPA under a mask up to the step's KV bucket; ``"auto"`` (default),
+            the kernel where it runs, else SDPA (the faster on a CPU).
 
     Weight contract for the hybrid engine (`update_weights`):
         * names are the HF model's parameter names (``model.layers.0.self_attn.q_proj.weight``);
@@ -180,6 +196,7 @@ class NativeEngine:
         compile: bool = False,
         prefix_cache: bool = True,
         record_routes: bool = False,
+        decode_attention: str = "auto",
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
@@ -210,7 +227,8 @@ class NativeEngine:
         self.tp_mesh = tp_mesh
         self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
         self.tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None else 0
-        self.decoder = CachedDecoder(model, max_seq_len, self.device, self.dtype)
+        self.decoder = CachedDecoder(model, max_seq_len, self.device, self.dtype,
+                                     decode_kernel=_decode_kernel(decode_attention, self.device))
         self.dims = self.decoder.dims(self.tp_size)
         if self.tp_size > 1:
             parallelize_module(model, tp_mesh, _tp_plan(model))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchrlhf.generation.decode_attention import decode_attention
 from torchrlhf.models.moe import MOE_MODEL_TYPES
 from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sdpa, sliding_window
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
@@ -91,14 +92,16 @@ class CachedAttention:
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, kv_len: int = 0) -> None:
+                 positions: torch.Tensor | None = None, kv_len: int = 0, kernel: bool = False) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.slots, self.positions, self.kv_len = slots, positions, kv_len
+        self.kernel = kernel
         if positions is not None and positions.dim() == 1:  # decode
             b = positions.shape[0]
             self.rows = torch.arange(b, device=positions.device)
-            cols = torch.arange(kv_len, device=positions.device)
-            self.mask = (cols[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
+            if not kernel:  # `decode_attention` masks by the positions itself
+                cols = torch.arange(kv_len, device=positions.device)
+                self.mask = (cols[None, :] <= positions[:, None]).view(b, 1, 1, kv_len)
         elif positions is not None:  # extend
             b, t = positions.shape
             cols = torch.arange(kv_len, device=positions.device)
@@ -131,6 +134,10 @@ class CachedAttention:
         at = (self.rows.new_full((b,), layer), self.rows, self.positions)
         self.k_cache.index_put_(at, k[:, :, 0])
         self.v_cache.index_put_(at, v[:, :, 0])
+        if self.kernel:
+            out = decode_attention(q[:, :, 0], self.k_cache, self.v_cache, layer, self.positions, self.kv_len,
+                                   scale)
+            return out.view(b, 1, heads, head_dim)
         kc, vc = self.k_cache[layer, :b], self.v_cache[layer, :b]
         kv_heads = k.shape[1]
         # Group query heads by their KV head so GQA needs no repeated KV: q [b, Hkv, G, D].
@@ -174,7 +181,7 @@ class CachedDecoder:
     this class only reads and writes the slots it is given.
     """
 
-    def __init__(self, model: nn.Module, max_seq_len: int, device, dtype) -> None:
+    def __init__(self, model: nn.Module, max_seq_len: int, device, dtype, decode_kernel: bool = False) -> None:
         cfg = model.config
         check_supported(cfg, max_seq_len)
         # The layers hand attention to the plan only under this implementation; elsewhere it is plain SDPA.
@@ -183,6 +190,7 @@ class CachedDecoder:
         self.layers = list(model.model.layers)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cos, self.sin = rope_tables(model, max_seq_len, device, dtype)
+        self.decode_kernel = decode_kernel  # decode steps attend through `decode_attention` (CUDA)
 
     def dims(self, tp_size: int) -> ModelDims:
         cfg = self.model.config
@@ -240,7 +248,7 @@ class CachedDecoder:
         rows, t = ext_tokens.shape
         ext_positions = ext_starts[:, None] + torch.arange(t, device=tokens.device)[None, :]
         plan = DecodeAndExtend(
-            CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len),
+            CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len, kernel=self.decode_kernel),
             CachedAttention(k_cache, v_cache, slots=ext_slots, positions=ext_positions, kv_len=ext_kv_len),
             span)
         flat_tokens = torch.cat([tokens, ext_tokens.reshape(-1)])[None]
@@ -257,6 +265,6 @@ class CachedDecoder:
         Attention reads only cache positions < ``kv_len`` (the longest live sequence + 1). Returns
         logits [span, V].
         """
-        plan = CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len)
+        plan = CachedAttention(k_cache, v_cache, positions=positions, kv_len=kv_len, kernel=self.decode_kernel)
         x = self._forward(tokens[:, None], positions[:, None], plan)
         return self._logits(x[:, 0])
