@@ -5,14 +5,16 @@
 
 Checks (each a subprocess, so one failing or hanging does not stop the others):
 
-- ``cuda-tests``: the test files that need a CUDA device (CUDA-graph decode against eager decode and HF;
+- ``cuda-tests``: the test files that need a CUDA device (CUDA-graph decode against eager decode and HF; the
+  decode attention kernel against slot-by-slot attention, and graphed decode through it against HF;
   the optimizer state offloaded during generation, or kept with ``rollout.offload_optimizer: false``).
 - ``generate``: the native engine's decode with CUDA graphs against HF ``generate`` and against itself
   without graphs (``tools/bench/bench_generate.py``, SmolLM2-shaped random weights, bf16).
 - ``vllm``: the same bench with vLLM beside it, when vLLM imports with CUDA; skipped otherwise.
 - ``decode-1b``: the native engine's decode of the 1.07 B shape (random weights) at batch 128, 256 tokens: tok/s
   and the fraction of the memory bound (weights + KV bytes per step at the measured copy bandwidth), with the
-  decode step compiled (``NativeEngine(compile=True)``) against uncompiled, and each engine's warm-up.
+  decode step compiled (``NativeEngine(compile=True)``) against uncompiled, each engine's warm-up, and the
+  uncompiled step with the decode attention kernel against SDPA.
 - ``agent`` (with ``--models DIR`` holding ``smol``): multi-turn agent decode (turns of about 25 tokens, 64
   trajectories) against single-turn decode on the same engine and batch (``tools/bench/bench_agent.py``).
 - ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
