@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from torchrlhf.plan.memory import _step_memory
 from torchrlhf.plan.trace_cache import ENV, cached
 
 
@@ -57,3 +60,22 @@ def test_an_empty_setting_keeps_nothing(tmp_path, monkeypatch):
     cached(model, "dense", ("train", 4), trace)
     cached(model, "dense", ("train", 4), trace)
     assert trace.calls == 2 and [p.name for p in tmp_path.rglob("*.json")] == ["config.json"]
+
+
+def test_a_file_of_another_shape_is_traced_again(tmp_path, monkeypatch):
+    """Valid JSON that is not a traced step (a hand edit, another version's layout) is refused by the reader and
+    traced again; the planner's reader (`plan.memory._step_memory`) refuses each kind of wrong shape."""
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    model = _model(tmp_path, 64)
+    step = {"passes": {"activations": 1.0}, "optimizer": {}, "block_outputs": [{"activations": 0.5}], "offloaded": 0.0}
+    assert cached(model, "dense", ("train", 4), lambda: step, read=_step_memory).passes == {"activations": 1.0}
+    (path,) = (tmp_path / "cache").rglob("*.json")
+    for wrong in ({"passes": 1}, {"activations": 1.5}, {**step, "passes": {"activations": "x"}},
+                  {**step, "block_outputs": {"a": 1}}):
+        path.write_text(json.dumps(wrong))
+        with pytest.raises((TypeError, ValueError)):
+            _step_memory(wrong)
+        again = Counting(1.5)
+        got = cached(model, "dense", ("train", 4), lambda: (again(), step)[1], read=_step_memory)
+        assert again.calls == 1 and got.block_outputs == [{"activations": 0.5}]
+        assert json.loads(path.read_text()) == step

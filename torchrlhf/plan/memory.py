@@ -77,8 +77,18 @@ def _at_depth(model_path: str, layers: int) -> str:
     return str(d)
 
 
+def _step_memory(kept: dict) -> StepMemory:
+    """A kept trace as a `StepMemory`; TypeError or ValueError if the file holds anything else."""
+    memory = StepMemory(**kept)
+    parts = [memory.passes, memory.optimizer, *memory.block_outputs]
+    if not all(isinstance(p, dict) and all(isinstance(b, (int, float)) for b in p.values()) for p in parts) \
+            or not isinstance(memory.offloaded, (int, float)):
+        raise ValueError(f"not a traced step: {kept!r}")
+    return memory
+
+
 def _cached(model_path: str, what: str, args: tuple, trace: Callable[[], StepMemory]) -> StepMemory:
-    return StepMemory(**cached(model_path, what, args, lambda: dataclasses.asdict(trace())))
+    return cached(model_path, what, args, lambda: dataclasses.asdict(trace()), read=_step_memory)
 
 
 @functools.lru_cache(maxsize=None)

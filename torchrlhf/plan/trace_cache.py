@@ -19,12 +19,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
 
 from torchrlhf.models.loading import USER_CACHE, user_cache_path
+
+T = TypeVar("T")
 
 ENV = "TORCHRLHF_PLAN_CACHE"
 
@@ -45,21 +47,23 @@ def _code_version() -> str:
     return h.hexdigest()
 
 
-def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``trace()`` (a JSON object: bytes of ``model_path``'s architecture by phase and kind), read from the disk
-    cache when this machine traced the same ``what`` and ``args`` before. ``args``' ``repr`` must name every
-    argument."""
+def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str, Any]],
+           read: Callable[[dict[str, Any]], T] = lambda kept: kept) -> T:
+    """``read(trace())`` (``trace``: a JSON object, bytes of ``model_path``'s architecture by phase and kind), the
+    object read from the disk cache when this machine traced the same ``what`` and ``args`` before. ``args``'
+    ``repr`` must name every argument. A file ``read`` refuses (TypeError, ValueError, KeyError: a hand edit,
+    another layout) is traced again and rewritten, as a torn one is."""
     root = plan_cache_root()
     config = Path(model_path) / "config.json"
     if root is None or not config.is_file():
-        return trace()
+        return read(trace())
     key = hashlib.sha256(json.dumps([_code_version(), config.read_text(), what, repr(args)]).encode()).hexdigest()
     path = root / key[:2] / f"{key}.json"
     try:
         kept = json.loads(path.read_text())
         if isinstance(kept, dict):
-            return kept
-    except (OSError, ValueError):
+            return read(kept)
+    except (OSError, ValueError, TypeError, KeyError):
         pass
     result = trace()
     try:
@@ -69,7 +73,7 @@ def cached(model_path: str, what: str, args: tuple, trace: Callable[[], dict[str
         os.replace(f.name, path)
     except OSError:  # a read-only or full disk costs the cache, not the plan
         pass
-    return result
+    return read(result)
 
 
 __all__ = ["ENV", "cached", "plan_cache_root"]
