@@ -190,8 +190,14 @@ def _figure_of_agent(out: str) -> str:
     ratio = re.search(r"agent / single-turn = ([\d.]+)x", out)
     if "native" not in rows or "native-single" not in rows or not ratio:
         return ""
-    return (f"agent {float(rows['native'][2]):.0f} tok/s ({rows['native'][3]} turns), single-turn "
+    steps = re.search(r"decode steps of the last native run: (\d+) decode, (\d+) of them riding observations, (\d+) extends of "
+                      r"their own; single-turn: (\d+) decode", out)
+    text = (f"agent {float(rows['native'][2]):.0f} tok/s ({rows['native'][3]} turns), single-turn "
             f"{float(rows['native-single'][2]):.0f} tok/s: {ratio.group(1)}x")
+    if steps:
+        text += (f"; decode steps {steps.group(1)} ({steps.group(2)} riding, eager; {steps.group(3)} extends) against "
+                 f"{steps.group(4)} single-turn")
+    return text
 
 
 def _figures_of_recipe(output_dir: str) -> tuple[str, str]:

@@ -122,6 +122,7 @@ def test_native_engine_turns_equal_a_full_reprefill_and_prefill_only_new_tokens(
     # where the step is compiled), and the tokens above equal the reference's all the same.
     if max_batch_size == 16:
         assert counting.rides > 0
+    assert out.meta["rollout/riding_steps"] == counting.rides  # what a GPU profile needs: the eager steps
 
 
 def test_rollout_log_probs_of_model_tokens_match_a_full_forward(tiny_dir, env_module):

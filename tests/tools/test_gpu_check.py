@@ -57,6 +57,17 @@ def test_figures_come_from_the_bench_table_and_the_run_metrics(tmp_path):
                                                       "5% of the memory bound")
     assert tool._figure_of_bench(out, vllm=True).endswith(", 0.93x vLLM, 5% of the memory bound")
     assert tool._figure_of_bench("no table here\n", vllm=False) == ""
+    kernel = out + "decode attention at batch 64, uncompiled step: kernel 40598.9 tok/s, SDPA 34220.4 tok/s: 1.19x\n"
+    assert tool._figure_of_bench(kernel, vllm=False).endswith(
+        "5% of the memory bound; kernel 40598.9 tok/s, SDPA 34220.4 tok/s: 1.19x")
+    agent = ("side                 s/traj    tok/s  turns  model tok  prefill tok\n"
+             "native                0.064   2946.4   7.84      187.5        237.5\n"
+             "native-single         0.013  14900.5   1.00      188.0        110.0\n"
+             "decode steps of the last native run: 320 decode, 41 of them riding observations, 2 extends of their "
+             "own; single-turn: 188 decode\n"
+             "native: agent / single-turn = 0.20x (model tokens per second)\n")
+    assert tool._figure_of_agent(agent) == ("agent 2946 tok/s (7.84 turns), single-turn 14900 tok/s: 0.20x; decode "
+                                            "steps 320 (41 riding, eager; 2 extends) against 188 single-turn")
     rows = [{"step": s, "timing_s/step": 2.0 + s, "critic/score/mean": 0.25, "timing_s/update_actor": 0.5,
              "actor/grad_norm": 1.5} for s in range(1, tool.RECIPE_STEPS + 1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -182,15 +182,18 @@ def main() -> None:
         sides["vllm-reprefill"] = (False, lambda s: engines[False].generate(_prompt_batch(rows), params, sessions=s))
 
     results: dict[str, dict[str, float]] = {}
+    steps: dict[str, float] = {}
     for name, (reuse, run) in sides.items():
         run(sessions())  # warm-up
         times, trajs = [], []
         for _ in range(args.repeats):
             batch = sessions()
             start = time.perf_counter()
-            run(batch)
+            out = run(batch)
             times.append(time.perf_counter() - start)
             trajs = [s.result() for s in batch]
+            if name == "native":
+                steps = {k.split("/")[1]: v for k, v in out.meta.items() if k.startswith("rollout/")}
         seconds = statistics.median(times)
         model_tokens = sum(sum(t.loss_mask) for t in trajs)
         results[name] = {"s/traj": seconds / len(trajs), "tok/s": model_tokens / seconds,
@@ -218,6 +221,10 @@ def main() -> None:
     if "native-reprefill" in results:
         print(f"native: re-prefill / reuse = "
               f"{results['native-reprefill']['s/traj'] / results['native']['s/traj']:.2f}x (time per trajectory)")
+    if steps:  # the last native run's steps: riding ones are eager where the plain step is compiled or graphed
+        print(f"decode steps of the last native run: {steps['decode_steps']:.0f} decode, {steps['riding_steps']:.0f} of them "
+              f"riding observations, {steps['extends']:.0f} extends of their own; single-turn: "
+              f"{first.meta['rollout/decode_steps']:.0f} decode")
     print(f"native: agent / single-turn = {results['native']['tok/s'] / results['native-single']['tok/s']:.2f}x "
           "(model tokens per second)")
     if args.vllm:

@@ -420,7 +420,9 @@ class NativeEngine:
         full while the other replicas hand their long samples over.
 
         ``meta`` reports occupancy: ``rollout/decode_steps``, ``rollout/slot_steps`` (the slots those steps
-        advanced) and ``rollout/slots`` (``max_batch_size``: a full step).
+        advanced) and ``rollout/slots`` (``max_batch_size``: a full step); with ``sessions`` also
+        ``rollout/riding_steps`` (decode steps that prefilled observations in their forward: eager ones, where the
+        plain step is compiled or graphed) and ``rollout/extends`` (observations prefilled in a forward of their own).
         """
         params = sampling or SamplingParams()
         if self.cache is None or self._missing:
@@ -485,8 +487,11 @@ class NativeEngine:
                      "rollout/slots": float(self.max_batch_size)}
         versions = res.versions if between_steps is not None else None
         if sessions is not None:
-            return assemble_trajectories(prompts, params, [s.result() for s in sessions], res.log_probs, self.pad_id(),
-                                         versions)
+            out = assemble_trajectories(prompts, params, [s.result() for s in sessions], res.log_probs, self.pad_id(),
+                                        versions)
+            out.meta.update(occupancy, **{"rollout/riding_steps": float(run.riding_steps),
+                                          "rollout/extends": float(run.extends)})
+            return out
         if joined:
             prompts = concat_generations([prompts, *joined], self.pad_id())
         out = assemble_generation(prompts, params, res.tokens, res.log_probs, res.lengths, res.reasons, self.pad_id())

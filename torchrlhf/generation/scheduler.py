@@ -322,6 +322,7 @@ class Scheduler:
         self.carried = list(repack.carried) if repack.carried is not None else None
         self.release_below, self.peak_live, self.more = repack.release_below, 0, repack.more
         self.decode_steps = self.slot_steps = 0  # occupancy: decode steps, and the slots they advanced
+        self.riding_steps = self.extends = 0  # agents: steps that prefilled observations (eager), extends of their own
         self.p, self.policy, self.seeds, self.tokenizer = params, policy, list(seeds), tokenizer
         self.between_steps, self.refresh_packed = between_steps, refresh_packed
         self.version = 0  # the next step's weights
@@ -513,6 +514,7 @@ class Scheduler:
     def extend(self, going: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Prefill each slot's ``[last sampled token] + observation`` in a forward of its own; the logits [b, V]
         at each last token."""
+        self.extends += 1
         return self.decoder.extend(*self.extension(going), self.cache.k, self.cache.v)
 
     def observe(self, going: list[tuple[int, list[int]]], logits: torch.Tensor) -> None:
@@ -561,6 +563,7 @@ class Scheduler:
         advancing = [s for s in live if s not in self.policy.parked]
         riding = self.policy.riding()  # parked until now: their observation goes in this step's forward
         if riding:
+            self.riding_steps += 1
             state, cache = self.state, self.cache
             logits, riding_logits = self.decoder.decode_and_extend(
                 state.cur[:span], state.pos[:span], span, kv_len, *self.extension(riding), cache.k, cache.v)
