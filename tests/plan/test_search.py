@@ -196,3 +196,27 @@ def test_the_shipped_8_gpu_configs_get_a_plan_on_h100s(config, shape, tmp_path):
     assert result.best is not None and result.best.peak_bytes <= load_hardware("h100").memory_bytes
     text = format_plan(result)
     assert "   1 " in text and "bottleneck" in text
+
+
+def test_a_moe_actor_is_planned_with_expert_parallelism_and_no_tensor_parallelism(tmp_path):
+    """The shipped tiny Qwen3-MoE config (8 experts) on 4 ranks: Qwen3-MoE has no TP plan, so every candidate keeps
+    TP 1 (the config check would refuse more); the actor's expert-parallel sizes are those dividing its
+    data-parallel ranks and its experts; and the written plan, ``actor.ep_size`` included, validates as a run."""
+    from torchrlhf.plan.auto import write_plan
+
+    config = ROOT / "recipes" / "configs" / "grpo_arithmetic_moe_cpu.yaml"
+    cfg, _ = load(config, [], 4)
+    result = plan(cfg, 4, hardware=load_hardware("h100"))
+    assert result.candidates
+    for c in result.candidates:
+        roles = c.mapping.roles
+        assert roles["actor"].tp == roles["rollout"].tp == 1
+        assert roles["actor"].dp % roles["actor"].ep == 0 and 8 % roles["actor"].ep == 0
+        assert f"actor.ep_size={roles['actor'].ep}" in c.overrides
+    by_ranks = {}
+    for c in result.candidates:
+        by_ranks.setdefault(c.mapping.roles["actor"].ranks, set()).add(c.mapping.roles["actor"].ep)
+    assert by_ranks.get(4) == {1, 2, 4}  # colocated on all 4 ranks: every size is tried
+    written = write_plan(result, config, [], tmp_path / "plan.yaml")
+    planned, _ = load(written, [], 4)
+    assert planned.actor.ep_size == result.best.mapping.roles["actor"].ep

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from torchrlhf.plan.hardware import DecodeCost, HardwareProfile, Link, PassCost
@@ -11,6 +13,7 @@ from torchrlhf.plan.simulate import (
     Role,
     Workload,
     collective_s,
+    decode_weights,
     generate_s,
     pass_s,
     step_estimate,
@@ -93,6 +96,36 @@ def test_a_collective_is_latency_plus_bytes_over_bandwidth_on_the_link_it_crosse
     # colocated on 2 ranks: each gathers the other half, 2 layers
     colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2)
     assert colocated == pytest.approx(2 * 100e-6 + 1000 * 4 / 2e9)
+
+
+# the same model as a mixture of experts: 1200 of its 2000 parameters are 4 routed experts per layer, 2 per token
+MOE = dataclasses.replace(MODEL, model_type="qwen3_moe", experts=4, top_k=2, expert_params=1200)
+
+
+def test_expert_parallelism_gathers_a_ranks_own_experts_and_adds_two_all_to_alls_per_layer_pass():
+    # 4 ranks (dp 4), 4 samples of 3 + 2 tokens, micro 1: 1 sample per rank -> 1 call; float32.
+    # FSDP2 per call, EP 1: 2000 * 3/4 = 1500 parameters * 12 bytes; EP 2: the 800 dense ones over 4 ranks
+    #   (800 * 3/4 = 600) and the rank's 600 experts over the 2 ranks holding them (600 * 1/2 = 300): 900 * 12 bytes
+    # all-to-all, EP 2: 20 tokens / 4 ranks * 2 copies * 8 wide * 4 bytes * 1/2 leaving = 160 bytes, 4 per layer
+    #   (dispatch and combine, forward and backward) over 2 layers: 8 calls of 100 µs and 1 280 bytes at 2 GB/s
+    kw = dict(dtype="float32", samples=4, prompt_len=3, response_len=2, train=True, node_size=4, busy=4)
+    ep1 = pass_s(MOE, Role(ranks=4), profile(), **kw)
+    ep2 = pass_s(MOE, Role(ranks=4, ep=2), profile(), **kw)
+    assert ep2 - ep1 == pytest.approx((900 - 1500) * 12 / 2e9 + 8 * 100e-6 + 1280 / 2e9, rel=1e-9)
+    # a dense model's gathers are as before: the 2000 parameters over 4 ranks
+    assert pass_s(MODEL, Role(ranks=4), profile(), **kw) == pytest.approx(ep1, rel=1e-12)
+
+
+def test_a_moe_decode_step_reads_the_experts_its_tokens_were_routed_to():
+    # each token picks 2 of 4 experts: one slot reads half of them, 3 slots miss an expert with (1/2)^3 = 1/8
+    assert decode_weights(MOE, 1) == pytest.approx(800 + 1200 / 2)
+    assert decode_weights(MOE, 3) == pytest.approx(800 + 1200 * 7 / 8)
+    assert decode_weights(MODEL, 1) == 2000
+    # a one-slot generation of the MoE decodes as a dense model of 1 400 parameters would
+    kw = dict(dtype="float32", prompts=1, n=1, prompt_len=3, decode_steps=5, response_len=4, max_slots=8,
+              node_size=1, busy=1)
+    assert generate_s(MOE, Role(ranks=1), profile(), **kw) == pytest.approx(
+        generate_s(dataclasses.replace(MODEL, params=1400), Role(ranks=1), profile(), **kw), rel=1e-12)
 
 
 def _problem() -> Problem:

@@ -258,6 +258,17 @@ def active_expert_params(module: nn.Module) -> int:
     return n
 
 
+def expert_weights(module: nn.Module) -> int:
+    """Every routed expert's weights under ``module`` (all experts, not the active ones): what expert
+    parallelism splits and what a decode step reads of the experts its tokens were routed to."""
+    n = 0
+    for m in module.modules():
+        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+        if isinstance(gate, TopKRouter) and experts is not None:
+            n += sum(p.numel() for p in experts.parameters(recurse=False))
+    return n
+
+
 # ---------------------------------------------------------------------- checkpoint layout
 # HF checkpoints store each expert's projections as tensors of their own; the model holds them stacked
 # (transformers converts at `from_pretrained`). The sharded loader reads the stacked names through this map.

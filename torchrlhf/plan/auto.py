@@ -76,7 +76,8 @@ def describe(c: Candidate) -> str:
             colocated = c.mapping.colocated("rollout", "actor")
             parts.append(f"rollout {'with actor' if colocated else _ranks(r.first, r.ranks)} tp{r.tp}×{r.ranks // r.tp}")
         elif role in ("actor", "critic"):
-            parts.append(f"{role} {_ranks(r.first, r.ranks)} tp{r.tp} µ{r.micro}/{r.log_prob_micro}")
+            ep = f" ep{r.ep}" if r.ep > 1 else ""
+            parts.append(f"{role} {_ranks(r.first, r.ranks)} tp{r.tp}{ep} µ{r.micro}/{r.log_prob_micro}")
         else:
             parts.append(f"{role} {_ranks(r.first, r.ranks)}")
     return " | ".join(parts)

@@ -163,7 +163,7 @@ def config_mapping(cfg: RecipeConfig, world_size: int) -> Mapping:
             continue
         ranks = list(layout.ranks)
         sizes = micro(getattr(cfg, role).batching) if role in ("actor", "critic") else (1, 1)
-        roles[role] = Role(len(ranks), min(ranks), layout.dims.tp, *sizes)
+        roles[role] = Role(len(ranks), min(ranks), layout.dims.tp, *sizes, ep=layout.dims.ep)
     if roles["rollout"].ranks == roles["actor"].ranks and roles["rollout"].first == roles["actor"].first:
         a = roles["actor"]
         roles["rollout"] = Role(a.ranks, a.first, a.tp)  # a colocated engine follows the actor's TP

@@ -8,7 +8,9 @@ layout and micro-batches, keep what fits memory, rank by the simulated step time
    own: all colocated; the rollout apart; the others apart (HybridFlow's "split"); all three apart.
 2. **Ranks.** Every split of the world into the placement's pools (whole nodes when there are several).
 3. **Layouts.** Per role, every TP size that divides its pool, stays inside a node and divides the model's heads
-   (a colocated rollout follows the actor's); per rollout on ranks of its own, every engine TP size.
+   (a colocated rollout follows the actor's); per rollout on ranks of its own, every engine TP size. A family
+   without a TP plan (`models.parallelize.TP_SUPPORTED_MODEL_TYPES`: mixture-of-experts models) keeps TP 1, and a
+   mixture-of-experts actor takes every expert-parallel size that divides its data-parallel ranks and its experts.
 4. **Micro-batches.** For each layout, the largest micro-batch (dividing a rank's samples) whose traced memory fits
    (`torchrlhf.plan.memory`), with every role's held state and the engine's weights and KV cache beside it.
 5. **Schedule.** Sync, and with the rollout apart, async (the stream) with ``max_staleness`` 1, 2 and 4.
@@ -18,6 +20,7 @@ Each candidate is timed by `torchrlhf.plan.simulate.step_estimate`; the fastest 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -27,7 +30,8 @@ from torchrlhf.plan.hardware import HardwareProfile
 from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
 from torchrlhf.plan.problem import PlanInput, TracedRole
 from torchrlhf.plan.simulate import Mapping, Role, StepEstimate, step_estimate
-from torchrlhf.models.parallelize import model_layout
+from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, model_layout
+from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.trainer.memory import WORKING_KINDS, as_held
 
 STALENESS = (1, 2, 4)
@@ -76,8 +80,18 @@ def _compositions(total: int, parts: int, unit: int) -> Iterator[tuple[int, ...]
         yield tuple((bounds[i + 1] - bounds[i]) * unit for i in range(parts))
 
 
-def _tp_options(pool: int, node_size: int, heads: tuple[int, int]) -> list[int]:
+def _tp_options(pool: int, node_size: int, heads: tuple[int, int], shape: ModelShape) -> list[int]:
+    if shape.model_type not in TP_SUPPORTED_MODEL_TYPES:
+        return [1]
     return [t for t in _divisors(pool) if t <= node_size and heads[0] % t == 0 and heads[1] % t == 0]
+
+
+def _ep_options(dp: int, node_size: int, shape: ModelShape) -> list[int]:
+    """Expert-parallel sizes of a mixture-of-experts model on ``dp`` data-parallel ranks: dividing them and its
+    experts (`runtime.ParallelDims`, `trainer.schema`), inside a node (its all-to-alls cross it every layer)."""
+    if not shape.experts:
+        return [1]
+    return [e for e in _divisors(dp) if e <= node_size and shape.experts % e == 0]
 
 
 def _micro_options(per_rank: int) -> list[int]:
@@ -191,16 +205,19 @@ class Planner:
         firsts = [sum(sizes[:i]) for i in range(len(sizes))]
         pool_of = {s: i for i, pool in enumerate(pools) for s in pool}
         a_pool = pool_of["actor"]
-        heads = self.data.heads
-        actor_tps = _tp_options(sizes[a_pool], node_size, heads["actor"])
+        heads, models = self.data.heads, self.p.models
+        actor_layouts = [(tp, ep) for tp in _tp_options(sizes[a_pool], node_size, heads["actor"], models["actor"])
+                         for ep in _ep_options(sizes[a_pool] // tp, node_size, models["actor"])]
         split_rollout = pool_of["rollout"] != a_pool
-        rollout_tps = _tp_options(sizes[pool_of["rollout"]], node_size, heads["actor"]) if split_rollout else [None]
+        rollout_tps = (_tp_options(sizes[pool_of["rollout"]], node_size, heads["actor"], models["actor"])
+                       if split_rollout else [None])
         other_roles = self.roles_present
-        critic_tps = (_tp_options(sizes[pool_of["others"]], node_size, heads["critic"]) if "critic" in other_roles
-                      else [None])
+        critic_tps = (_tp_options(sizes[pool_of["others"]], node_size, heads["critic"], models["critic"])
+                      if "critic" in other_roles else [None])
         schedules = [("sync", 0)] + ([("async", k) for k in STALENESS] if split_rollout else [])
-        for a_tp, r_tp, c_tp, (mode, k) in itertools.product(actor_tps, rollout_tps, critic_tps, schedules):
-            roles = {"actor": Role(sizes[a_pool], firsts[a_pool], a_tp)}
+        for (a_tp, a_ep), r_tp, c_tp, (mode, k) in itertools.product(actor_layouts, rollout_tps, critic_tps,
+                                                                      schedules):
+            roles = {"actor": Role(sizes[a_pool], firsts[a_pool], a_tp, ep=a_ep)}
             r_pool = pool_of["rollout"]
             roles["rollout"] = (Role(sizes[r_pool], firsts[r_pool], r_tp) if split_rollout
                                 else Role(sizes[a_pool], firsts[a_pool], a_tp))
@@ -270,17 +287,17 @@ class Planner:
                 micro[role] = m
         for role in list(roles):
             if role in micro:
-                r = roles[role]
                 lp = micro.get(role + "/log_prob", micro[role])
-                roles[role] = Role(r.ranks, r.first, r.tp, micro[role], lp)
+                roles[role] = dataclasses.replace(roles[role], micro=micro[role], log_prob_micro=lp)
         if "ref" in micro:  # the reference's forwards run in the actor's log-prob micro-batches
             a = roles["actor"]
-            roles["actor"] = Role(a.ranks, a.first, a.tp, a.micro, min(a.log_prob_micro, micro["ref"]))
+            roles["actor"] = dataclasses.replace(a, log_prob_micro=min(a.log_prob_micro, micro["ref"]))
         mapping = Mapping(roles, mode, k, max(1, w.prompts // max(1, roles["rollout"].ranks // roles["rollout"].tp)))
         estimate = step_estimate(self.p, mapping, self.hw, node_size=node_size)
         world = max(r.first + r.ranks for r in roles.values())
         seq = self.data.max_prompt_len + w.longest_response
-        return Candidate(name, mapping, estimate, peak, overrides(mapping, world, self.data.dynamic_batching, seq))
+        return Candidate(name, mapping, estimate, peak, overrides(mapping, world, self.data.dynamic_batching, seq,
+                                                                  experts=bool(self.p.models["actor"].experts)))
 
 
     def verify(self, cand: Candidate, node_size: int) -> Candidate | None:
@@ -316,9 +333,11 @@ def _dedupe(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
-def overrides(mapping: Mapping, world: int, dynamic: dict[str, bool] | None = None, seq: int = 0) -> list[str]:
+def overrides(mapping: Mapping, world: int, dynamic: dict[str, bool] | None = None, seq: int = 0, *,
+              experts: bool = False) -> list[str]:
     """The config overrides that make a run use ``mapping``. A role that cuts micro-batches by tokens
-    (``dynamic[role]``) keeps doing so, with a budget of the chosen micro-batch's rows of ``seq`` tokens."""
+    (``dynamic[role]``) keeps doing so, with a budget of the chosen micro-batch's rows of ``seq`` tokens.
+    ``experts``: the actor is a mixture-of-experts model, and its expert-parallel size is set too."""
     dynamic = dynamic or {}
 
     def batching(role: str, r: Role) -> list[str]:
@@ -336,7 +355,8 @@ def overrides(mapping: Mapping, world: int, dynamic: dict[str, bool] | None = No
     a, ro = roles["actor"], roles["rollout"]
     out = [f"placement.actor={'null' if a.ranks == world else ranks(a)}",
            f"placement.rollout={'null' if mapping.colocated('rollout', 'actor') else ranks(ro)}",
-           f"actor.tp_size={a.tp}", f"rollout.tp_size={ro.tp}", *batching("actor", a)]
+           f"actor.tp_size={a.tp}", *([f"actor.ep_size={a.ep}"] if experts else []), f"rollout.tp_size={ro.tp}",
+           *batching("actor", a)]
     for role in ("critic", "reward_model", "cost_model"):
         if role in roles:
             r = roles[role]

@@ -6,10 +6,12 @@ log-probs, reference, teacher, values, reward model), then the critic's and the 
 sync. Each stage is timed on its role's ranks:
 
 - a compute-bound pass (training, forward, prefill): ``calls · call_s + FLOPs per rank / (peak · efficiency)``, plus
-  its collectives: FSDP2's parameter gathers (and, training, the gradients' reduce-scatter) and TP's all-reduces
-  (two per layer per forward, four with backward), each ``latency + bytes / bandwidth`` on the link it crosses;
+  its collectives: FSDP2's parameter gathers (and, training, the gradients' reduce-scatter), TP's all-reduces
+  (two per layer per forward, four with backward) and expert parallelism's all-to-alls (the same count, of each
+  token's ``top_k`` copies), each ``latency + bytes / bandwidth`` on the link it crosses;
 - decode: ``steps · (step_s + max(bytes / bandwidth, FLOPs / peak) / efficiency)``, where a step reads the engine's
-  weights and the KV cache of its slots, and a synchronous generation decodes as many steps as its longest response;
+  weights (of a mixture-of-experts model's experts, those its slots' tokens were routed to: `decode_weights`) and
+  the KV cache of its slots, and a synchronous generation decodes as many steps as its longest response;
 - the weight sync: colocated, every rank gathers the engine's weights from the FSDP2 shards; split, the actor
   broadcasts them to the rollout ranks.
 
@@ -54,13 +56,15 @@ class Workload:
 @dataclass(frozen=True)
 class Role:
     """A role's place in a mapping: its ranks' count, where they start (nodes are ``node_size`` consecutive ranks),
-    its tensor-parallel size, and the micro-batch sizes its passes cut a rank's samples into."""
+    its tensor-parallel size, the micro-batch sizes its passes cut a rank's samples into, and (a mixture-of-experts
+    model) its expert-parallel size."""
 
     ranks: int
     first: int = 0
     tp: int = 1
     micro: int = 1  # training micro-batch (samples per rank)
     log_prob_micro: int = 1  # forward-only passes
+    ep: int = 1  # experts split over ``ep`` adjacent data-parallel ranks (`runtime.ParallelDims`)
 
     @property
     def dp(self) -> int:
@@ -147,15 +151,33 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
     if role.dp > 1:  # FSDP2: gather the parameters per forward (and again for backward), reduce-scatter float32 grads
         link = link_between(role.first, role.ranks, node_size, hw)
         link = hw.fsdp_link if link is hw.intra_node else link
-        shard = model.params / role.tp * (role.dp - 1) / role.dp
+        # with EP, a rank gathers only its own experts, from the dp / ep ranks that shard the same ones
+        group = role.dp // role.ep
+        shard = ((model.params - model.expert_params) / role.tp * (role.dp - 1) / role.dp
+                 + model.expert_params / role.ep * (group - 1) / group)
         per_call = shard * (2 * b + 4) if train else shard * b
         comm += calls * collective_s(link, per_call, calls=model.layers * (3 if train else 1))
+    if role.ep > 1:  # tokens to their experts' ranks and back: two all-to-alls per sparse layer forward, two backward
+        link = link_between(role.first, role.ep, node_size, hw)
+        per_layer = 2 * (2 if train else 1)
+        moved = tokens * passes / role.dp * model.top_k * model.hidden * b * (role.ep - 1) / role.ep
+        comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
     if role.tp > 1:  # two all-reduces of a micro-batch's activations per layer forward, two more backward
         link = link_between(role.first, role.tp, node_size, hw)
         per_layer = 2 * (2 if train else 1)
         moved = tokens * passes / role.dp * model.hidden * b * 2 * (role.tp - 1) / role.tp
         comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
     return compute + comm
+
+
+def decode_weights(model: ModelShape, slots: int) -> float:
+    """The weights a decode step over ``slots`` tokens reads: all of a dense model's; of a mixture-of-experts
+    model's experts, those its tokens were routed to. Each token picks ``top_k`` of ``experts`` per layer, so with
+    uniform routing an expert is left out by all of them with probability ``(1 - top_k / experts) ** slots``."""
+    if not model.experts:
+        return float(model.params)
+    hit = 1.0 - (1.0 - model.top_k / model.experts) ** slots
+    return model.params - model.expert_params * (1.0 - hit)
 
 
 def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: str, prompts: int, n: int,
@@ -175,7 +197,7 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
                                                        max(1, int(slots / n))) / rollout.tp
                / (hw.peak_flops(dtype) * hw.forward.efficiency)) * slow
     context = prompt_len + response_len / 2  # mean keys a decode step reads per slot
-    read = (model.params * b + slots * context * model.kv_bytes_per_token(b)) / rollout.tp
+    read = (decode_weights(model, slots) * b + slots * context * model.kv_bytes_per_token(b)) / rollout.tp
     flops = model.flops.forward(slots, int(slots * context), slots) / rollout.tp
     cost = hw.decode_cost(colocated)
     # a CPU rank sharing its compute unit runs every part of the step, host work included, at its share
@@ -203,7 +225,7 @@ def weight_sync_s(model: ModelShape, actor: Role, rollout: Role, hw: HardwarePro
     return collective_s(link, model.params * b, calls=max(1, model.layers))
 
 
-__all__ = ["DTYPE_BYTES", "Role", "Stage", "StepEstimate", "Workload", "collective_s", "generate_s",
+__all__ = ["DTYPE_BYTES", "Role", "Stage", "StepEstimate", "Workload", "collective_s", "decode_weights", "generate_s",
            "link_between", "pass_s", "share", "weight_sync_s"]
 
 

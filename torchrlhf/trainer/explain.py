@@ -35,7 +35,7 @@ import torch
 import transformers
 
 from torchrlhf.models.lora import inject_lora, is_adapter
-from torchrlhf.models.moe import install_routers
+from torchrlhf.models.moe import expert_weights, install_routers
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import (WORKING_KINDS, as_held, run_device_type, shared_prefix_shape,
                                       trace_micro_batch, trace_shared_prefix_update)
@@ -69,6 +69,10 @@ class ModelShape:
     head_dim: int
     flops: TransformerFlops  # the model FLOP counts of `torchrlhf.utils.flops`
     adapter_params: int = 0  # with ``lora``: the adapters' parameters (``params`` counts the base only)
+    model_type: str = ""  # config.json's, which decides whether tensor parallelism has a plan for it
+    experts: int = 0  # a mixture-of-experts model's routed experts per sparse block (0: dense)
+    top_k: int = 0  # experts each token runs
+    expert_params: int = 0  # every routed expert's weights over all layers (included in ``params``)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Keys and values of one token over all layers."""
@@ -81,7 +85,7 @@ def model_shape(path: str, lora: Any = None) -> ModelShape:
     config = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    install_routers(model)  # FLOPs count a mixture-of-experts model's active experts
+    moe = install_routers(model) > 0  # FLOPs count a mixture-of-experts model's active experts
     if lora is not None:
         inject_lora(model, lora)
     heads = config.num_attention_heads
@@ -92,6 +96,9 @@ def model_shape(path: str, lora: Any = None) -> ModelShape:
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         flops=TransformerFlops.from_model(model),
+        model_type=config.model_type,
+        experts=config.num_experts if moe else 0, top_k=config.num_experts_per_tok if moe else 0,
+        expert_params=expert_weights(model),
     )
 
 
