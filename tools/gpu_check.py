@@ -26,6 +26,9 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
   ``-compile-resident`` also with ``rollout.offload_optimizer: false`` (its step time against ``-compile``'s is
   what moving the optimizer state to the host and back costs), ``-offload`` with
   ``actor.memory.offload_prefix_activations`` (its peak memory against ``train-1b``'s).
+  ``train-moe-1b``: a random Qwen3-MoE with the ``1b`` shape's 1.07 B active parameters (3.49 B in all,
+  ``tools/bench/shapes/qwen3-moe-1b-active``), which the ``make-moe-1b`` check builds on the GPU into
+  ``--models`` (``tools/bench/random_model.py``) when it is missing; its MFU counts the active parameters.
   Figures: the last step's time and its actor update time, ``perf/mfu/actor`` and ``perf/mfu/ref``, the peak allocated
   memory against the dry run's estimate. ``--profile-dir DIR`` also records the step before the last with
   ``trainer.profile`` (``DIR/<check>/step_N/<role>_rank0.{json,txt}``).
@@ -77,7 +80,11 @@ TRAIN_ROWS = {
     # the prompt pass's activations in host memory: its peak against train-1b's (prompts here are short, <= 64)
     "train-1b-offload": ("1b", 16, ["actor.memory.offload_prefix_activations=true"]),
     "train-3b": ("3b", 8, []),
+    # a mixture of experts with the 1b shape's 1.07 B active parameters (3.49 B in all: 32 experts, top-8), built by
+    # the make-moe-1b check; the decode step eager (CUDA-graph capture of the routed experts is not tested)
+    "train-moe-1b": ("moe-1b", 16, ["rollout.engine.cuda_graphs=false"]),
 }
+MOE_SHAPE = "tools/bench/shapes/qwen3-moe-1b-active"  # train-moe-1b's config.json
 
 
 def train_overrides(model_dir: str, micro: int, output_dir: str) -> list[str]:
@@ -124,8 +131,13 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
     if models is not None and (Path(models) / "smol").is_dir():
         found.append(Check("agent", "multi-turn agent decode vs single-turn, smol shape, 64 trajectories",
                            [py, *AGENT, "--model", str(Path(models) / "smol")], 240))
+    if models is not None and (Path(models) / "1b").is_dir() and not (Path(models) / "moe-1b").is_dir():
+        found.append(Check("make-moe-1b", "random-weight MoE model, 1.07 B of 3.49 B parameters active",
+                           [py, "tools/bench/random_model.py", MOE_SHAPE, str(Path(models) / "moe-1b"),
+                            "--tokenizer", str(Path(models) / "1b"), "--device", "cuda"], 180))
+    made = {c.name.removeprefix("make-") for c in found if c.name.startswith("make-")}
     for name, (shape, micro, extra) in TRAIN_ROWS.items():
-        if models is None or not (Path(models) / shape).is_dir():
+        if models is None or not ((Path(models) / shape).is_dir() or shape in made):
             continue
         command = [py, "recipes/ppo.py", "--config", "recipes/configs/grpo_arithmetic_cpu.yaml",
                    *train_overrides(str(Path(models) / shape), micro, os.path.join(output_dir, name)), *extra]
@@ -252,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None,
                         help="run these checks only, in this order (cuda-tests, generate, vllm, decode-1b, agent, recipe, "
-                             "actor-update, train-1b, train-1b-compile, train-1b-lora, train-3b)")
+                             "actor-update, train-1b, train-1b-compile, train-1b-lora, train-3b, train-moe-1b)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
-    parser.add_argument("--models", default=None, help="a folder with random-weight models 1b and 3b (training rows)")
+    parser.add_argument("--models", default=None, help="a folder with random-weight models 1b and 3b (training rows); "
+                        "moe-1b is made there from 1b's tokenizer when missing")
     parser.add_argument("--profile-dir", default=None, help="record the training rows' last step there")
     parser.add_argument("--log-dir", default=None, help="write each check's whole output to DIR/<check>.log")
     args = parser.parse_args(argv)
@@ -273,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         wanted = set(args.only or [])
         if "actor-update" in wanted:
             wanted.add("recipe")
+        if "train-moe-1b" in wanted:
+            wanted.add("make-moe-1b")
         if wanted:  # in the order asked for (the most wanted first, in case the budget runs out)
-            order = [*args.only, *(["recipe"] if "actor-update" in wanted and "recipe" not in args.only else [])]
+            order = [*(["make-moe-1b"] if "make-moe-1b" in wanted else []), *args.only,
+                     *(["recipe"] if "actor-update" in wanted and "recipe" not in args.only else [])]
             todo = sorted((c for c in todo if c.name in wanted), key=lambda c: order.index(c.name))
         device = torch.cuda.get_device_name(0)
         header = (f"gpu_check on {device}, {datetime.date.today().isoformat()}, commit {_commit()}, "
@@ -294,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(Result(check.name, result, _figure_of_agent(out)))
             elif check.name in ("generate", "vllm", "decode-1b"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
+            elif check.name.startswith("make-"):
+                results.append(Result(check.name, result))
             elif check.name in TRAIN_ROWS:
                 estimate = dry_run_estimate([a for a in check.command if not a.startswith("trainer.profile")],
                                             min(300.0, args.budget_s - (time.monotonic() - start)))

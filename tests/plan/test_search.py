@@ -199,9 +199,10 @@ def test_the_shipped_8_gpu_configs_get_a_plan_on_h100s(config, shape, tmp_path):
 
 
 def test_a_moe_actor_is_planned_with_expert_parallelism_and_no_tensor_parallelism(tmp_path):
-    """The shipped tiny Qwen3-MoE config (8 experts) on 4 ranks: Qwen3-MoE has no TP plan, so every candidate keeps
-    TP 1 (the config check would refuse more); the actor's expert-parallel sizes are those dividing its
-    data-parallel ranks and its experts; and the written plan, ``actor.ep_size`` included, validates as a run."""
+    """The shipped tiny Qwen3-MoE config (8 experts, 2 KV heads) on 4 ranks: Qwen3-MoE has no training TP plan, so
+    every actor keeps TP 1; the actor's expert-parallel sizes are those dividing its data-parallel ranks and its
+    experts; its engines, colocated too, take TP 1 or 2 (each holding a share of the experts); and the written
+    plan, ``actor.ep_size`` included, validates as a run."""
     from torchrlhf.plan.auto import write_plan
 
     config = ROOT / "recipes" / "configs" / "grpo_arithmetic_moe_cpu.yaml"
@@ -210,13 +211,15 @@ def test_a_moe_actor_is_planned_with_expert_parallelism_and_no_tensor_parallelis
     assert result.candidates
     for c in result.candidates:
         roles = c.mapping.roles
-        assert roles["actor"].tp == roles["rollout"].tp == 1
+        assert roles["actor"].tp == 1 and roles["rollout"].tp in (1, 2)
         assert roles["actor"].dp % roles["actor"].ep == 0 and 8 % roles["actor"].ep == 0
         assert f"actor.ep_size={roles['actor'].ep}" in c.overrides
     by_ranks = {}
     for c in result.candidates:
         by_ranks.setdefault(c.mapping.roles["actor"].ranks, set()).add(c.mapping.roles["actor"].ep)
     assert by_ranks.get(4) == {1, 2, 4}  # colocated on all 4 ranks: every size is tried
+    colocated = [c for c in result.candidates if c.placement == "colocated"]
+    assert {c.mapping.roles["rollout"].tp for c in colocated} == {1, 2}
     written = write_plan(result, config, [], tmp_path / "plan.yaml")
     planned, _ = load(written, [], 4)
     assert planned.actor.ep_size == result.best.mapping.roles["actor"].ep

@@ -84,3 +84,43 @@ def test_table_has_one_row_per_result():
     lines = text.splitlines()
     assert len(lines) == 4 and re.match(r"^\| check +\| result +\| figure +\|$", lines[0]), text
     assert lines[2].startswith("| cuda-tests | pass ") and "3 passed" in lines[2]
+
+
+def _random_model_tool():
+    spec = importlib.util.spec_from_file_location("random_model", ROOT / "tools" / "bench" / "random_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_moe_row_builds_its_model_first_and_its_shape_has_the_1b_shapes_active_parameters(tmp_path):
+    """With ``--models`` holding ``1b`` and no ``moe-1b``, the MoE model is made (from 1b's tokenizer) before its
+    row runs. Its shape's active parameters (`utils.flops`: the blocks' weights with top-8 of 32 experts, and the
+    tied embedding) are the dense 1b shape's (the GPU kit's mkmodels.py numbers), so the two rows' MFU compare."""
+    import transformers
+
+    from torchrlhf.trainer.explain import model_shape
+
+    (tmp_path / "1b").mkdir()
+    found = [c.name for c in _tool().checks(str(tmp_path / "out"), vllm_ok=False, models=str(tmp_path))]
+    assert "make-moe-1b" in found and found.index("make-moe-1b") < found.index("train-moe-1b")
+    moe = model_shape(str(ROOT / _tool().MOE_SHAPE))
+    active = moe.flops.block_params + moe.vocab * moe.hidden
+    dense = transformers.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+    with torch.device("meta"):
+        dense_params = sum(p.numel() for p in transformers.LlamaForCausalLM(dense).parameters())
+    assert abs(active - dense_params) / dense_params < 0.01, (active, dense_params)
+    assert 3.4e9 < moe.params < 3.6e9 and moe.experts == 32 and moe.top_k == 8
+
+
+def test_random_model_writes_a_loadable_bf16_model_with_the_tokenizer_beside_it(tmp_path):
+    import transformers
+
+    from torchrlhf.models import save_tiny_model
+
+    shape = save_tiny_model(tmp_path / "shape", family="qwen3_moe", tokenizer_from="smollm2")
+    n = _random_model_tool().make(shape, tmp_path / "out", shape, "cpu", torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert n == sum(p.numel() for p in model.parameters()) and model.dtype == torch.bfloat16
+    assert model.config.model_type == "qwen3_moe" and (tmp_path / "out" / "tokenizer.json").is_file()

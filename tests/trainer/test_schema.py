@@ -184,6 +184,12 @@ def test_moe_keys_are_checked_against_the_models_config(tmp_path, tiny_model_dir
         _check(tmp_path, moe, world=4, actor={"ep_size": 3})
     cfg = _check(tmp_path, moe, world=4, actor={"ep_size": 2, "batching": {"ppo_micro_batch_size_per_device": 4}})
     assert cfg.actor.ep_size == 2
+    with pytest.raises(ConfigError, match="actor.tp_size=2: training has no tensor-parallel plan for qwen3_moe"):
+        _check(tmp_path, moe, world=2, actor={"tp_size": 2})
+    # the engine splits the experts over its TP ranks: a TP-2 rollout beside a TP-1 actor is a valid config
+    cfg = _check(tmp_path, moe, world=2, rollout={"tp_size": 2},
+                 actor={"batching": {"ppo_micro_batch_size_per_device": 4}})
+    assert cfg.rollout.tp_size == 2
 
 
 @pytest.mark.parametrize("sections, message", [

@@ -19,7 +19,7 @@ from dist_helpers import full_params, grouped, rollout_batch, run_ranks  # noqa:
 
 from torchrlhf.data import Batch  # noqa: E402
 from torchrlhf.generation import NativeEngine, SamplingParams  # noqa: E402
-from torchrlhf.hybrid import generate_with_current_weights  # noqa: E402
+from torchrlhf.hybrid import generate_with_current_weights, generation_mesh, training_mesh  # noqa: E402
 from torchrlhf.models import save_tiny_model  # noqa: E402
 from torchrlhf.workers.actor import ActorWorker  # noqa: E402
 
@@ -88,9 +88,10 @@ TRAIN_KW = dict(lr=1e-3, ppo_mini_batch_size=8, rollout_n=1, shared_prefix=False
 METRICS = ["actor/pg_loss", "actor/grad_norm", "moe/aux_loss", "moe/expert_load/max_over_mean"]
 
 
-def _train_and_generate(moe_dir: str, micro: int, ep: int = 1) -> dict:
+def _train_and_generate(moe_dir: str, micro: int, ep: int = 1, gen_tp: int = 1) -> dict:
     """Two updates, then a greedy rollout through the hybrid engine (the actor's current shards streamed into a
-    released native engine), this rank's prompts."""
+    released native engine), this rank's prompts; ``gen_tp`` > 1: an engine over the generation layout's TP group
+    (each rank running its share of the experts), all the prompts."""
     torch.set_num_threads(1)
     batch = rollout_batch(8, temperature=0.9)
     actor = ActorWorker(moe_dir, ep_size=ep, **grouped(ppo_micro_batch_size_per_device=micro, **TRAIN_KW))
@@ -98,35 +99,46 @@ def _train_and_generate(moe_dir: str, micro: int, ep: int = 1) -> dict:
     metrics = [actor.update(shard, temperature=0.9) for _ in range(2)]
     width = shard["prompts"].shape[1]
     prompts = Batch({"input_ids": shard["prompts"], "attention_mask": shard["attention_mask"][:, :width]})
-    engine = NativeEngine(moe_dir, max_batch_size=16, max_seq_len=32)
+    tp_mesh = None
+    if gen_tp > 1:
+        tp_mesh = generation_mesh(training_mesh(actor.model), gen_tp)["tp"]
+        prompts = Batch({"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :width]})
+    engine = NativeEngine(moe_dir, max_batch_size=16, max_seq_len=32, tp_mesh=tp_mesh)
     engine.release()
     gen = generate_with_current_weights(actor.model, engine, prompts, SamplingParams(
         n=1, temperature=0.0, max_tokens=4, ignore_eos=True), optimizer=actor.optimizer)
     split = [m for m in actor.model.modules() if getattr(m, "ep_size", 1) > 1]  # experts run expert-parallel
     local = [m.gate_up_proj.to_local().shape[0] for m in split]
+    engine_experts = [m.gate_up_proj.shape[0] for m in engine.model.modules() if hasattr(m, "gate_up_proj")]
     return {"metrics": metrics, "params": full_params(actor.model), "responses": gen["responses"],
-            "local_experts": local}
+            "local_experts": local, "engine_experts": engine_experts}
 
 
-def _on_ranks(rank: int, world: int, moe_dir: str, out: str, ep: int) -> None:
-    result = _train_and_generate(moe_dir, 8 // world, ep)
+def _on_ranks(rank: int, world: int, moe_dir: str, out: str, ep: int, gen_tp: int) -> None:
+    result = _train_and_generate(moe_dir, 8 // world, ep, gen_tp)
     parts: list = [None] * world
     dist.all_gather_object(parts, result["responses"])
+    if gen_tp == world:  # one engine over all ranks: every rank has every response
+        assert all(torch.equal(p, parts[0]) for p in parts)
+        parts = parts[:1]
     if rank == 0:
         torch.save({**result, "responses": torch.cat(parts)}, out)
 
 
-@pytest.mark.parametrize("world, ep", [(2, 1), (2, 2), (4, 2)], ids=["fsdp2", "ep2", "fsdp2xep2"])
+@pytest.mark.parametrize("world, ep, gen_tp", [(2, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2)],
+                         ids=["fsdp2", "ep2", "fsdp2xep2", "ep2-engine-tp2"])
 def test_sharded_training_equals_one_rank_and_the_engine_generates_with_the_trained_experts(moe_dir, tmp_path,
-                                                                                            world, ep):
+                                                                                            world, ep, gen_tp):
     """FSDP2, expert parallelism (each rank holds 4 of the 8 experts; tokens go to them by all-to-all) and both
     (4 ranks: experts split over 2, each half FSDP-sharded over 2) give one process's metrics, weights after two
-    updates and greedy rollouts."""
+    updates and greedy rollouts. ``ep2-engine-tp2``: the trained experts are resharded from the EP layout into a
+    TP-2 engine that holds 4 experts per rank."""
     single = _train_and_generate(moe_dir, 8 // world)
-    run_ranks(_on_ranks, world, moe_dir, str(tmp_path / "fsdp.pt"), ep, timeout=300)
+    run_ranks(_on_ranks, world, moe_dir, str(tmp_path / "fsdp.pt"), ep, gen_tp, timeout=300)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
     # ep 2: each of the 2 layers' experts module holds 4 experts on this rank (FSDP2 splits them further on 4 ranks)
     assert fsdp["local_experts"] == ([4 // (world // ep)] * 2 if ep > 1 else [])
+    assert fsdp["engine_experts"] == [8 // gen_tp] * 2
     for got, want in zip(fsdp["metrics"], single["metrics"]):
         for key in METRICS:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key

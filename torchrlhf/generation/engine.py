@@ -50,6 +50,7 @@ from torchrlhf.generation.prepacked import PrepackedLinears, prepack_supported
 from torchrlhf.generation.sampling import SamplingParams
 from torchrlhf.generation.scheduler import AgentTurns, Repack, Scheduler, SingleTurn
 from torchrlhf.generation.session import Session
+from torchrlhf.models.expert_parallel import split_experts_over_tp
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.moe import install_routers, routers
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
@@ -94,9 +95,15 @@ def _load_model(path: str | Path, device, dtype) -> nn.Module:
 
 
 def _tp_plan(model: nn.Module) -> dict:
-    """The training block plan (`models.parallelize.BLOCK_TP_PLAN`) on every layer; embeddings stay replicated."""
-    return {f"model.layers.{i}.{name}": style() for i in range(len(model.model.layers))
-            for name, style in BLOCK_TP_PLAN.items()}
+    """The training block plan (`models.parallelize.BLOCK_TP_PLAN`) on every layer; embeddings stay replicated. A
+    mixture-of-experts block has no dense MLP projections: its experts are split by `split_experts_over_tp`."""
+    plan = {}
+    for i, layer in enumerate(model.model.layers):
+        for name, style in BLOCK_TP_PLAN.items():
+            parent, _, leaf = name.rpartition(".")
+            if hasattr(layer.get_submodule(parent), leaf):
+                plan[f"model.layers.{i}.{name}"] = style()
+    return plan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +119,7 @@ def _ensure_storage(t: torch.Tensor) -> None:
 
 
 class NativeEngine:
-    """PyTorch-native generation for Llama / Mistral / Qwen2 / Qwen3 HF models.
+    """PyTorch-native generation for Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE HF models.
 
     Args:
         model_or_path: an HF causal LM (its parameter tensors are used as they are,
@@ -127,7 +134,9 @@ class NativeEngine:
         device, dtype: where the cache lives and its dtype (default: the model's dtype).
         tp_mesh: a 1-D DeviceMesh for tensor parallelism. The model is converted in
             place by `parallelize_module` (q/k/v/gate/up colwise, o/down rowwise;
-            embeddings, norms and lm_head replicated), so pass a model the engine may own.
+            embeddings, norms and lm_head replicated; a mixture-of-experts block keeps
+            ``experts / tp`` experts per rank, `models.expert_parallel.split_experts_over_tp`),
+            so pass a model the engine may own.
             Every TP rank must call `generate` with the same prompts and sampling
             params; all ranks then produce identical outputs. With TP the engine
             owns its weights (`release` frees them).
@@ -232,6 +241,7 @@ class NativeEngine:
         self.dims = self.decoder.dims(self.tp_size)
         if self.tp_size > 1:
             parallelize_module(model, tp_mesh, _tp_plan(model))
+            split_experts_over_tp(model, tp_mesh)  # a mixture-of-experts model's experts: a share per TP rank
             self.owns_weights = True  # the sharded projections are new tensors
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
         self._missing: set[str] = set()

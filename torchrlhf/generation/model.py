@@ -28,12 +28,13 @@ from torchrlhf.models.packed_attention import ATTN_IMPLEMENTATION, sdpa, sliding
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, block_tp_shard_dims
 
 # The decoder families with the Llama block layout (what the TP plan supports too), and the mixture-of-experts
-# families (their sparse blocks run as the family defines them, on one rank: no TP plan for them yet).
+# families (their sparse blocks run as the family defines them; under TP each rank runs a share of the experts).
 SUPPORTED_MODEL_TYPES = TP_SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES
 
 # Which dim of each parameter is split across TP ranks in the generation layout
-# (suffix of the HF parameter name -> dim; anything else is replicated): the training block plan's.
-TP_SHARD_DIMS = block_tp_shard_dims()
+# (suffix of the HF parameter name -> dim; anything else is replicated): the training block plan's, and a
+# mixture-of-experts block's stacked experts on the expert dim (`models.expert_parallel.split_experts_over_tp`).
+TP_SHARD_DIMS = {**block_tp_shard_dims(), "mlp.experts.gate_up_proj": 0, "mlp.experts.down_proj": 0}
 
 
 @dataclass
@@ -195,9 +196,9 @@ class CachedDecoder:
     def dims(self, tp_size: int) -> ModelDims:
         cfg = self.model.config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        if tp_size > 1 and cfg.model_type not in TP_SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"a tensor-parallel engine (tp {tp_size}) is not supported for {cfg.model_type!r} "
-                             "models yet: use tp 1")
+        if cfg.model_type in MOE_MODEL_TYPES and cfg.num_experts % tp_size:
+            raise ValueError(f"TP size {tp_size} must divide num_experts={cfg.num_experts}: the engine splits the "
+                             "experts over its TP ranks")
         if heads % tp_size or kv_heads % tp_size:
             raise ValueError(
                 f"TP size {tp_size} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}"

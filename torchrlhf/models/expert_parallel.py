@@ -1,10 +1,16 @@
 """Expert parallelism: a mixture-of-experts model's experts split over the ``ep`` ranks of a mesh dimension.
 
-Each rank keeps ``experts / ep`` of every sparse block's experts (the stacked weights become DTensors split on
-the expert dimension, so FSDP2 shards them further over the other data-parallel ranks, as it shards TP's splits,
-and checkpoints, weight syncs and ``full_tensor()`` see whole experts). In the forward, every (token, chosen
-expert) row goes to the rank that holds its expert by an all-to-all and comes back by a second one
-(`_expert_parallel_forward`); the router and everything else stay the family's (`models.moe`).
+Training (`shard_experts`): each rank keeps ``experts / ep`` of every sparse block's experts (the stacked weights
+become DTensors split on the expert dimension, so FSDP2 shards them further over the other data-parallel ranks, as
+it shards TP's splits, and checkpoints, weight syncs and ``full_tensor()`` see whole experts). Ranks hold different
+tokens, so in the forward every (token, chosen expert) row goes to the rank that holds its expert by an all-to-all
+and comes back by a second one (`_expert_parallel_forward`).
+
+Generation (`split_experts_over_tp`): the native engine's tensor-parallel ranks hold the same tokens (attention's
+all-reduce leaves every rank the whole hidden state), so each runs the rows routed to its own experts and an
+all-reduce sums the blocks' outputs, as TP's row-parallel down projection does for a dense MLP: no all-to-all.
+
+The router and everything else stay the family's (`models.moe`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -115,5 +122,41 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
                 requires_grad=param.requires_grad))
         experts.ep_group, experts.ep_size = ep_mesh.get_group(), ep
         experts.forward = functools.partial(_expert_parallel_forward, experts)
+        count += 1
+    return count
+
+
+def _local_experts_forward(experts: nn.Module, forward, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The family's experts forward over this rank's experts only, then the sum over the TP group. Choices of
+    other ranks' experts become transformers' expert-parallel sentinel (index ``num_experts``, weight 0),
+    which its experts implementations skip."""
+    local = experts.gate_up_proj.shape[0]
+    index = top_k_index - experts.first_expert
+    mine = (index >= 0) & (index < local)
+    out = forward(hidden_states, torch.where(mine, index, local), torch.where(mine, top_k_weights, 0))
+    return funcol.all_reduce(out, "sum", experts.tp_group)
+
+
+def split_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> int:
+    """Keep rank ``r``'s ``torch.chunk(experts, tp, 0)[r]`` of every sparse block's stacked expert weights (plain
+    tensors: the engine's weight contract chunks them on dim 0) and run them by `_local_experts_forward`. Returns
+    the blocks changed; ValueError if the TP size does not divide the experts."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    count = 0
+    for m in model.modules():
+        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+        if not (isinstance(gate, TopKRouter) and experts is not None):
+            continue
+        if gate.num_experts % tp:
+            raise ValueError(f"tensor parallelism (tp {tp}) must divide the {gate.num_experts} experts of each MoE "
+                             "layer: the engine splits the experts over its TP ranks")
+        local = gate.num_experts // tp
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(param.data[rank * local:(rank + 1) * local].clone(),
+                                                          requires_grad=False))
+        experts.num_experts, experts.first_expert, experts.tp_group = local, rank * local, tp_mesh.get_group()
+        experts._is_expert_parallel = True  # transformers' sentinel handling in its grouped implementations
+        experts.forward = functools.partial(_local_experts_forward, experts, experts.forward)
         count += 1
     return count

@@ -9,8 +9,9 @@ layout and micro-batches, keep what fits memory, rank by the simulated step time
 2. **Ranks.** Every split of the world into the placement's pools (whole nodes when there are several).
 3. **Layouts.** Per role, every TP size that divides its pool, stays inside a node and divides the model's heads
    (a colocated rollout follows the actor's); per rollout on ranks of its own, every engine TP size. A family
-   without a TP plan (`models.parallelize.TP_SUPPORTED_MODEL_TYPES`: mixture-of-experts models) keeps TP 1, and a
-   mixture-of-experts actor takes every expert-parallel size that divides its data-parallel ranks and its experts.
+   without a training TP plan (`models.parallelize.TP_SUPPORTED_MODEL_TYPES`: mixture-of-experts models) trains at
+   TP 1, and a mixture-of-experts actor takes every expert-parallel size that divides its data-parallel ranks and
+   its experts; its engines, colocated too, every TP size (`models.expert_parallel.split_experts_over_tp`).
 4. **Micro-batches.** For each layout, the largest micro-batch (dividing a rank's samples) whose traced memory fits
    (`torchrlhf.plan.memory`), with every role's held state and the engine's weights and KV cache beside it.
 5. **Schedule.** Sync, and with the rollout apart, async (the stream) with ``max_staleness`` 1, 2 and 4.
@@ -30,6 +31,7 @@ from torchrlhf.plan.hardware import HardwareProfile
 from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
 from torchrlhf.plan.problem import PlanInput, TracedRole
 from torchrlhf.plan.simulate import Mapping, Role, StepEstimate, step_estimate
+from torchrlhf.generation.model import SUPPORTED_MODEL_TYPES
 from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES, model_layout
 from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.trainer.memory import WORKING_KINDS, as_held
@@ -80,10 +82,16 @@ def _compositions(total: int, parts: int, unit: int) -> Iterator[tuple[int, ...]
         yield tuple((bounds[i + 1] - bounds[i]) * unit for i in range(parts))
 
 
-def _tp_options(pool: int, node_size: int, heads: tuple[int, int], shape: ModelShape) -> list[int]:
-    if shape.model_type not in TP_SUPPORTED_MODEL_TYPES:
+def _tp_options(pool: int, node_size: int, heads: tuple[int, int], shape: ModelShape, engine: bool = False
+                ) -> list[int]:
+    """TP sizes of a role on ``pool`` ranks: dividing them and the heads, inside a node. Training has a TP plan for
+    the dense families only; the native engine (``engine``) splits a mixture-of-experts model's experts over its TP
+    ranks too, so their count must divide by it."""
+    families = SUPPORTED_MODEL_TYPES if engine else TP_SUPPORTED_MODEL_TYPES
+    if shape.model_type not in families:
         return [1]
-    return [t for t in _divisors(pool) if t <= node_size and heads[0] % t == 0 and heads[1] % t == 0]
+    return [t for t in _divisors(pool) if t <= node_size and heads[0] % t == 0 and heads[1] % t == 0
+            and (not shape.experts or shape.experts % t == 0)]
 
 
 def _ep_options(dp: int, node_size: int, shape: ModelShape) -> list[int]:
@@ -209,8 +217,10 @@ class Planner:
         actor_layouts = [(tp, ep) for tp in _tp_options(sizes[a_pool], node_size, heads["actor"], models["actor"])
                          for ep in _ep_options(sizes[a_pool] // tp, node_size, models["actor"])]
         split_rollout = pool_of["rollout"] != a_pool
-        rollout_tps = (_tp_options(sizes[pool_of["rollout"]], node_size, heads["actor"], models["actor"])
-                       if split_rollout else [None])
+        # apart, every engine TP size; colocated, the actor's, except that a mixture-of-experts actor (TP 1) may
+        # generate at any engine TP size, so that its engines hold a share of the experts each
+        rollout_tps = (_tp_options(sizes[pool_of["rollout"]], node_size, heads["actor"], models["actor"], engine=True)
+                       if split_rollout or models["actor"].experts else [None])
         other_roles = self.roles_present
         critic_tps = (_tp_options(sizes[pool_of["others"]], node_size, heads["critic"], models["critic"])
                       if "critic" in other_roles else [None])
@@ -220,7 +230,7 @@ class Planner:
             roles = {"actor": Role(sizes[a_pool], firsts[a_pool], a_tp, ep=a_ep)}
             r_pool = pool_of["rollout"]
             roles["rollout"] = (Role(sizes[r_pool], firsts[r_pool], r_tp) if split_rollout
-                                else Role(sizes[a_pool], firsts[a_pool], a_tp))
+                                else Role(sizes[a_pool], firsts[a_pool], r_tp or a_tp))
             for role in other_roles:
                 o = pool_of["others"]
                 roles[role] = Role(sizes[o], firsts[o], c_tp if role == "critic" else 1)

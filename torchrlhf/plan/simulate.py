@@ -218,7 +218,7 @@ def weight_sync_s(model: ModelShape, actor: Role, rollout: Role, hw: HardwarePro
         if actor.dp == 1:
             return model.params * b / actor.tp / (hw.memory_bandwidth_gbps * 1e9)  # a cast-copy in place
         link = link_between(actor.first, actor.ranks, node_size, hw)
-        return collective_s(link, model.params * b / actor.tp * (actor.dp - 1) / actor.dp, calls=model.layers)
+        return collective_s(link, model.params * b / rollout.tp * (actor.dp - 1) / actor.dp, calls=model.layers)
     span_first = min(actor.first, rollout.first)
     span = max(actor.first + actor.ranks, rollout.first + rollout.ranks) - span_first
     link = link_between(span_first, span, node_size, hw)

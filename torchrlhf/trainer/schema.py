@@ -725,15 +725,20 @@ def _moe_errors(cfg: RecipeConfig) -> list[str]:
     actor = cfg.actor
     asked = (["actor.ep_size"] if actor.ep_size > 1 else []) + [f"actor.moe.{key}" for key in actor.moe.asked]
     errors = []
-    if not asked or not names_a_model(actor.model_path) or os.path.isfile(os.path.expanduser(actor.model_path)):
+    if not (asked or actor.tp_size > 1) or not names_a_model(actor.model_path) \
+            or os.path.isfile(os.path.expanduser(actor.model_path)):
         return errors  # a missing path is reported by _model_path_errors; a .gguf is a dense model
     try:
         config = transformers.AutoConfig.from_pretrained(resolve_model_path(actor.model_path))
-    except (OSError, ValueError) as e:
-        return errors + [f"actor.model_path: cannot read its config.json: {e}"]
+    except (OSError, ValueError) as e:  # only the MoE keys need it; tp_size is checked when the model is built
+        return errors + ([f"actor.model_path: cannot read its config.json: {e}"] if asked else [])
     if not is_moe(config):
-        return errors + [f"{', '.join(asked)}: the actor's model ({config.model_type}) is not a mixture-of-experts "
-                         "model"]
+        return errors + ([f"{', '.join(asked)}: the actor's model ({config.model_type}) is not a mixture-of-experts "
+                          "model"] if asked else [])
+    if actor.tp_size > 1:
+        errors.append(f"actor.tp_size={actor.tp_size}: training has no tensor-parallel plan for {config.model_type} "
+                      "models; split the experts with actor.ep_size instead (the engine may still run at "
+                      "rollout.tp_size > 1)")
     if config.num_experts % actor.ep_size:
         errors.append(f"actor.ep_size={actor.ep_size} must divide the model's {config.num_experts} experts")
     return errors
