@@ -83,7 +83,7 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
     ({"rollout": {"offload_optimizer": "sometimes"}}, "rollout.offload_optimizer: expected bool, got 'sometimes'"),
     ({"actor": {"moe": {"router_replay": "rollout"}}}, "actor.moe.router_replay=rollout needs rollout.engine.record_routes=true"),
     ({"actor": {"moe": {"router_replay": "rollout"}}, "rollout": {"engine": {"_component_": "torchrlhf.generation.VLLMEngine"}}},
-     "VLLMEngine does not return them here"),
+     "VLLMEngine does not return them"),
     ({"data": {"train_files": ["nowhere.jsonl"]}}, "data.train_files: no such file(s) ['nowhere.jsonl']"),
     ({"placement": {"critic": [0, 5]}, "algorithm": {"adv_estimator": "gae"},
       "critic": {"model_path": "${model_path}", "batching": {"ppo_mini_batch_size": 4}}}, "placement.critic: ranks [0, 5]"),

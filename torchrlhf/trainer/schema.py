@@ -752,9 +752,9 @@ def _router_replay_errors(cfg: RecipeConfig) -> list[str]:
     engine = get_component(getattr(cfg.rollout.engine, "_component_", None) or component_path(NativeEngine))
     if not (isinstance(engine, type) and issubclass(engine, NativeEngine)):
         return [f"actor.moe.router_replay=rollout needs the experts the rollout engine routed each token to; "
-                f"{getattr(engine, '__name__', engine)} does not return them here (vLLM has "
-                "enable_return_routed_experts, which VLLMEngine does not pass on yet): use the NativeEngine with "
-                "rollout.engine.record_routes=true, or actor.moe.router_replay=off"]
+                f"{getattr(engine, '__name__', engine)} does not return them (vLLM's enable_return_routed_experts needs "
+                "its Model Runner V2 and Triton's GPU backend; VLLMEngine does not pass it on yet): use the "
+                "NativeEngine with rollout.engine.record_routes=true, or actor.moe.router_replay=off"]
     errors = []
     if not getattr(cfg.rollout.engine, "record_routes", False):
         errors.append("actor.moe.router_replay=rollout needs rollout.engine.record_routes=true (the engine then returns "
