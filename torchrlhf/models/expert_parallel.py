@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchrlhf.models.moe import TopKRouter
+from torchrlhf.models.moe import sparse_blocks
 
 
 class _AllToAll(torch.autograd.Function):
@@ -110,10 +110,7 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     """
     ep = ep_mesh.size()
     count = 0
-    for m in model.modules():
-        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-        if not (isinstance(gate, TopKRouter) and experts is not None):
-            continue
+    for gate, experts in sparse_blocks(model):
         if gate.num_experts % ep:
             raise ValueError(f"ep_size={ep} must divide the {gate.num_experts} experts of each MoE layer")
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -144,10 +141,7 @@ def split_experts_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> int:
     the blocks changed; ValueError if the TP size does not divide the experts."""
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     count = 0
-    for m in model.modules():
-        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-        if not (isinstance(gate, TopKRouter) and experts is not None):
-            continue
+    for gate, experts in sparse_blocks(model):
         if gate.num_experts % tp:
             raise ValueError(f"tensor parallelism (tp {tp}) must divide the {gate.num_experts} experts of each MoE "
                              "layer: the engine splits the experts over its TP ranks")

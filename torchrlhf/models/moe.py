@@ -227,6 +227,14 @@ def _experts_stand_in(experts: nn.Module, hidden_states: torch.Tensor, top_k_ind
     return (out.view(-1, k, out.shape[-1]) * top_k_weights[..., None]).sum(1)
 
 
+def sparse_blocks(module: nn.Module) -> Iterator[tuple[TopKRouter, nn.Module]]:
+    """Each mixture-of-experts block's (router, experts) under ``module``, in module order."""
+    for m in module.modules():
+        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
+        if isinstance(gate, TopKRouter) and experts is not None:
+            yield gate, experts
+
+
 @contextlib.contextmanager
 def traceable_experts(model: nn.Module) -> Iterator[None]:
     """Within the block, ``model``'s experts run `_experts_stand_in`: for the dry run's fake-tensor memory trace only.
@@ -235,8 +243,7 @@ def traceable_experts(model: nn.Module) -> Iterator[None]:
     only (its CUDA kernel's rule; the CPU kernel runs float32), and transformers' fallback loops over the experts'
     row counts, which fake tensors do not have. The stand-in allocates what the grouped GEMM does.
     """
-    patched = [m.experts for m in model.modules()
-               if isinstance(getattr(m, "gate", None), TopKRouter) and getattr(m, "experts", None) is not None]
+    patched = [experts for _, experts in sparse_blocks(model)]
     for experts in patched:
         experts.forward = functools.partial(_experts_stand_in, experts)
     try:
@@ -250,23 +257,16 @@ def active_expert_params(module: nn.Module) -> int:
     """The MoE weights one token multiplies under ``module``: per sparse block, the router and ``top_k`` experts'
     projections (`utils.flops` counts these, not all experts: FLOPs and MFU follow the active parameters)."""
     n = 0
-    for m in module.modules():
-        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-        if isinstance(gate, TopKRouter) and experts is not None:
-            per_expert = sum(p.numel() // p.shape[0] for p in experts.parameters(recurse=False))
-            n += gate.weight.numel() + gate.top_k * per_expert
+    for gate, experts in sparse_blocks(module):
+        per_expert = sum(p.numel() // p.shape[0] for p in experts.parameters(recurse=False))
+        n += gate.weight.numel() + gate.top_k * per_expert
     return n
 
 
 def expert_weights(module: nn.Module) -> int:
     """Every routed expert's weights under ``module`` (all experts, not the active ones): what expert
     parallelism splits and what a decode step reads of the experts its tokens were routed to."""
-    n = 0
-    for m in module.modules():
-        gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-        if isinstance(gate, TopKRouter) and experts is not None:
-            n += sum(p.numel() for p in experts.parameters(recurse=False))
-    return n
+    return sum(p.numel() for _, experts in sparse_blocks(module) for p in experts.parameters(recurse=False))
 
 
 # ---------------------------------------------------------------------- checkpoint layout
