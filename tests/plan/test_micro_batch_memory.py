@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from torchrlhf.models.loading import save_tiny_model
-from torchrlhf.plan.memory import SHALLOW_DEPTHS, _at_depth, micro_batch_memory, shallow_depths
+from torchrlhf.plan import memory
+from torchrlhf.plan.memory import (SHALLOW_DEPTHS, _at_depth, dense_traces, micro_batch_memory, shallow_depths,
+                                   traced_ahead)
+from torchrlhf.plan.trace_cache import ENV
 from torchrlhf.trainer.memory import trace_micro_batch, trace_shared_prefix_update
 
 
@@ -130,3 +133,29 @@ def test_a_no_grad_pass_over_many_prompts_is_deepened_above_its_direct_trace():
     estimate = micro_batch_memory(model, kind="forward", micro=64, shared=(256, 1), exact=True,
                                   depths=SHALLOW_DEPTHS, layers=32, **common)
     assert sum(direct.values()) <= sum(estimate.values()) <= 1.1 * sum(direct.values())
+
+
+def test_traces_taken_ahead_by_another_process_are_read_back_as_the_search_would_trace_them(deep_model_dir, tmp_path,
+                                                                                            monkeypatch):
+    """`traced_ahead` traces the powers of two up to the one above the rows asked for (the chord's ends), in a
+    process of its own, into the disk cache; the search then reads them there: with the tracer made to fail, a
+    5-row estimate (the chord of 4 and 8 rows) equals one traced here with no cache at all."""
+    kw = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
+    monkeypatch.setenv(ENV, "")
+    want = micro_batch_memory(deep_model_dir, kind="train", micro=5, **kw)
+    traces = dense_traces(deep_model_dir, ("train",), 5, **kw)
+    assert [t[-1] for t in traces] == [1, 2, 4, 8]
+    with traced_ahead(traces) as process:
+        assert process is None  # no disk cache: nothing runs
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    memory._dense.cache_clear()
+    memory._estimate.cache_clear()
+    with traced_ahead(traces) as process:
+        process.join(timeout=600)
+    assert process.exitcode == 0
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced again: the cache should hold it")
+
+    monkeypatch.setattr(memory, "trace_micro_batch", no_trace)
+    assert micro_batch_memory(deep_model_dir, kind="train", micro=5, **kw) == pytest.approx(want)

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from torchrlhf.config import ConfigError, load_config
 from torchrlhf.config._parse import apply_overrides
 from torchrlhf.plan.hardware import GIB, HardwareProfile
+from torchrlhf.plan.memory import traced_ahead
 from torchrlhf.plan.problem import plan_input
 from torchrlhf.plan.search import Candidate, Planner, PlanResult
 from torchrlhf.trainer.schema import RecipeConfig
@@ -35,17 +36,18 @@ def plan(cfg: RecipeConfig, world_size: int, *, hardware: HardwareProfile, nodes
         raise ConfigError(f"--nodes {nodes} must divide --world-size {world_size} (ranks are spread evenly over nodes)")
     data = plan_input(cfg, prompt_len=prompt_len, response_len=response_len)
     planner = Planner(data, hardware)
-    candidates, considered = planner.candidates(world_size, nodes)
-    candidates = _verified_first(planner, candidates, world_size // nodes)
     w = data.problem.workload
     workload = (f"{w.prompts} prompts × n {w.n} per step; prompts of {w.prompt_len:.0f} tokens ({data.prompt_len_source}),"
                 f" responses of {w.response_len:.0f} (the longest {w.longest_response})")
-    result = PlanResult(world_size, nodes, hardware, candidates, considered, workload=workload)
-    if not candidates:
-        node_size, world = world_size // nodes, world_size * 2
-        while world <= MAX_WORLD and not planner.candidates(world, max(1, world // node_size) if nodes > 1 else 1)[0]:
-            world *= 2
-        result.smallest_fit = world if world <= MAX_WORLD else None
+    with traced_ahead(planner.dense_traces()):  # a second core traces what the search will ask for next
+        candidates, considered = planner.candidates(world_size, nodes)
+        candidates = _verified_first(planner, candidates, world_size // nodes)
+        result = PlanResult(world_size, nodes, hardware, candidates, considered, workload=workload)
+        if not candidates:
+            node_size, world = world_size // nodes, world_size * 2
+            while world <= MAX_WORLD and not planner.candidates(world, world // node_size if nodes > 1 else 1)[0]:
+                world *= 2
+            result.smallest_fit = world if world <= MAX_WORLD else None
     return result
 
 

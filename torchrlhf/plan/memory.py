@@ -31,18 +31,20 @@ traces about as fast as a small one (Qwen2.5-0.5B, 1024 tokens: 5 s at 1 row, 10
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import multiprocessing
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchrlhf.plan.trace_cache import cached
+from torchrlhf.plan.trace_cache import cached, plan_cache_root
 from torchrlhf.trainer.memory import StepMemory, trace_micro_batch, trace_shared_prefix_update
 
 
@@ -176,13 +178,60 @@ def micro_batch_memory(model_path: str, *, kind: str, micro: int, prompt_len: in
     of ``micro`` of their ``n`` samples each), as its dense equivalent plus the schedule's excess over it.
     ``device_type``: the head's tiles, as `trace_micro_batch`'s. ``depths`` (`shallow_depths`): trace at those
     two depths and deepen to ``layers`` (`_deepen`)."""
+    setting = _setting(kind, prompt_len, response_len, dtype, lora, activation_checkpointing, optim, use_kl_loss,
+                       device_type)
+    return dict(_estimate(model_path, kind, setting, micro, shared, depths, layers, floor, exact))
+
+
+def _setting(kind: str, prompt_len: int, response_len: int, dtype: torch.dtype, lora: Any,
+             activation_checkpointing: bool, optim: dict | None, use_kl_loss: bool, device_type: str) -> tuple:
+    """What a trace of ``kind`` depends on besides the model and the rows (a cache key's part)."""
     if kind not in KINDS:
         raise ValueError(f"micro_batch_memory: kind must be one of {KINDS}, got {kind!r}")
     if kind in ("forward", "value_forward"):  # a no-grad pass: no optimizer, loss or recomputation to trace, so an
         activation_checkpointing, optim, use_kl_loss = False, None, False  # actor's shares its reference's traces
-    setting = ((prompt_len, response_len), dtype, lora, activation_checkpointing, tuple(sorted((optim or {}).items())),
-               use_kl_loss, device_type)
-    return dict(_estimate(model_path, kind, setting, micro, shared, depths, layers, floor, exact))
+    return ((prompt_len, response_len), dtype, lora, activation_checkpointing, tuple(sorted((optim or {}).items())),
+            use_kl_loss, device_type)
+
+
+def dense_traces(model_path: str, kinds: tuple[str, ...], max_rows: int, *, prompt_len: int, response_len: int,
+                 dtype: torch.dtype, lora: Any = None, activation_checkpointing: bool = False,
+                 optim: dict | None = None, use_kl_loss: bool = False, device_type: str = "cpu",
+                 depths: tuple[int, int] | None = None) -> list[tuple]:
+    """The dense traces (`_dense`'s arguments) that `micro_batch_memory` may take for micro-batches of up to
+    ``max_rows`` rows of these ``kinds`` (``depths``: at the two shallow depths), fewest rows first: the powers of
+    two up to the one above ``max_rows`` (the chord's upper end)."""
+    paths = [_at_depth(model_path, d) for d in depths] if depths else [model_path]
+    settings = [(kind, _setting(kind, prompt_len, response_len, dtype, lora, activation_checkpointing, optim,
+                                use_kl_loss, device_type)) for kind in kinds]
+    rows = [1 << j for j in range(max(max_rows, 1).bit_length() + 1)]
+    return [(path, kind, setting, r) for r in rows for kind, setting in settings for path in paths]
+
+
+def _trace_each(traces: list[tuple]) -> None:
+    torch.set_num_threads(1)
+    for args in traces:
+        _dense(*args)
+
+
+@contextlib.contextmanager
+def traced_ahead(traces: list[tuple]) -> Iterator[multiprocessing.process.BaseProcess | None]:
+    """Trace ``traces`` (`dense_traces`) into the disk cache (`trace_cache`) in a process of its own while the
+    block runs, in order; the block's own traces read them from the cache once written, and trace the others
+    themselves (a trace both take is written twice, whole, with the same numbers). Why: a trace runs on one core
+    (fake tensors dispatch in Python), and a plan waits on tens of them. Nothing runs without a disk cache; the
+    process is stopped when the block ends. Yields the process (None without a cache)."""
+    if plan_cache_root() is None or not traces:
+        yield None
+        return
+    process = multiprocessing.get_context("spawn").Process(target=_trace_each, args=(traces,), daemon=True)
+    process.start()
+    try:
+        yield process
+    finally:
+        if process.is_alive():
+            process.terminate()
+        process.join()
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,4 +312,4 @@ def _floor_rows(corner: Callable[[int], StepMemory], micro: int) -> StepMemory:
     return corner(1 << (max(micro, 1).bit_length() - 1))
 
 
-__all__ = ["KINDS", "SHALLOW_DEPTHS", "micro_batch_memory", "shallow_depths"]
+__all__ = ["KINDS", "SHALLOW_DEPTHS", "dense_traces", "micro_batch_memory", "shallow_depths", "traced_ahead"]

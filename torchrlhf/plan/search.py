@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torchrlhf.plan.hardware import HardwareProfile
-from torchrlhf.plan.memory import micro_batch_memory, shallow_depths
+from torchrlhf.plan.memory import dense_traces, micro_batch_memory, shallow_depths
 from torchrlhf.plan.problem import PlanInput, TracedRole
 from torchrlhf.plan.simulate import Mapping, Role, StepEstimate, step_estimate
 from torchrlhf.generation.model import SUPPORTED_MODEL_TYPES
@@ -116,6 +116,24 @@ class Planner:
         self.roles_present = [r for r in OTHERS if r in self.p.models]
 
     # -------------------------------------------------------------- memory
+    def dense_traces(self) -> list[tuple]:
+        """Every dense trace the search may take (`plan.memory.dense_traces`), fewest rows first: each traced role's
+        passes at up to a whole mini-batch (an update) or step (a no-grad pass) of samples per rank."""
+        w, out = self.p.workload, []
+        for role, traced in self.data.traced.items():
+            shape = self.p.models["actor" if role == "ref" else role]
+            no_grad = {"train": "forward", "value": "value_forward"}.get(traced.kind)
+            passes = [(traced.kind, w.samples)] if no_grad is None else [
+                (traced.kind, w.prompts // self.p.mini_batches.get(role, 1) * w.n), (no_grad, w.samples)]
+            for kind, rows in passes:
+                out += dense_traces(traced.model_path, (kind,), rows, prompt_len=self.data.max_prompt_len,
+                                    response_len=self.p.workload.longest_response, dtype=traced.dtype,
+                                    lora=traced.lora, activation_checkpointing=traced.activation_checkpointing,
+                                    optim=traced.optim, use_kl_loss=traced.use_kl_loss,
+                                    device_type=self.hw.device_type,
+                                    depths=shallow_depths(traced.model_path, shape.layers))
+        return sorted(dict.fromkeys(out), key=lambda t: t[-1])
+
     def _state(self, role: str, traced: TracedRole, dp: int, tp: int, micro: int,
                shared: tuple[int, int] | None = None, no_grad: bool = False, floor: bool = False,
                exact: bool = False) -> tuple[float, float]:
