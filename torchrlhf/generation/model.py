@@ -196,9 +196,6 @@ class CachedDecoder:
     def dims(self, tp_size: int) -> ModelDims:
         cfg = self.model.config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        if cfg.model_type in MOE_MODEL_TYPES and cfg.num_experts % tp_size:
-            raise ValueError(f"TP size {tp_size} must divide num_experts={cfg.num_experts}: the engine splits the "
-                             "experts over its TP ranks")
         if heads % tp_size or kv_heads % tp_size:
             raise ValueError(
                 f"TP size {tp_size} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}"

@@ -128,7 +128,7 @@ def _local_experts_forward(experts: nn.Module, forward, hidden_states: torch.Ten
     """The family's experts forward over this rank's experts only, then the sum over the TP group. Choices of
     other ranks' experts become transformers' expert-parallel sentinel (index ``num_experts``, weight 0),
     which its experts implementations skip."""
-    local = experts.gate_up_proj.shape[0]
+    local = experts.num_experts  # this rank's
     index = top_k_index - experts.first_expert
     mine = (index >= 0) & (index < local)
     out = forward(hidden_states, torch.where(mine, index, local), torch.where(mine, top_k_weights, 0))

@@ -116,6 +116,12 @@ class Planner:
         self.roles_present = [r for r in OTHERS if r in self.p.models]
 
     # -------------------------------------------------------------- memory
+    def _trace_kw(self, traced: TracedRole) -> dict:
+        """What every trace of ``traced`` is taken with (`plan.memory.micro_batch_memory`, `dense_traces`)."""
+        return dict(prompt_len=self.data.max_prompt_len, response_len=self.p.workload.longest_response,
+                    dtype=traced.dtype, lora=traced.lora, activation_checkpointing=traced.activation_checkpointing,
+                    optim=traced.optim, use_kl_loss=traced.use_kl_loss, device_type=self.hw.device_type)
+
     def dense_traces(self) -> list[tuple]:
         """Every dense trace the search may take (`plan.memory.dense_traces`), fewest rows first: each traced role's
         passes at up to a whole mini-batch (an update) or step (a no-grad pass) of samples per rank."""
@@ -126,11 +132,7 @@ class Planner:
             passes = [(traced.kind, w.samples)] if no_grad is None else [
                 (traced.kind, w.prompts // self.p.mini_batches.get(role, 1) * w.n), (no_grad, w.samples)]
             for kind, rows in passes:
-                out += dense_traces(traced.model_path, (kind,), rows, prompt_len=self.data.max_prompt_len,
-                                    response_len=self.p.workload.longest_response, dtype=traced.dtype,
-                                    lora=traced.lora, activation_checkpointing=traced.activation_checkpointing,
-                                    optim=traced.optim, use_kl_loss=traced.use_kl_loss,
-                                    device_type=self.hw.device_type,
+                out += dense_traces(traced.model_path, (kind,), rows, **self._trace_kw(traced),
                                     depths=shallow_depths(traced.model_path, shape.layers))
         return sorted(dict.fromkeys(out), key=lambda t: t[-1])
 
@@ -143,15 +145,11 @@ class Planner:
         and the samples of each (`plan.memory.micro_batch_memory` counts the schedule). ``no_grad``: the working
         set of a trained role's no-grad pass (old log-probs, values) instead of its update's. ``floor``: a lower
         bound in one trace; ``exact``: the shared-prefix schedule traced at this part (`micro_batch_memory`'s)."""
-        p_len, r_len = self.data.max_prompt_len, self.p.workload.longest_response
         shape = self.p.models["actor" if role == "ref" else role]
         depths = shallow_depths(traced.model_path, shape.layers)
         kind = {"train": "forward", "value": "value_forward"}.get(traced.kind, traced.kind) if no_grad else traced.kind
         by_kind = micro_batch_memory(traced.model_path, kind=kind, micro=micro, depths=depths, layers=shape.layers,
-                                     prompt_len=p_len, response_len=r_len, dtype=traced.dtype, lora=traced.lora,
-                                     activation_checkpointing=traced.activation_checkpointing, optim=traced.optim,
-                                     use_kl_loss=traced.use_kl_loss, shared=shared, device_type=self.hw.device_type,
-                                     floor=floor, exact=exact)
+                                     shared=shared, floor=floor, exact=exact, **self._trace_kw(traced))
         layout = model_layout(dp * tp, traced.dtype, trainable=traced.kind != "forward", cpu_offload=traced.cpu_offload,
                               lora=traced.lora is not None)
         held = as_held(by_kind, dtype=traced.dtype, shards=dp * tp, tp=tp, layout=layout, lora=traced.lora is not None)
