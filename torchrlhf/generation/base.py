@@ -176,16 +176,22 @@ def _prompt_width(batch: Batch) -> int:
     return batch["prompts" if "prompts" in batch else "input_ids"].shape[1]
 
 
+def _widened_copy(gen: Batch, part: str, have: int, width: int) -> Batch:
+    """A shallow copy of ``gen`` whose tensor dict may take padded columns; ``part`` is only for the error."""
+    if width < have:
+        raise ValueError(f"cannot pad {part} of width {have} to {width}")
+    out = gen.copy()
+    out.tensors = dict(gen.tensors)
+    return out
+
+
 def left_pad_prompts(gen: Batch, width: int, pad_id: int) -> Batch:
     """``gen`` (a generation or a prompt batch) with its prompt part left-padded to ``width`` tokens, so
     batches of other widths concatenate."""
     extra = width - _prompt_width(gen)
-    if extra < 0:
-        raise ValueError(f"cannot pad prompts of width {_prompt_width(gen)} to {width}")
     if extra == 0:
         return gen
-    out = gen.copy()
-    out.tensors = dict(gen.tensors)
+    out = _widened_copy(gen, "prompts", _prompt_width(gen), width)
     for key in PROMPT_COLUMNS:
         if key in gen:
             t = gen[key]
@@ -204,12 +210,9 @@ def right_pad_responses(gen: Batch, width: int, pad_id: int) -> Batch:
     response end of the ``[B, P + R]`` columns."""
     r = gen["responses"].shape[1]
     extra = width - r
-    if extra < 0:
-        raise ValueError(f"cannot pad responses of width {r} to {width}")
     if extra == 0:
         return gen
-    out = gen.copy()
-    out.tensors = dict(gen.tensors)
+    out = _widened_copy(gen, "responses", r, width)
     for key, t in gen.tensors.items():
         if key in SEQUENCE_COLUMNS or (key != "prompts" and t.dim() >= 2 and t.shape[1] == r):
             fill = pad_id if key in ("responses", "input_ids") else 0

@@ -64,3 +64,13 @@ def extract_final_number(text: str, *, after_equals: bool = True) -> str | None:
 def numbers_equal(a: str | None, b: str | None) -> bool:
     x, y = parse_number(a), parse_number(b)
     return x is not None and y is not None and x == y
+
+
+def integer_score(task: str, answer: str | None, ground_truth: str | int) -> float:
+    """1.0 when ``answer`` equals the integer ``ground_truth``, else 0.0; a reference that is not an integer
+    is a data error (named by ``task``), not a wrong answer."""
+    reference = parse_number(str(ground_truth))
+    if reference is None or reference.denominator != 1:
+        raise ValueError(f"{task}: ground truth {ground_truth!r} is not an integer")
+    value = parse_number(answer)
+    return 1.0 if value is not None and value == reference else 0.0

@@ -8,13 +8,9 @@ GRPO almost no signal (SmolLM2-135M: 4/64 correct that way on answers it mostly 
 
 from __future__ import annotations
 
-from torchrlhf.rewards._numbers import extract_final_number, parse_number
+from torchrlhf.rewards._numbers import integer_score, extract_final_number
 
 
 def compute_score(solution_str: str, ground_truth: str | int) -> float:
     """1.0 when the final number of ``solution_str`` equals the integer ``ground_truth``, else 0.0."""
-    reference = parse_number(str(ground_truth))
-    if reference is None or reference.denominator != 1:
-        raise ValueError(f"arithmetic: ground truth {ground_truth!r} is not an integer")
-    answer = parse_number(extract_final_number(solution_str))
-    return 1.0 if answer is not None and answer == reference else 0.0
+    return integer_score("arithmetic", extract_final_number(solution_str), ground_truth)

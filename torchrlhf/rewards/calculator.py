@@ -10,13 +10,9 @@ response gives the same score, since observations never hold a marked answer.
 
 from __future__ import annotations
 
-from torchrlhf.rewards._numbers import marked_answer, parse_number
+from torchrlhf.rewards._numbers import integer_score, marked_answer
 
 
 def compute_score(solution_str: str, ground_truth: str | int) -> float:
     """1.0 when the last marked answer of ``solution_str`` equals the integer ``ground_truth``, else 0.0."""
-    reference = parse_number(str(ground_truth))
-    if reference is None or reference.denominator != 1:
-        raise ValueError(f"calculator: ground truth {ground_truth!r} is not an integer")
-    answer = parse_number(marked_answer(solution_str))
-    return 1.0 if answer is not None and answer == reference else 0.0
+    return integer_score("calculator", marked_answer(solution_str), ground_truth)
