@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def _on_ranks(rank: int, world: int, model_dir: str, root: str, out: str, mode: 
         want = _continued(actor)
         _step(actor, seed=4)  # a step after the snapshot, which the restarted process must not see
         actor.save_snapshot(root, 0, 3)  # the other slot: slot 1 stays as it was
+        actor.finish_snapshot()
     else:
         assert actor.snapshot_step(root, 1) == 1 and actor.snapshot_step(root, 0) == 3
         actor.load_snapshot(root, 1, 1)
@@ -75,7 +77,7 @@ def test_another_model_or_a_half_written_slot_is_refused(model_dir, tmp_path):
     root = str(tmp_path / "shm")
     actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
     _step(actor, seed=1)
-    actor.save_snapshot(root, 0, 1)
+    assert actor.save_snapshot(root, 0, 1) == actor.finish_snapshot() > 0
     wider = save_tiny_model(tmp_path / "wider", tokenizer_from=None, vocab_size=160)
     with pytest.raises(RuntimeError, match=r"does not match this run's local: .*embed_tokens.weight is"):
         ActorWorker(str(wider), **grouped(**ACTOR_KW)).load_snapshot(root, 0, 1)
@@ -87,6 +89,40 @@ def test_another_model_or_a_half_written_slot_is_refused(model_dir, tmp_path):
         ActorWorker(model_dir, **grouped(**ACTOR_KW)).load_snapshot(root, 0, 1)
     Path(meta_file).write_bytes(Path(meta_file).read_bytes()[:100])  # killed while writing the description
     assert actor.snapshot_step(root, 0) is None
+
+
+def test_an_update_waits_for_the_snapshot_being_written(model_dir, tmp_path, monkeypatch):
+    """The write runs in the background; the next optimizer step must not start before it is whole, or the
+    snapshot would hold half-updated tensors. The writer is held back here; an optimizer pre-step hook records
+    whether the slot already names its step when the step begins."""
+    root = str(tmp_path / "shm")
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
+    _step(actor, seed=1)
+    before = {k: v.clone() for k, v in full_params(actor.model).items()}
+    stepped, held = threading.Event(), []
+    slow_bytes = snapshot._bytes
+
+    def held_back(t):
+        if not held:  # the first tensor only: a missing wait in `update` lets the step happen meanwhile
+            held.append(stepped.wait(timeout=2.0))
+        return slow_bytes(t)
+
+    monkeypatch.setattr(snapshot, "_bytes", held_back)
+    seen = []
+
+    def before_step(*_) -> None:
+        seen.append(snapshot.snapshot_step(root, 0, "local", 0))
+        stepped.set()
+
+    actor.optimizer.register_step_pre_hook(before_step)
+    actor.save_snapshot(root, 0, 1)
+    _step(actor, seed=2)
+    assert seen and seen[0] == 1 and held == [False]  # the step began after the write, not during it
+    monkeypatch.undo()
+    restored = ActorWorker(model_dir, **grouped(**ACTOR_KW))
+    restored.load_snapshot(root, 0, 1)
+    for name, p in full_params(restored.model).items():
+        assert torch.equal(p, before[name]), name
 
 
 def test_too_little_shared_memory_fails_at_reserve_and_gives_back_what_it_took(model_dir, tmp_path):

@@ -21,7 +21,8 @@ Each recovery is split by what the bench sees, time-stamped as it happens:
   (the seconds that line reports) and everything before it (new processes start and import, rendezvous, the
   worker groups and models build);
 - re-warm: that line to the start of the first step after it (its metrics line's time minus its
-  ``timing_s/step``);
+  ``timing_s/step`` and its saves' ``timing_s/save_snapshot`` and ``timing_s/save_checkpoint``, which come
+  before the line);
 
 and the steps of work lost (steps that had run and ran again). ETTR is the sum of the kept steps'
 ``timing_s/step`` over the wall time from launch to exit, the start-up included (a run without faults
@@ -113,6 +114,12 @@ def run(out: Path, args, faults: bool, recovery: str) -> dict:
             "start": start}
 
 
+def logged_after_start(metrics: dict) -> float:
+    """Seconds from a step's start to its metrics line: the step, then its snapshot and checkpoint saves (the
+    line is written after them)."""
+    return sum(metrics.get(f"timing_s/{k}", 0.0) for k in ("step", "save_snapshot", "save_checkpoint"))
+
+
 def recoveries(result: dict) -> list[dict]:
     """Per kill: detection, restart-to-resume and re-warm seconds, kill to the next step's start, steps lost."""
     out = []
@@ -122,7 +129,7 @@ def recoveries(result: dict) -> list[dict]:
         resumed = next((t for t, e in events if e == "resumed" and t >= t_kill), None)
         after = [(t, s) for t, s in result["step_seen"] if t > (resumed or t_kill)]
         first = after[0] if after else None
-        next_start = first[0] - result["metrics"][first[1]]["timing_s/step"] if first else None
+        next_start = first[0] - logged_after_start(result["metrics"][first[1]]) if first else None
         lines = [e[5:] for t, e in result["events"] if e.startswith("line:") and "resumed from" in e and t >= t_kill]
         at = int(lines[0].split(" at step ")[1].split()[0]) if lines and " at step " in lines[0] else None
         load = float(lines[0].split("loaded in ")[1].split()[0]) if lines and "loaded in " in lines[0] else None

@@ -12,11 +12,13 @@ mid-save resumes from the previous checkpoint.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -162,6 +164,37 @@ class SnapshotManager:
     def clear(self) -> None:
         """Give the shared memory back (a finished run; the ranks drop their own files first)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class SnapshotPublish:
+    """A snapshot being written: a thread waits for every trainable rank's write (``written``: each group's
+    ``finish_snapshot`` call), then publishes the slot, while the controller goes on with the next step.
+
+    The controller's state is copied now: the next step changes the sampler and the rollout source while the
+    ranks write."""
+
+    def __init__(self, snapshots: SnapshotManager, step: int, slot: int, controller_state: dict[str, Any],
+                 written: list[Any]) -> None:
+        self._error: BaseException | None = None
+        state = copy.deepcopy(controller_state)
+        self._thread = threading.Thread(target=self._publish, args=(snapshots, step, slot, state, written),
+                                        name="torchrlhf-snapshot-publish", daemon=True)
+        self._thread.start()
+
+    def _publish(self, snapshots: SnapshotManager, step: int, slot: int, state: dict[str, Any],
+                 written: list[Any]) -> None:
+        try:
+            for future in written:
+                future.wait()
+            snapshots.publish(step, slot, state)
+        except BaseException as e:  # noqa: BLE001 - raised on the controller's thread by `wait`
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the slot is published; raises what failed (a rank's write, the publish)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def run_fingerprint(config: dict[str, Any] | str, world_size: int) -> str:

@@ -20,7 +20,7 @@ from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
 from torchrlhf.runtime.profiling import StepProfiler
 from torchrlhf.algorithms.masked import at_last_token
-from torchrlhf.trainer.checkpointing import CheckpointManager, SnapshotManager, checkpoint_step
+from torchrlhf.trainer.checkpointing import CheckpointManager, SnapshotManager, SnapshotPublish, checkpoint_step
 from torchrlhf.trainer.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from torchrlhf.trainer.metrics import (
     compute_data_metrics,
@@ -110,6 +110,7 @@ class RLTrainer:
         self.checkpoints = CheckpointManager(trainer_cfg.output_dir, keep_last=ckpt.keep_last)
         self.snapshots = SnapshotManager(ckpt.snapshot_dir or SnapshotManager.default_root(trainer_cfg.output_dir),
                                          fingerprint) if ckpt.snapshot_freq > 0 else None
+        self._publishing: SnapshotPublish | None = None  # the snapshot being written, published when whole
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -120,6 +121,7 @@ class RLTrainer:
         self.source.start(self.weight_version)
         try:
             metrics = self._fit()
+            self.wait_snapshot()
         finally:
             self.source.stop()
         self._drop_snapshots()
@@ -212,6 +214,7 @@ class RLTrainer:
                     coef=algo.distill.coef, task_coef=algo.distill.task_coef)
             batch["advantages"], batch["returns"] = advantages, returns
 
+        self.wait_snapshot()  # the last step's snapshot is published before this step changes the state
         if roles.critic is not None:
             with timer("update_critic", metrics):
                 metrics.update(roles.critic.update(batch))
@@ -307,14 +310,24 @@ class RLTrainer:
         return [g for g in (self.roles.actor, self.roles.critic) if g is not None]
 
     def save_snapshot(self, metrics: dict[str, float] | None = None) -> None:
-        """Every trainable rank writes the slot not holding the published snapshot, then the controller
-        publishes it: a kill at any point leaves the last published snapshot whole."""
+        """Every trainable rank starts writing the slot not holding the published snapshot; a controller thread
+        publishes it once every rank has written it, while the next step's rollout runs. A kill at any point
+        leaves the last published snapshot whole. The next update waits for the publish (`wait_snapshot`)."""
         assert self.snapshots is not None
+        self.wait_snapshot()
         slot = self.snapshots.next_slot()
         with self.source.paused(drain=True):
             for group in self._trainable():
                 group.save_snapshot(self.snapshots.root, slot, self.global_step)
-            self.snapshots.publish(self.global_step, slot, self._checkpoint_state(metrics))
+        written = [group.finish_snapshot.async_() for group in self._trainable()]
+        self._publishing = SnapshotPublish(self.snapshots, self.global_step, slot, self._checkpoint_state(metrics),
+                                           written)
+
+    def wait_snapshot(self) -> None:
+        """Block until the snapshot being written is published (raises what failed in its writing)."""
+        if self._publishing is not None:
+            publishing, self._publishing = self._publishing, None
+            publishing.wait()
 
     def _reserve_snapshots(self) -> None:
         if self.snapshots is None:

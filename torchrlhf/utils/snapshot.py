@@ -20,8 +20,10 @@ Layout, per slot ``<root>/slot<i>/<role>/``::
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
+import threading
 from typing import Any
 
 import torch
@@ -136,29 +138,69 @@ def _claim(bin_file: str, nbytes: int, root: str, role: str, rank: int) -> None:
             "trainer.checkpoint.snapshot_freq=0") from e
 
 
-def save_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None = None,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                  process_group: dist.ProcessGroup | None = None, trainable_only: bool = False) -> int:
-    """Write this rank's state into ``slot``; returns the bytes written. Not collective: each rank writes its
-    own files (the controller publishes the slot once every rank has returned)."""
-    skeleton, tensors = _state(model, optimizer, trainable_only)
-    entries, total = _layout(tensors)
-    bin_file, meta_file = rank_files(root, slot, role, rank)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(meta_file)  # this slot no longer describes a whole state until the new bytes are in
-    _claim(bin_file, total, root, role, rank)  # more than reserved (an optimizer with more state than Adam's)
-    with open(bin_file, "r+b") as f:
-        for (_, _, _, offset, _), t in zip(entries, tensors.values()):
-            f.seek(offset)
-            f.write(_bytes(_local(t)))
-    meta = {"step": step, "role": role, "rank": rank, "total": total, "entries": entries, "skeleton": skeleton,
-            "group_size": dist.get_world_size(process_group) if process_group is not None else 1,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state()}
-    tmp = meta_file + ".tmp"
-    torch.save(meta, tmp)
-    os.replace(tmp, meta_file)
-    return total
+class SnapshotWriter:
+    """One rank's snapshot writes, each on a background thread, so training goes on while the bytes go to
+    shared memory: the rollout and the log-prob passes read the weights and the optimizer state, they do not
+    change them. Whatever changes them (an optimizer step, a checkpoint load, moving the optimizer state off
+    the accelerator) calls `wait` first, so a write never sees a half-updated state.
+
+    What is not tensors (the scheduler, the RNG, the layout) is taken when the write starts, on the caller's
+    thread. The description file (``rank<k>.pt``) is written after the bytes, so until the thread is done the
+    slot names no step and the controller cannot publish it. The thread copies through file writes, not torch
+    ops, so it never starts an OpenMP team of its own (`runtime.compute_thread`).
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._written: int = 0
+        self._error: BaseException | None = None
+
+    def start(self, root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer | None = None,
+              scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+              process_group: dist.ProcessGroup | None = None, trainable_only: bool = False) -> int:
+        """Start writing this rank's state into ``slot`` (after any write still running); returns its bytes."""
+        self.wait()
+        skeleton, tensors = _state(model, optimizer, trainable_only)
+        entries, total = _layout(tensors)
+        bin_file, meta_file = rank_files(root, slot, role, rank)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(meta_file)  # this slot no longer describes a whole state until the new bytes are in
+        _claim(bin_file, total, root, role, rank)  # more than reserved (an optimizer with more state than Adam's)
+        meta = {"step": step, "role": role, "rank": rank, "total": total, "entries": entries, "skeleton": skeleton,
+                "group_size": dist.get_world_size(process_group) if process_group is not None else 1,
+                "scheduler": copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
+                "rng": rng_state()}
+        locals_ = [(offset, _local(t)) for (_, _, _, offset, _), t in zip(entries, tensors.values())]
+        self._thread = threading.Thread(target=self._write, args=(bin_file, meta_file, locals_, meta, total),
+                                        name=f"torchrlhf-snapshot-{role}{rank}", daemon=True)
+        self._thread.start()
+        return total
+
+    def _write(self, bin_file: str, meta_file: str, tensors: list[tuple[int, torch.Tensor]], meta: dict,
+               total: int) -> None:
+        try:
+            with open(bin_file, "r+b") as f:
+                for offset, t in tensors:
+                    f.seek(offset)
+                    f.write(_bytes(t))
+            tmp = meta_file + ".tmp"
+            torch.save(meta, tmp)
+            os.replace(tmp, meta_file)
+            self._written = total
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by `wait`
+            self._error = e
+
+    def wait(self) -> int:
+        """Block until the last write is whole; returns its bytes (0 when there was none) or raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"writing the memory snapshot failed: {type(error).__name__}: {error}") from error
+        written, self._written = self._written, 0
+        return written
 
 
 def snapshot_step(root: str, slot: int, role: str, rank: int) -> int | None:
@@ -174,7 +216,7 @@ def load_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, mode
                   optimizer: torch.optim.Optimizer | None = None,
                   scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                   process_group: dist.ProcessGroup | None = None, trainable_only: bool = False) -> None:
-    """Restore what `save_snapshot` wrote at ``step`` into the same layout, reading each tensor's bytes
+    """Restore what `SnapshotWriter` wrote at ``step`` into the same layout, reading each tensor's bytes
     straight into its storage."""
     bin_file, meta_file = rank_files(root, slot, role, rank)
     meta = torch.load(meta_file, weights_only=True)

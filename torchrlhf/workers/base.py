@@ -150,6 +150,7 @@ class FSDPWorker(Worker):
         self.compute_copies: ComputeCopies | None = None  # one rank training below float32 (`_shard`)
         self._flops_of: flops.TransformerFlops | None = None
         self._step_flops = 0  # model FLOPs of the `train` call in progress
+        self._snapshot_writer = snapshot.SnapshotWriter()  # `train` and checkpointing wait for its write
 
     @property
     def tp_size(self) -> int:
@@ -374,6 +375,7 @@ class FSDPWorker(Worker):
         backward loss is scaled by ``dp_size``. ``needs``: the columns the loss reads; ``loss_kwargs`` go to
         every `micro_batch_loss` call.
         """
+        self._snapshot_writer.wait()  # a snapshot still being written holds the state this call changes
         num_mini = self.check_local_batch(batch)
         missing = [k for k in needs if k not in batch]
         if missing:
@@ -490,12 +492,14 @@ class FSDPWorker(Worker):
         """DCP model + optimizer + LR scheduler + per-rank RNG (collective over the group). With LoRA only
         the adapters are saved (the base is the model the run starts from), with their config."""
         extra = {"lora": dataclasses.asdict(self.lora)} if self.lora is not None else None
+        self._snapshot_writer.wait()
         ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
                              process_group=self.process_group, trainable_only=self.lora is not None, extra=extra)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore a checkpoint saved by the same role on any world size (collective)."""
+        self._snapshot_writer.wait()
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
                              process_group=self.process_group, trainable_only=self.lora is not None)
 
@@ -515,7 +519,14 @@ class FSDPWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_snapshot(self, root: str, slot: int, step: int) -> int:
-        return snapshot.save_snapshot(root, slot, step, **self._snapshot_args())
+        """Start writing this rank's state into ``slot`` in the background; returns its bytes. The slot names
+        ``step`` once `finish_snapshot` returns (training may go on meanwhile; see `SnapshotWriter`)."""
+        return self._snapshot_writer.start(root, slot, step, **self._snapshot_args())
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def finish_snapshot(self) -> int:
+        """Wait until the snapshot being written is whole; returns its bytes (0: none was being written)."""
+        return self._snapshot_writer.wait()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def snapshot_step(self, root: str, slot: int) -> int | None:
@@ -523,9 +534,11 @@ class FSDPWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_snapshot(self, root: str, slot: int, step: int) -> None:
+        self._snapshot_writer.wait()
         snapshot.load_snapshot(root, slot, step, **self._snapshot_args())
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def drop_snapshot(self, root: str) -> None:
+        self._snapshot_writer.wait()
         snapshot.drop_snapshot(root, self.context.group_name, self.rank)
 

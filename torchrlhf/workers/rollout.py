@@ -202,6 +202,8 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         if self.actor_group is not None:
             actor = self.actor
+            if self.offload_optimizer and actor.device.type != "cpu":
+                actor.finish_snapshot()  # its optimizer state is about to leave the accelerator
             harness = None if self.harness is None else functools.partial(self._run_harness,
                                                                           generate=self.engine.generate)
             out = hybrid.generate_with_current_weights(actor.model, self.engine, prompts, sampling,
