@@ -223,3 +223,19 @@ def test_a_moe_actor_is_planned_with_expert_parallelism_and_no_tensor_parallelis
     written = write_plan(result, config, [], tmp_path / "plan.yaml")
     planned, _ = load(written, [], 4)
     assert planned.actor.ep_size == result.best.mapping.roles["actor"].ep
+
+
+def test_the_configs_own_mapping_gives_a_colocated_engine_its_own_tp(recipe_config):
+    """`config_mapping` (the dry run's simulated step) reads a colocated engine's TP from ``rollout.tp_size``, not
+    from the actor's: a MoE actor trains at TP 1 beside a TP-2 engine, and a dense TP-2 actor may generate at TP 1."""
+    from torchrlhf.plan.problem import config_mapping
+
+    moe, _ = load(ROOT / "recipes" / "configs" / "grpo_arithmetic_moe_cpu.yaml", ["rollout.tp_size=2", "actor.ep_size=2"], 2)
+    roles = config_mapping(moe, 2).roles
+    assert (roles["actor"].tp, roles["actor"].ep, roles["rollout"].tp, roles["rollout"].ranks) == (1, 2, 2, 2)
+    dense, _ = recipe_config(2, actor={"tp_size": 2, "batching": {"ppo_micro_batch_size_per_device": 1}})
+    roles = config_mapping(dense, 2).roles
+    assert (roles["actor"].tp, roles["rollout"].tp) == (2, 1)
+    tp2, _ = recipe_config(2, actor={"tp_size": 2, "batching": {"ppo_micro_batch_size_per_device": 1}},
+                           rollout={"tp_size": 2})
+    assert config_mapping(tp2, 2).roles["rollout"].tp == 2

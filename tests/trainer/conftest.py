@@ -103,10 +103,12 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
 
 def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Each rank its own process with torchrun's variables set by hand, as ``srun`` (or one torchrun per node)
-    starts them: no local agent stops the other ranks when one dies. One answer per rank."""
+    starts them, each rank a node of its own (``GROUP_RANK``): no local agent stops the other ranks when one
+    dies. One answer per rank."""
     port = free_port(span=2)  # the process group's store and, without a torchrun agent, RPC's
     ranks = [_rank_env(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for rank in range(nproc)]
+                       GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+             for rank in range(nproc)]
     return _forked(["--config", str(config), *overrides], ranks, ROOT, timeout, end_all_on_failure=False,
                    joined=False)
 

@@ -145,6 +145,8 @@ def _check(tmp_path, tiny=None, world: int = 1, **sections):
                                                    "'keep_last'?)"),
     ({"trainer": {"checkpoint": {"snapshot_freq": -1}}}, "trainer.checkpoint.snapshot_freq: must be >= 0 (0: off), "
                                                          "got -1"),
+    ({"trainer": {"checkpoint": {"snapshot_peer": True}}}, "trainer.checkpoint.snapshot_peer: copies memory snapshots "
+                                                           "to another node; set snapshot_freq > 0 too"),
     ({"judge": {"model_path": "${model_path}", "template": "{answer}"}}, "judge.template: may use only the fields"),
     # the judge's engine has the rollout engine's schema: a typo fails here, not on the judge's ranks
     ({"judge": {"model_path": "${model_path}", "engine": {"max_batch_sise": 8}}},
@@ -458,7 +460,7 @@ def test_algorithm_trainer_and_agent_sections_are_typed_and_cross_to_the_workers
     assert defaults.algorithm.overlong_buffer == OverlongBuffer(len=0, penalty_factor=1.0)
     assert defaults.algorithm.lagrangian == Lagrangian(init=1.0, lr=0.05, threshold=0.0, max_value=None)
     assert defaults.trainer.checkpoint == CheckpointConfig(save_freq=0, keep_last=None, resume="auto",
-                                                           snapshot_freq=0, snapshot_dir=None)
+                                                           snapshot_freq=0, snapshot_dir=None, snapshot_peer=False)
     cfg = _check(tmp_path, algorithm={"kl_ctrl": {"type": "adaptive", "kl_coef": 0.01}},
                  trainer={"checkpoint": {"save_freq": 2, "keep_last": 1}},
                  rollout={"agent": {"tools": ["calculator"], "tool_calls": {"format": "tags", "tags": {"c": "calculator"},

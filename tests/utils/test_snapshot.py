@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from test_checkpoint import ACTOR_KW, model_dir  # noqa: F401 - the same tiny ac
 from dist_helpers import full_params, grouped, rollout_batch, run_ranks  # noqa: E402
 
 from torchrlhf.models import save_tiny_model
+from torchrlhf.runtime import registry
 from torchrlhf.trainer.checkpointing import SnapshotManager, run_fingerprint
 from torchrlhf.utils import snapshot
 from torchrlhf.workers.actor import ActorWorker
@@ -46,11 +48,62 @@ def _on_ranks(rank: int, world: int, model_dir: str, root: str, out: str, mode: 
         actor.save_snapshot(root, 0, 3)  # the other slot: slot 1 stays as it was
         actor.finish_snapshot()
     else:
-        assert actor.snapshot_step(root, 1) == 1 and actor.snapshot_step(root, 0) == 3
+        assert actor.snapshot_holdings(root, 1)["own"] == 1 and actor.snapshot_holdings(root, 0)["own"] == 3
         actor.load_snapshot(root, 1, 1)
         want = _continued(actor)
     if rank == 0:
         torch.save(want, out)
+
+
+def _assert_continued_alike(straight: Path, restarted: Path) -> None:
+    """The restarted processes' steps 2 and 3 equal the uninterrupted ones: metrics, parameters, RNG draws."""
+    want, got = torch.load(straight, weights_only=True), torch.load(restarted, weights_only=True)
+    assert got["noise"] == want["noise"]
+    numbers = [k for k in want["metrics"][0] if not k.startswith(("perf/", "timing"))]  # not the wall-clock ones
+    assert "actor/lr" in numbers and len(numbers) >= 5
+    for step in (0, 1):
+        assert {k: got["metrics"][step][k] for k in numbers} == {k: want["metrics"][step][k] for k in numbers}
+    for name, p in want["params"].items():
+        assert torch.equal(got["params"][name], p), name
+
+
+def _on_two_nodes(rank: int, world: int, model_dir: str, root: str, out: str, mode: str) -> None:
+    """Each rank on a node of its own (torchrun's GROUP_RANK), keeping the other's snapshot copy."""
+    torch.set_num_threads(1)
+    actor = ActorWorker(model_dir, **grouped(**ACTOR_KW))
+    registry.new_group("peers", [0, 1])
+    if mode == "save":  # both ranks on one node first: a copy must go to another node
+        os.environ["GROUP_RANK"] = "0"
+        with pytest.raises(ValueError, match=r"ranks \[0, 1\] are on nodes \['0', '0'\]; a copy on a peer node needs"):
+            actor.connect_snapshot_peers("peers")
+    os.environ["GROUP_RANK"] = str(rank)
+    assert actor.connect_snapshot_peers("peers") == 1 - rank
+    if mode == "save":
+        _step(actor, seed=1)
+        torch.rand(7)
+        actor.save_snapshot(root, 1, 1)
+        actor.finish_snapshot()
+        assert actor.snapshot_holdings(root, 1) == {"own": 1, "copies": {1 - rank: 1}}
+        want = _continued(actor)
+    else:  # node 1's memory is gone; node 0 keeps rank 1's copy
+        assert actor.snapshot_holdings(root, 1) == ({"own": 1, "copies": {1: 1}} if rank == 0 else
+                                                    {"own": None, "copies": {}})
+        actor.load_snapshot(root, 1, 1, sources={1: 0})
+        assert actor.snapshot_holdings(root, 1)["own"] == 1  # rank 1's own part is back in its node's memory
+        want = _continued(actor)
+    if rank == 0:
+        torch.save(want, out)
+
+
+def test_a_lost_nodes_part_comes_back_from_its_copy_on_another_node(model_dir, tmp_path):
+    """Two ranks as two nodes, each sending its snapshot to the other's memory. Node 1 is then replaced (its
+    memory deleted): fresh processes load rank 1's part from node 0's copy and continue bit for bit. Ranks all
+    on one node are refused: their copies would share the node they guard against."""
+    root = str(tmp_path / "shm")
+    run_ranks(_on_two_nodes, 2, model_dir, root, str(tmp_path / "straight.pt"), "save")
+    shutil.rmtree(os.path.join(root, "node1"))
+    run_ranks(_on_two_nodes, 2, model_dir, root, str(tmp_path / "restarted.pt"), "load")
+    _assert_continued_alike(tmp_path / "straight.pt", tmp_path / "restarted.pt")
 
 
 def test_a_restarted_process_continues_bit_for_bit(model_dir, tmp_path):
@@ -59,15 +112,7 @@ def test_a_restarted_process_continues_bit_for_bit(model_dir, tmp_path):
     root = str(tmp_path / "shm")
     run_ranks(_on_ranks, 2, model_dir, root, str(tmp_path / "straight.pt"), "save")
     run_ranks(_on_ranks, 2, model_dir, root, str(tmp_path / "restarted.pt"), "load")
-    want = torch.load(tmp_path / "straight.pt", weights_only=True)
-    got = torch.load(tmp_path / "restarted.pt", weights_only=True)
-    assert got["noise"] == want["noise"]
-    numbers = [k for k in want["metrics"][0] if not k.startswith(("perf/", "timing"))]  # not the wall-clock ones
-    assert "actor/lr" in numbers and len(numbers) >= 5
-    for step in (0, 1):
-        assert {k: got["metrics"][step][k] for k in numbers} == {k: want["metrics"][step][k] for k in numbers}
-    for name, p in want["params"].items():
-        assert torch.equal(got["params"][name], p), name
+    _assert_continued_alike(tmp_path / "straight.pt", tmp_path / "restarted.pt")
     # a one-rank worker has another layout: refused with the reason
     with pytest.raises(RuntimeError, match="was written by 2 ranks of local, this run has 1"):
         ActorWorker(model_dir, **grouped(**ACTOR_KW)).load_snapshot(root, 1, 1)
@@ -83,12 +128,12 @@ def test_another_model_or_a_half_written_slot_is_refused(model_dir, tmp_path):
         ActorWorker(str(wider), **grouped(**ACTOR_KW)).load_snapshot(root, 0, 1)
     with pytest.raises(RuntimeError, match="holds step 1, not the published step 2"):
         actor.load_snapshot(root, 0, 2)
-    bin_file, meta_file = snapshot.rank_files(root, 0, "local", 0)
+    bin_file, meta_file = snapshot.rank_files(snapshot.node_root(root), 0, "local", 0)
     os.truncate(bin_file, os.path.getsize(bin_file) // 2)
     with pytest.raises(RuntimeError, match="is truncated"):
         ActorWorker(model_dir, **grouped(**ACTOR_KW)).load_snapshot(root, 0, 1)
     Path(meta_file).write_bytes(Path(meta_file).read_bytes()[:100])  # killed while writing the description
-    assert actor.snapshot_step(root, 0) is None
+    assert actor.snapshot_holdings(root, 0) == {"own": None, "copies": {}}
 
 
 def test_an_update_waits_for_the_snapshot_being_written(model_dir, tmp_path, monkeypatch):
@@ -111,7 +156,7 @@ def test_an_update_waits_for_the_snapshot_being_written(model_dir, tmp_path, mon
     seen = []
 
     def before_step(*_) -> None:
-        seen.append(snapshot.snapshot_step(root, 0, "local", 0))
+        seen.append(actor.snapshot_holdings(root, 0)["own"])
         stepped.set()
 
     actor.optimizer.register_step_pre_hook(before_step)
@@ -131,7 +176,7 @@ def test_too_little_shared_memory_fails_at_reserve_and_gives_back_what_it_took(m
     root = str(tmp_path / "shm")
     need = actor.reserve_snapshot(root)
     assert need >= 3 * sum(p.numel() * 4 for p in actor.model.parameters())  # weights + Adam's two moments
-    assert os.path.getsize(snapshot.rank_files(root, 1, "local", 0)[0]) == need
+    assert os.path.getsize(snapshot.rank_files(snapshot.node_root(root), 1, "local", 0)[0]) == need
     old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (need // 2, old_limit[1]))
     try:
@@ -145,7 +190,7 @@ def test_too_little_shared_memory_fails_at_reserve_and_gives_back_what_it_took(m
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
-    assert snapshot.snapshot_step(str(tmp_path / "unreserved"), 0, "local", 0) is None  # nothing half-published
+    assert actor.snapshot_holdings(str(tmp_path / "unreserved"), 0)["own"] is None  # nothing half-published
 
 
 def test_a_slot_is_published_atomically_and_another_run_is_refused(tmp_path):

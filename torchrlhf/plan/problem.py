@@ -165,8 +165,8 @@ def config_mapping(cfg: RecipeConfig, world_size: int) -> Mapping:
         sizes = micro(getattr(cfg, role).batching) if role in ("actor", "critic") else (1, 1)
         roles[role] = Role(len(ranks), min(ranks), layout.dims.tp, *sizes, ep=layout.dims.ep)
     if roles["rollout"].ranks == roles["actor"].ranks and roles["rollout"].first == roles["actor"].first:
-        a = roles["actor"]
-        roles["rollout"] = Role(a.ranks, a.first, a.tp)  # a colocated engine follows the actor's TP
+        a = roles["actor"]  # a colocated engine's TP group is rollout.tp_size ranks of the actor's mesh
+        roles["rollout"] = Role(a.ranks, a.first, cfg.rollout.tp_size)
     a = cfg.async_training
     return Mapping(roles, cfg.trainer.mode, a.max_staleness if cfg.trainer.mode == "async" else 0, a.prompts_per_call)
 

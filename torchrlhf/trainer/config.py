@@ -138,7 +138,9 @@ class CheckpointConfig:
     under ``trainer.output_dir``, or a newer memory snapshot, if any), ``disable``, or a checkpoint's path.
     ``snapshot_freq``: a snapshot of the training state in node-local shared memory every that many steps (0:
     none; `torchrlhf.utils.snapshot`), which a job restarted by torchrun resumes from before the disk.
-    ``snapshot_dir``: where (a tmpfs; None: ``/dev/shm/torchrlhf/<hash of trainer.output_dir>``).
+    ``snapshot_dir``: where (a tmpfs; None: ``/dev/shm/torchrlhf/<hash of trainer.output_dir>``), each node
+    in its own ``node<n>`` part. ``snapshot_peer``: every rank also keeps its part in the memory of a rank on
+    another node, so a lost node loses no part of the snapshot (needs ranks on two nodes or more).
     """
 
     save_freq: int = 0
@@ -146,11 +148,14 @@ class CheckpointConfig:
     resume: str = "auto"
     snapshot_freq: int = 0
     snapshot_dir: str | None = None
+    snapshot_peer: bool = False
 
     def __post_init__(self) -> None:
         for key in ("save_freq", "snapshot_freq"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}: must be >= 0 (0: off), got {getattr(self, key)}")
+        if self.snapshot_peer and self.snapshot_freq == 0:
+            raise ValueError("snapshot_peer: copies memory snapshots to another node; set snapshot_freq > 0 too")
 
 
 @dataclass

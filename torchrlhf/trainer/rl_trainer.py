@@ -18,6 +18,7 @@ import torch
 from torchrlhf import algorithms
 from torchrlhf.data import Batch
 from torchrlhf.rollouts import RolloutSource, staleness_metrics
+from torchrlhf.runtime import new_process_group
 from torchrlhf.runtime.profiling import StepProfiler
 from torchrlhf.algorithms.masked import at_last_token
 from torchrlhf.trainer.checkpointing import CheckpointManager, SnapshotManager, SnapshotPublish, checkpoint_step
@@ -115,6 +116,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps; returns the last step's metrics."""
+        self._connect_snapshot_peers()
         self._maybe_resume()
         self._reserve_snapshots()
         self.peak_flops = self._peak_flops()
@@ -329,6 +331,17 @@ class RLTrainer:
             publishing, self._publishing = self._publishing, None
             publishing.wait()
 
+    def _connect_snapshot_peers(self) -> None:
+        """With ``snapshot_peer``, pair each trainable rank with a rank on another node that keeps its copy."""
+        if self.snapshots is None or not self.trainer_cfg.checkpoint.snapshot_peer:
+            return
+        for group in self._trainable():
+            key = f"{group.name}_snapshot_peers"
+            new_process_group(key, group.ranks)
+            keepers = group.connect_snapshot_peers(key)
+            self.logger.message(f"torchrlhf: each memory snapshot of {group.name} is also kept on another node "
+                                f"(rank -> keeper: {dict(zip(group.ranks, keepers))})")
+
     def _reserve_snapshots(self) -> None:
         if self.snapshots is None:
             return
@@ -355,17 +368,22 @@ class RLTrainer:
         why = self.snapshots.refusal(latest)
         if why is None and disk_path is not None and checkpoint_step(disk_path) > latest["step"]:
             return None
+        sources: dict[str, dict[int, int]] = {}
         if why is None:
-            held = [(g, s) for g in self._trainable() for s in g.snapshot_step(self.snapshots.root, latest["slot"])]
-            missing = sorted({g.name for g, s in held if s != latest["step"]})
+            missing = {}
+            for group in self._trainable():
+                holdings = group.snapshot_holdings(self.snapshots.root, latest["slot"])
+                sources[group.name], lost = _copy_sources(group.ranks, holdings, latest["step"])
+                if lost:
+                    missing[group.name] = lost
             if missing:
                 why = (f"the memory snapshot of step {latest['step']} in {self.snapshots.root} is incomplete on "
-                       f"the ranks of {missing} (a node replaced?); not resuming from it")
+                       f"the ranks {missing} (a node replaced?), with no copy on another node; not resuming from it")
         if why is not None:
             fallback = f"resuming from {disk_path}" if disk_path else "no disk checkpoint to resume from"
             self.logger.message(f"torchrlhf: {why}; {fallback}")
             return None
-        return latest
+        return {**latest, "sources": sources}
 
     def controller_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -386,9 +404,14 @@ class RLTrainer:
         if snapshot is not None:
             assert self.snapshots is not None
             state = self.snapshots.load_controller_state(snapshot["slot"])
+            copied = []
             for group in self._trainable():
-                group.load_snapshot(self.snapshots.root, snapshot["slot"], snapshot["step"])
+                sources = snapshot["sources"][group.name]
+                group.load_snapshot(self.snapshots.root, snapshot["slot"], snapshot["step"], sources)
+                copied += [f"{group.name} rank {lost} from rank {keeper}" for lost, keeper in sources.items()]
             path = f"the memory snapshot of step {snapshot['step']} ({self.snapshots.root})"
+            if copied:
+                path += f" (parts lost with their node, copied back from another node: {', '.join(copied)})"
         elif path is None:
             return
         else:
@@ -428,3 +451,17 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 __all__ = ["RLTrainer", "Roles"]
+
+
+def _copy_sources(ranks: list[int], holdings: list[dict], step: int) -> tuple[dict[int, int], list[int]]:
+    """({rank whose own part of ``step`` is gone: the rank keeping a copy of it}, [ranks with neither])."""
+    sources, lost = {}, []
+    for rank, held in zip(ranks, holdings):
+        if held["own"] == step:
+            continue
+        keeper = next((r for r, h in zip(ranks, holdings) if h["copies"].get(rank) == step), None)
+        if keeper is None:
+            lost.append(rank)
+        else:
+            sources[rank] = keeper
+    return sources, lost

@@ -10,17 +10,25 @@ once every rank has written it.
 Unlike a DCP checkpoint a snapshot is not resharded: it loads only into the same layout (the same group
 size, tensor names, shapes and dtypes, all checked).
 
-Layout, per slot ``<root>/slot<i>/<role>/``::
+With a peer copy (`PeerLink`), each rank also sends its slot to a rank on another node, which keeps it in
+that node's memory: losing one node loses no part of the snapshot. A restart whose rank finds its own part
+missing gets it back from the copy (`fetch_copies`).
 
-    rank<k>.bin   the tensors' bytes (k: the global rank), space reserved at start-up by `reserve`
-    rank<k>.pt    what they are (names, dtypes, shapes, offsets), the scheduler, the RNG, the step;
-                  written after the bytes, so a ``.pt`` names a step only once its bytes are whole
+Layout, per slot ``<root>/node<n>/slot<i>/<role>/`` (n: the node, `node_root`)::
+
+    rank<k>.bin        the tensors' bytes (k: the global rank), space reserved at start-up by `reserve`
+    rank<k>.pt         what they are (names, dtypes, shapes, offsets), the scheduler, the RNG, the step;
+                       written after the bytes, so a ``.pt`` names a step only once its bytes are whole
+    peer/rank<j>.bin   rank j's part, copied here from another node (the same two files)
+    peer/rank<j>.pt
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import io
 import os
 import shutil
 import threading
@@ -38,10 +46,44 @@ _ALIGN = 64
 _TENSOR = "__snapshot_tensor__"
 
 
-def rank_files(root: str, slot: int, role: str, rank: int) -> tuple[str, str]:
-    """(bytes, description) files of one rank's state in one slot."""
-    base = os.path.join(root, f"slot{slot}", role, f"rank{rank}")
+def node_root(root: str) -> str:
+    """This node's part of the snapshot directory, ``<root>/node<n>`` (n: torchrun's ``GROUP_RANK``). On separate
+    machines the tmpfs is node-local anyway; on one machine running several torchrun agents, the parts keep the
+    agents' "nodes" apart, as separate memories would be."""
+    return os.path.join(root, f"node{os.environ.get('GROUP_RANK', '0')}")
+
+
+def rank_files(root: str, slot: int, role: str, rank: int, *, copy_of: bool = False) -> tuple[str, str]:
+    """(bytes, description) files of one rank's state in one slot of a node's ``root``; ``copy_of``: the copy
+    another node's rank keeps here."""
+    base = os.path.join(root, f"slot{slot}", role, *(["peer"] if copy_of else []), f"rank{rank}")
     return base + ".bin", base + ".pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLink:
+    """Where this rank's snapshot copy goes: ``to`` (a global rank on another node) keeps it, and this rank keeps
+    the copy of ``from_``. ``group``: a process group of the role's ranks used for nothing else, so the copies
+    travel on the writer's thread while training uses its own groups."""
+
+    group: dist.ProcessGroup
+    to: int
+    from_: int
+
+    @staticmethod
+    def connect(group: dist.ProcessGroup, role: str) -> PeerLink:
+        """Pair every rank of ``group`` with a rank on another node (collective): the ranks in order, each sending
+        to the one ``shift`` places on, the smallest shift that crosses a node for every rank."""
+        ranks = dist.get_process_group_ranks(group)
+        nodes: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(nodes, os.environ.get("GROUP_RANK", "0"), group=group)
+        me, n = ranks.index(dist.get_rank()), len(ranks)
+        for shift in range(1, n):
+            if all(nodes[i] != nodes[(i + shift) % n] for i in range(n)):
+                return PeerLink(group, ranks[(me + shift) % n], ranks[(me - shift) % n])
+        raise ValueError(f"trainer.checkpoint.snapshot_peer: the {role}'s ranks {ranks} are on nodes {nodes}; a copy "
+                         "on a peer node needs every rank's part to go to another node (ranks on two nodes or more, "
+                         "the same number on each)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -158,8 +200,10 @@ class SnapshotWriter:
     def start(self, root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
               optimizer: torch.optim.Optimizer | None = None,
               scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-              process_group: dist.ProcessGroup | None = None, trainable_only: bool = False) -> int:
-        """Start writing this rank's state into ``slot`` (after any write still running); returns its bytes."""
+              process_group: dist.ProcessGroup | None = None, trainable_only: bool = False,
+              peer: PeerLink | None = None) -> int:
+        """Start writing this rank's state into ``slot`` (after any write still running), and with ``peer`` its
+        copy to the peer's node; returns its bytes."""
         self.wait()
         skeleton, tensors = _state(model, optimizer, trainable_only)
         entries, total = _layout(tensors)
@@ -172,21 +216,24 @@ class SnapshotWriter:
                 "scheduler": copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
                 "rng": rng_state()}
         locals_ = [(offset, _local(t)) for (_, _, _, offset, _), t in zip(entries, tensors.values())]
-        self._thread = threading.Thread(target=self._write, args=(bin_file, meta_file, locals_, meta, total),
+        copy_to = None if peer is None else (peer, rank_files(root, slot, role, peer.from_, copy_of=True), root)
+        self._thread = threading.Thread(target=self._write,
+                                        args=(bin_file, meta_file, locals_, meta, total, copy_to),
                                         name=f"torchrlhf-snapshot-{role}{rank}", daemon=True)
         self._thread.start()
         return total
 
     def _write(self, bin_file: str, meta_file: str, tensors: list[tuple[int, torch.Tensor]], meta: dict,
-               total: int) -> None:
+               total: int, copy_to: tuple[PeerLink, tuple[str, str], str] | None) -> None:
         try:
             with open(bin_file, "r+b") as f:
                 for offset, t in tensors:
                     f.seek(offset)
                     f.write(_bytes(t))
-            tmp = meta_file + ".tmp"
-            torch.save(meta, tmp)
-            os.replace(tmp, meta_file)
+            _write_atomic(meta_file, _encoded(meta))
+            if copy_to is not None:  # send ours to the peer, keep the copy of the rank that sends to us
+                peer, kept, root = copy_to
+                _exchange(peer.group, (peer.to, bin_file, meta_file), (peer.from_, *kept), root, meta["role"])
             self._written = total
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by `wait`
             self._error = e
@@ -205,11 +252,7 @@ class SnapshotWriter:
 
 def snapshot_step(root: str, slot: int, role: str, rank: int) -> int | None:
     """The step this rank's state in ``slot`` is from; None when the slot holds no whole state of it."""
-    _, meta_file = rank_files(root, slot, role, rank)
-    try:
-        return int(torch.load(meta_file, weights_only=True)["step"])
-    except Exception:  # noqa: BLE001 - missing, half-written or foreign: not loadable
-        return None
+    return _described_step(rank_files(root, slot, role, rank)[1])
 
 
 def load_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
@@ -250,11 +293,108 @@ def load_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, mode
 
 
 def drop_snapshot(root: str, role: str, rank: int) -> None:
-    """Delete this rank's files in every slot (a finished run gives its shared memory back)."""
+    """Delete this rank's files in every slot, and the copies it keeps (a finished run gives its memory back)."""
     for slot in range(SLOTS):
         for f in rank_files(root, slot, role, rank):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(f)
+        shutil.rmtree(os.path.dirname(rank_files(root, slot, role, rank, copy_of=True)[0]), ignore_errors=True)
+
+
+def snapshot_holdings(root: str, slot: int, role: str, rank: int) -> dict[str, Any]:
+    """What this node keeps of ``slot`` for this rank: ``own`` (the step of its own part, or None) and ``copies``
+    ({global rank: step} of the other nodes' parts it keeps)."""
+    copies = {}
+    folder = os.path.dirname(rank_files(root, slot, role, 0, copy_of=True)[0])
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith("rank") and name.endswith(".pt"):
+                other = int(name[4:-3])
+                step = _described_step(rank_files(root, slot, role, other, copy_of=True)[1])
+                if step is not None:
+                    copies[other] = step
+    return {"own": snapshot_step(root, slot, role, rank), "copies": copies}
+
+
+def fetch_copies(root: str, slot: int, role: str, rank: int, sources: dict[int, int], group: dist.ProcessGroup
+                 ) -> None:
+    """Give back the parts some ranks lost (collective over the role's ``group``): ``sources`` maps each such
+    rank to the rank that keeps its copy, which sends it; the rank writes it as its own part again. Pairs go in
+    one order on every rank, so no two wait on each other."""
+    for lost, keeper in sorted(sources.items()):
+        if rank == keeper:
+            _send_files(group, lost, *rank_files(root, slot, role, lost, copy_of=True))
+        elif rank == lost:
+            _recv_files(group, keeper, *rank_files(root, slot, role, lost), root, role)
+
+
+def _described_step(meta_file: str) -> int | None:
+    try:
+        return int(torch.load(meta_file, weights_only=True)["step"])
+    except Exception:  # noqa: BLE001 - missing, half-written or foreign: not loadable
+        return None
+
+
+def _encoded(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def _exchange(group: dist.ProcessGroup, send: tuple[int, str, str], recv: tuple[int, str, str], root: str,
+              role: str) -> None:
+    """Send one rank's files and receive another's at once (every rank of a ring does both)."""
+    (to, bin_file, meta_file), (from_, kept_bin, kept_meta) = send, recv
+    sent = _file_tensors(bin_file, meta_file)
+    sizes = torch.tensor([sent[0].numel(), sent[1].numel()], dtype=torch.int64)
+    theirs = torch.empty(2, dtype=torch.int64)
+    _wait_all(dist.isend(sizes, to, group=group), dist.irecv(theirs, from_, group=group))
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(kept_meta)  # the copy describes no step until its new bytes are in
+    _claim(kept_bin, int(theirs[0]), root, role, from_)
+    kept = torch.from_file(kept_bin, shared=True, size=int(theirs[0]), dtype=torch.uint8)
+    kept_desc = torch.empty(int(theirs[1]), dtype=torch.uint8)
+    _wait_all(dist.isend(sent[0], to, group=group), dist.irecv(kept, from_, group=group),
+              dist.isend(sent[1], to, group=group), dist.irecv(kept_desc, from_, group=group))
+    _write_atomic(kept_meta, kept_desc.numpy().tobytes())
+
+
+def _send_files(group: dist.ProcessGroup, to: int, bin_file: str, meta_file: str) -> None:
+    data, desc = _file_tensors(bin_file, meta_file)
+    dist.send(torch.tensor([data.numel(), desc.numel()], dtype=torch.int64), to, group=group)
+    dist.send(data, to, group=group)
+    dist.send(desc, to, group=group)
+
+
+def _recv_files(group: dist.ProcessGroup, from_: int, bin_file: str, meta_file: str, root: str, role: str) -> None:
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, from_, group=group)
+    _claim(bin_file, int(sizes[0]), root, role, dist.get_rank())
+    data = torch.from_file(bin_file, shared=True, size=int(sizes[0]), dtype=torch.uint8)
+    desc = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    dist.recv(data, from_, group=group)
+    dist.recv(desc, from_, group=group)
+    _write_atomic(meta_file, desc.numpy().tobytes())
+
+
+def _file_tensors(bin_file: str, meta_file: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's bytes, mapped from its file (no copy), and its description."""
+    with open(meta_file, "rb") as f:
+        desc = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    total = int(torch.load(io.BytesIO(desc.numpy().tobytes()), weights_only=True)["total"])
+    return torch.from_file(bin_file, shared=False, size=total, dtype=torch.uint8), desc
+
+
+def _wait_all(*works: Any) -> None:
+    for work in works:
+        work.wait()
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

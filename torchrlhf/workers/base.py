@@ -34,6 +34,7 @@ from torchrlhf.models.lora import LoRAConfig, hold_frozen_in, init_lora, inject_
 from torchrlhf.models.compute_copies import ComputeCopies
 from torchrlhf.models.parallelize import compile_blocks, enable_activation_checkpointing, model_layout, parallelize
 from torchrlhf.models.sharded import load_weights
+from torchrlhf.runtime.registry import process_group
 from torchrlhf.runtime.worker import Dispatch, Worker, register
 from torchrlhf.utils import checkpoint as ckpt
 from torchrlhf.utils import flops, snapshot
@@ -151,6 +152,7 @@ class FSDPWorker(Worker):
         self._flops_of: flops.TransformerFlops | None = None
         self._step_flops = 0  # model FLOPs of the `train` call in progress
         self._snapshot_writer = snapshot.SnapshotWriter()  # `train` and checkpointing wait for its write
+        self._snapshot_peer: snapshot.PeerLink | None = None  # where each snapshot's copy goes (another node)
 
     @property
     def tp_size(self) -> int:
@@ -504,6 +506,7 @@ class FSDPWorker(Worker):
                              process_group=self.process_group, trainable_only=self.lora is not None)
 
     # ------------------------------------------------------------------ memory snapshots (`utils.snapshot`)
+    # The controller names the run's snapshot directory; this rank's files live in its node's part of it.
     def _snapshot_args(self) -> dict:
         return dict(role=self.context.group_name, rank=self.rank, model=self.model, optimizer=self.optimizer,
                     scheduler=self.lr_scheduler, process_group=self.process_group,
@@ -514,14 +517,23 @@ class FSDPWorker(Worker):
         """Claim this rank's shared memory for both snapshot slots now (a clear error if it is too small);
         returns one slot's bytes."""
         nbytes = snapshot.estimate_bytes(self.model, trainable_only=self.lora is not None)
-        snapshot.reserve(root, self.context.group_name, self.rank, nbytes)
+        snapshot.reserve(snapshot.node_root(root), self.context.group_name, self.rank, nbytes)
         return nbytes
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def connect_snapshot_peers(self, group_key: str) -> int:
+        """Send every snapshot's copy to a rank on another node from now on (collective over the process group
+        ``group_key``, the role's ranks); returns the rank that keeps this rank's copy."""
+        self._snapshot_peer = snapshot.PeerLink.connect(process_group(group_key), self.role)
+        return self._snapshot_peer.to
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_snapshot(self, root: str, slot: int, step: int) -> int:
-        """Start writing this rank's state into ``slot`` in the background; returns its bytes. The slot names
-        ``step`` once `finish_snapshot` returns (training may go on meanwhile; see `SnapshotWriter`)."""
-        return self._snapshot_writer.start(root, slot, step, **self._snapshot_args())
+        """Start writing this rank's state into ``slot`` in the background (and its copy to the peer node); returns
+        its bytes. The slot names ``step`` once `finish_snapshot` returns (training may go on meanwhile; see
+        `SnapshotWriter`)."""
+        return self._snapshot_writer.start(snapshot.node_root(root), slot, step, peer=self._snapshot_peer,
+                                           **self._snapshot_args())
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def finish_snapshot(self) -> int:
@@ -529,16 +541,24 @@ class FSDPWorker(Worker):
         return self._snapshot_writer.wait()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def snapshot_step(self, root: str, slot: int) -> int | None:
-        return snapshot.snapshot_step(root, slot, self.context.group_name, self.rank)
+    def snapshot_holdings(self, root: str, slot: int) -> dict:
+        """What this rank's node keeps of ``slot``: this rank's part (``own``, its step) and other ranks' copies."""
+        return snapshot.snapshot_holdings(snapshot.node_root(root), slot, self.context.group_name, self.rank)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_snapshot(self, root: str, slot: int, step: int) -> None:
+    def load_snapshot(self, root: str, slot: int, step: int, sources: dict[int, int] | None = None) -> None:
+        """Restore ``slot``; ``sources`` ({lost rank: the rank keeping its copy}) first gives the ranks that lost
+        their part (a replaced node) their copy back (collective over the peer group)."""
         self._snapshot_writer.wait()
-        snapshot.load_snapshot(root, slot, step, **self._snapshot_args())
+        here = snapshot.node_root(root)
+        if sources:
+            if self._snapshot_peer is None:
+                raise RuntimeError("load_snapshot: copies from peers need connect_snapshot_peers first")
+            snapshot.fetch_copies(here, slot, self.context.group_name, self.rank, sources, self._snapshot_peer.group)
+        snapshot.load_snapshot(here, slot, step, **self._snapshot_args())
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def drop_snapshot(self, root: str) -> None:
         self._snapshot_writer.wait()
-        snapshot.drop_snapshot(root, self.context.group_name, self.rank)
+        snapshot.drop_snapshot(snapshot.node_root(root), self.context.group_name, self.rank)
 
