@@ -79,6 +79,10 @@ def _on_two_nodes(rank: int, world: int, model_dir: str, root: str, out: str, mo
     os.environ["GROUP_RANK"] = str(rank)
     assert actor.connect_snapshot_peers("peers") == 1 - rank
     if mode == "save":
+        own = snapshot.estimate_bytes(actor.model, trainable_only=False)
+        need = actor.reserve_snapshot(root)  # its own part and the copy it keeps, claimed at start-up
+        kept = snapshot.rank_files(os.path.join(root, f"node{rank}"), 0, "local", 1 - rank, copy_of=True)[0]
+        assert os.path.getsize(kept) > 0 and need == own + os.path.getsize(kept)
         _step(actor, seed=1)
         torch.rand(7)
         actor.save_snapshot(root, 1, 1)

@@ -1,7 +1,8 @@
 """Recovery from a killed rank, measured as effective training time (ByteRobust's ETTR): the main job under
 ``torchrun --max-restarts`` with a rank SIGKILLed every ``--every`` steps.
 
-    python tools/bench/bench_faults.py [--steps 25 --every 10 --rank 1] [--recovery disk|memory|both] [-- key=value ...]
+    python tools/bench/bench_faults.py [--steps 25 --every 10 --rank 1] [--recovery disk|memory|both] [--nodes 2 --lose-node]
+        [-- key=value ...]
 
 Runs ``recipes/configs/grpo_arithmetic_cpu.yaml`` (SmolLM2-135M, 2 ranks) under one of two recoveries:
 
@@ -9,6 +10,12 @@ Runs ``recipes/configs/grpo_arithmetic_cpu.yaml`` (SmolLM2-135M, 2 ranks) under 
   complete one;
 - ``memory``: a memory snapshot every step (``snapshot_freq=1``, `torchrlhf.utils.snapshot`) and a disk
   checkpoint every ``--every`` steps; a restart resumes from the snapshot.
+
+``--nodes 2`` runs the ranks as two simulated nodes on this machine (one torchrun agent each, meeting at a c10d
+rendezvous), memory recovery keeping each snapshot on the other node too (``snapshot_peer``); ``--lose-node``
+deletes the killed rank's node's snapshot part with the kill, so the restart needs the copy:
+
+    python tools/bench/bench_faults.py --recovery memory --nodes 2 --lose-node
 
 Whenever the run's ``metrics.jsonl`` reaches a multiple of ``--every`` steps, the bench kills
 ``--rank`` (found through ``/proc``: the process whose environment has that ``RANK`` and this run's output
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,20 +70,39 @@ def rank_pid(rank: int, marker: str) -> int | None:
     return None
 
 
+def process_env(pid: int) -> dict[str, str]:
+    """A process's environment (Linux /proc); empty once it is gone."""
+    try:
+        pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
 def run(out: Path, args, faults: bool, recovery: str) -> dict:
+    shm = Path("/dev/shm") / f"torchrlhf-bench-faults-{os.getpid()}" / out.name
     saves = (["trainer.checkpoint.save_freq=1"] if recovery == "disk" else
-             [f"trainer.checkpoint.save_freq={args.every}", "trainer.checkpoint.snapshot_freq=1"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           f"--max-restarts={args.max_restarts}", str(ROOT / "recipes/ppo.py"),
-           "--config", str(ROOT / args.config), f"trainer.total_steps={args.steps}",
-           *saves, f"trainer.output_dir={out}", "trainer.loggers=[console,jsonl]",
-           "trainer.test_freq=0", "trainer.val_before_train=false", *args.overrides]
+             [f"trainer.checkpoint.save_freq={args.every}", "trainer.checkpoint.snapshot_freq=1",
+              f"trainer.checkpoint.snapshot_dir={shm}",
+              *(["trainer.checkpoint.snapshot_peer=true"] if args.nodes > 1 else [])])
+    recipe = [str(ROOT / "recipes/ppo.py"), "--config", str(ROOT / args.config), f"trainer.total_steps={args.steps}",
+              *saves, f"trainer.output_dir={out}", "trainer.loggers=[console,jsonl]",
+              "trainer.test_freq=0", "trainer.val_before_train=false", *args.overrides]
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--max-restarts={args.max_restarts}"]
+    if args.nodes == 1:
+        cmds = [[*launcher, "--standalone", f"--nproc_per_node={args.nproc}", *recipe]]
+    else:  # one torchrun agent per simulated node, meeting at a c10d rendezvous on this machine
+        endpoint = f"127.0.0.1:{29400 + os.getpid() % 1000}"
+        cmds = [[*launcher, f"--nnodes={args.nodes}", f"--nproc_per_node={args.nproc // args.nodes}",
+                 "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={out.name}", *recipe]
+                for _ in range(args.nodes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     events: list[tuple[float, str]] = []
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+             for cmd in cmds]
 
-    def read() -> None:
+    def read(proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             now = time.monotonic()
             if "resumed from" in line:
@@ -84,13 +111,14 @@ def run(out: Path, args, faults: bool, recovery: str) -> dict:
                 events.append((now, "detected"))
             events.append((now, "line:" + line.rstrip()))
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=read, args=(proc,), daemon=True) for proc in procs]
+    for reader in readers:
+        reader.start()
     metrics_file = out / "metrics.jsonl"
     killed_at: set[int] = set()
     kills: list[tuple[float, int]] = []  # (time, steps logged when killed)
     step_seen: list[tuple[float, int]] = []  # (time, step) as each metrics line appears
-    while proc.poll() is None:
+    while any(proc.poll() is None for proc in procs):
         lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
         steps = [json.loads(line)["step"] for line in lines if line.strip()]
         for s in steps:
@@ -100,15 +128,21 @@ def run(out: Path, args, faults: bool, recovery: str) -> dict:
         if faults and last and last % args.every == 0 and last < args.steps and last not in killed_at:
             pid = rank_pid(args.rank, str(out))
             if pid is not None:
+                node = process_env(pid).get("GROUP_RANK", "0")  # read before the process is gone
                 os.kill(pid, signal.SIGKILL)
                 kills.append((time.monotonic(), last))
                 killed_at.add(last)
+                if args.lose_node and recovery == "memory":  # the killed rank's node goes with it: its memory too
+                    shutil.rmtree(shm / f"node{node}", ignore_errors=True)
         time.sleep(0.05)
-    reader.join(timeout=10)
+    for reader in readers:
+        reader.join(timeout=10)
     wall = time.monotonic() - start
-    if proc.returncode != 0:
+    shutil.rmtree(shm.parent, ignore_errors=True)
+    failed = [proc.returncode for proc in procs if proc.returncode != 0]
+    if failed:
         tail = "\n".join(text[5:] for _, text in events if text.startswith("line:"))[-4000:]
-        raise SystemExit(f"run failed ({proc.returncode}):\n{tail}")
+        raise SystemExit(f"run failed ({failed}):\n{tail}")
     metrics = {json.loads(line)["step"]: json.loads(line) for line in metrics_file.read_text().splitlines()}
     return {"wall": wall, "metrics": metrics, "kills": kills, "events": events, "step_seen": step_seen,
             "start": start}
@@ -151,7 +185,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--every", type=int, default=10, help="kill after every this many steps")
     p.add_argument("--rank", type=int, default=1, help="the rank killed (0 is the controller)")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks in all")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes on this machine (one torchrun agent each, c10d rendezvous); with more than "
+                        "one, memory recovery keeps each snapshot on another node too (snapshot_peer)")
+    p.add_argument("--lose-node", action="store_true",
+                   help="memory recovery: the killed rank's node loses its memory too (its snapshot part deleted)")
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--recovery", choices=["disk", "memory", "both"], default="both")
     p.add_argument("--baseline", action="store_true", help="also run without faults, for the ETTR of start-up")

@@ -70,6 +70,13 @@ class PeerLink:
     to: int
     from_: int
 
+    def swap_sizes(self, nbytes: int) -> int:
+        """Tell ``to`` this rank's slot size; returns the size of the copy this rank keeps (``from_``'s)."""
+        theirs = torch.empty(1, dtype=torch.int64)
+        _wait_all(dist.isend(torch.tensor([nbytes]), self.to, group=self.group),
+                  dist.irecv(theirs, self.from_, group=self.group))
+        return int(theirs)
+
     @staticmethod
     def connect(group: dist.ProcessGroup, role: str) -> PeerLink:
         """Pair every rank of ``group`` with a rank on another node (collective): the ranks in order, each sending
@@ -145,16 +152,17 @@ def estimate_bytes(model: torch.nn.Module, trainable_only: bool, optimizer_state
     return total
 
 
-def reserve(root: str, role: str, rank: int, nbytes: int) -> None:
-    """Claim ``nbytes`` of the filesystem under ``root`` for each slot's bytes file of this rank now, so that
-    shared memory too small for the snapshot fails at start-up with a clear error instead of mid-run (a
-    write into an unreserved tmpfs page can raise SIGBUS). Reserving keeps what a file already holds."""
+def reserve(root: str, role: str, rank: int, nbytes: int, *, copy_of: bool = False) -> None:
+    """Claim ``nbytes`` of the filesystem under ``root`` for each slot's bytes file of this rank (``copy_of``: of
+    the copy kept here of another node's ``rank``) now, so that shared memory too small for the snapshot fails
+    at start-up with a clear error instead of mid-run (a write into an unreserved tmpfs page can raise SIGBUS).
+    Reserving keeps what a file already holds."""
     try:
         for slot in range(SLOTS):
-            _claim(rank_files(root, slot, role, rank)[0], nbytes, root, role, rank)
+            _claim(rank_files(root, slot, role, rank, copy_of=copy_of)[0], nbytes, root, role, rank)
     except RuntimeError:
         for slot in range(SLOTS):  # give back what this rank claimed
-            for f in rank_files(root, slot, role, rank):
+            for f in rank_files(root, slot, role, rank, copy_of=copy_of):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(f)
         raise

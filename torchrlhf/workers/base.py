@@ -514,11 +514,16 @@ class FSDPWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def reserve_snapshot(self, root: str) -> int:
-        """Claim this rank's shared memory for both snapshot slots now (a clear error if it is too small);
-        returns one slot's bytes."""
+        """Claim this rank's shared memory for both snapshot slots now (a clear error if it is too small), and
+        for the copy it keeps of another node's rank; returns one slot's bytes (with that copy)."""
+        here, role = snapshot.node_root(root), self.context.group_name
         nbytes = snapshot.estimate_bytes(self.model, trainable_only=self.lora is not None)
-        snapshot.reserve(snapshot.node_root(root), self.context.group_name, self.rank, nbytes)
-        return nbytes
+        snapshot.reserve(here, role, self.rank, nbytes)
+        if self._snapshot_peer is None:
+            return nbytes
+        kept = self._snapshot_peer.swap_sizes(nbytes)
+        snapshot.reserve(here, role, self._snapshot_peer.from_, kept, copy_of=True)
+        return nbytes + kept
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def connect_snapshot_peers(self, group_key: str) -> int:
