@@ -9,7 +9,10 @@ process on loopback (rendezvous through an in-memory store and a temp file).
 Rendezvous: under torchrun's agent, the process group and RPC use torchrun's own
 store (a hand-made ``tcp://`` store hangs under it), with their keys under a
 prefix naming the restart attempt, so a job restarted by ``--max-restarts``
-does not read the killed attempt's addresses.
+does not read the killed attempt's addresses. The ranks agree on that name in
+the store (`agreed_attempt`): torchrun's restart count is per agent, and after
+a restart across nodes the agents' counts differ (only the failed node's
+agent counts the restart), so ranks naming the attempt by it waited apart.
 
 Listening address: TensorPipe's socket transport (``uv``) and multiplexed
 channel listen on one address, chosen once per process: the address of the
@@ -53,6 +56,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -144,8 +148,51 @@ def _attempt_store_rendezvous(url: str, timeout: timedelta = default_pg_timeout,
     rank, world = int(query["rank"]), int(query["world_size"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = agreed_attempt(store, rank, world, timeout=timeout)
     yield dist.PrefixStore(f"torchrlhf/attempt_{attempt}", store), rank, world
+
+
+def agreed_attempt(store: dist.Store, rank: int, world: int, timeout: timedelta = default_pg_timeout,
+                   poll_s: float = 0.02) -> str:
+    """A name for this attempt that every rank of it agrees on, whatever earlier attempts left in ``store``.
+
+    Rank 0 first deletes the handshake keys of earlier attempts (their ranks are gone), then answers each rank's
+    fresh nonce with its own; a rank takes the name only from an answer to its own nonce, and rewrites the nonce
+    until then (rank 0 may have deleted it). Rank 0 is done once every rank confirmed the nonce it answered.
+    """
+    nonce = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank != 0:
+        while time.monotonic() < deadline:
+            store.set(f"torchrlhf/nonce/{rank}", nonce)
+            if store.check([f"torchrlhf/ack/{rank}"]):
+                seen, _, name = store.get(f"torchrlhf/ack/{rank}").decode().partition(":")
+                if seen == nonce:
+                    store.set(f"torchrlhf/confirm/{rank}", nonce)
+                    return name
+            time.sleep(poll_s)
+        raise TimeoutError(f"rank {rank}: rank 0 did not answer at the rendezvous within {timeout}")
+    for other in range(1, world):
+        for key in ("nonce", "ack", "confirm"):
+            store.delete_key(f"torchrlhf/{key}/{other}")
+    answered: dict[int, str] = {}
+    pending = set(range(1, world))
+    while pending:
+        for other in sorted(pending):
+            if not store.check([f"torchrlhf/nonce/{other}"]):
+                continue
+            theirs = store.get(f"torchrlhf/nonce/{other}").decode()
+            if answered.get(other) != theirs:
+                store.set(f"torchrlhf/ack/{other}", f"{theirs}:{nonce}")
+                answered[other] = theirs
+            if store.check([f"torchrlhf/confirm/{other}"]) and \
+                    store.get(f"torchrlhf/confirm/{other}").decode() == theirs:
+                pending.discard(other)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0: ranks {sorted(pending)} did not reach the rendezvous within {timeout}")
+        if pending:
+            time.sleep(poll_s)
+    return nonce
 
 
 dist.register_rendezvous_handler(_ATTEMPT_SCHEME, _attempt_store_rendezvous)
