@@ -238,10 +238,13 @@ class SnapshotWriter:
                 for offset, t in tensors:
                     f.seek(offset)
                     f.write(_bytes(t))
-            _write_atomic(meta_file, _encoded(meta))
+            desc = _encoded(meta)
+            _write_atomic(meta_file, desc)
             if copy_to is not None:  # send ours to the peer, keep the copy of the rank that sends to us
                 peer, kept, root = copy_to
-                _exchange(peer.group, (peer.to, bin_file, meta_file), (peer.from_, *kept), root, meta["role"])
+                sent = (torch.from_file(bin_file, shared=False, size=total, dtype=torch.uint8),
+                        torch.frombuffer(bytearray(desc), dtype=torch.uint8))
+                _exchange(peer.group, peer.to, sent, (peer.from_, *kept), root, meta["role"])
             self._written = total
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by `wait`
             self._error = e
@@ -256,11 +259,6 @@ class SnapshotWriter:
             raise RuntimeError(f"writing the memory snapshot failed: {type(error).__name__}: {error}") from error
         written, self._written = self._written, 0
         return written
-
-
-def snapshot_step(root: str, slot: int, role: str, rank: int) -> int | None:
-    """The step this rank's state in ``slot`` is from; None when the slot holds no whole state of it."""
-    return _described_step(rank_files(root, slot, role, rank)[1])
 
 
 def load_snapshot(root: str, slot: int, step: int, *, role: str, rank: int, model: torch.nn.Module,
@@ -321,7 +319,7 @@ def snapshot_holdings(root: str, slot: int, role: str, rank: int) -> dict[str, A
                 step = _described_step(rank_files(root, slot, role, other, copy_of=True)[1])
                 if step is not None:
                     copies[other] = step
-    return {"own": snapshot_step(root, slot, role, rank), "copies": copies}
+    return {"own": _described_step(rank_files(root, slot, role, rank)[1]), "copies": copies}
 
 
 def fetch_copies(root: str, slot: int, role: str, rank: int, sources: dict[int, int], group: dist.ProcessGroup
@@ -356,11 +354,11 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _exchange(group: dist.ProcessGroup, send: tuple[int, str, str], recv: tuple[int, str, str], root: str,
-              role: str) -> None:
-    """Send one rank's files and receive another's at once (every rank of a ring does both)."""
-    (to, bin_file, meta_file), (from_, kept_bin, kept_meta) = send, recv
-    sent = _file_tensors(bin_file, meta_file)
+def _exchange(group: dist.ProcessGroup, to: int, sent: tuple[torch.Tensor, torch.Tensor], recv: tuple[int, str, str],
+              root: str, role: str) -> None:
+    """Send this rank's (bytes, description) to ``to`` and receive another rank's files at once (every rank of a
+    ring does both)."""
+    from_, kept_bin, kept_meta = recv
     sizes = torch.tensor([sent[0].numel(), sent[1].numel()], dtype=torch.int64)
     theirs = torch.empty(2, dtype=torch.int64)
     _wait_all(dist.isend(sizes, to, group=group), dist.irecv(theirs, from_, group=group))
