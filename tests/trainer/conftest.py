@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -22,9 +21,9 @@ REWARD_FNS = Path(__file__).with_name("reward_fns.py")
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 from dist_helpers import free_port  # noqa: E402
-import warm_processes  # noqa: E402,F401
+import warm_processes  # noqa: E402
 
-multiprocessing.forkserver.ensure_running()  # the warm one, before a test starts another (`warm_processes`)
+warm_processes.start_server()  # the warm one, before a test starts another
 
 # A small GRPO run on the arithmetic prompts; tests override what they exercise.
 BASE: dict[str, Any] = {
@@ -83,7 +82,7 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
 
     ``torchrun`` (or ``max_restarts``, torchrun's ``--max-restarts``): ``python recipes/ppo.py`` (one process)
     or torchrun, exactly. Otherwise the ranks are forked from a process that imported the recipe once
-    (`warm_processes`, what most tests use: it saves each rank ~9 s of imports) and rendezvous as ``srun``
+    (`warm_processes`, what most tests use: it saves each rank ~9-15 s of imports) and rendezvous as ``srun``
     starts them; their outputs are joined in rank order, and a failed rank ends the others as torchrun does.
     """
     if not torchrun and not max_restarts:

@@ -28,6 +28,18 @@ def _gain(scores: list[float]) -> float:
     return _mean(scores[-5:]) - _mean(scores[:5])
 
 
+def test_recipe_ranks_fork_from_a_server_that_imported_the_recipe():
+    """The tests' ranks start warm: the forkserver preloads `warm_processes` by name and skips it silently when
+    it cannot import it (as it did on Python 3.11, which does not apply the caller's sys.path there), and
+    then every rank imports torch, transformers and the recipe again."""
+    import warm_processes
+
+    probe = warm_processes.WARM.Process(target=exec, args=("import sys; sys.exit(0 if 'recipes.ppo' in sys.modules else 3)",))
+    probe.start()
+    probe.join(timeout=300)
+    assert probe.exitcode == 0, "the forkserver did not preload the recipe"
+
+
 def test_grpo_learns(tiny_model_dir, tmp_path):
     """30 GRPO steps raise the reward (share of 'e' characters) from ~0.10: learning, not just running.
 

@@ -8,7 +8,7 @@ would be after those imports (the server is a single-threaded interpreter that o
 `start_recipe_rank` starts a rank of the recipe with it, which sets the environment it is given, redirects its
 output to files and runs the recipe's command line. There is one forkserver per process, and the first module to
 start it chooses what it preloads (`torchrlhf.utils.isolated` preloads itself when it starts it), so the recipe
-tests' conftest starts it as pytest collects, before any test runs.
+tests' conftest starts it (`start_server`) as pytest collects, before any test runs.
 
 The ranks rendezvous as ``srun`` starts them (``env://``, no torchrun agent: the process group's store at
 MASTER_PORT, RPC's at the next port), a launch the recipe supports. What torchrun's agent itself does (restarts,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,25 @@ import recipes.ppo  # noqa: E402  (what every rank would import: the reason this
 
 WARM = multiprocessing.get_context("forkserver")
 WARM.set_forkserver_preload([__name__])
+
+
+def start_server() -> None:
+    """Start the forkserver with this module preloaded.
+
+    The server is a fresh interpreter that imports the preload list by name and skips a name it cannot
+    import, silently. Python 3.11 passes it the caller's ``sys.path`` but does not apply it, so this module's
+    folder, which pytest only added to its own ``sys.path``, travels in PYTHONPATH. Without it each rank
+    imported everything after the fork, ~15 s on the CI host's two cores, and every recipe test paid it.
+    """
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(ROOT), path]))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
 
 
 def start_recipe_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path
