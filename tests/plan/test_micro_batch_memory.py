@@ -4,6 +4,7 @@ trained role's beside its mini-batch's gradients, as the planner counts it)."""
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 from pathlib import Path
 
 import pytest
@@ -139,7 +140,10 @@ def test_traces_taken_ahead_by_another_process_are_read_back_as_the_search_would
                                                                                             monkeypatch):
     """`traced_ahead` traces the powers of two up to the one above the rows asked for (the chord's ends), in a
     process of its own, into the disk cache; the search then reads them there: with the tracer made to fail, a
-    5-row estimate (the chord of 4 and 8 rows) equals one traced here with no cache at all."""
+    5-row estimate (the chord of 4 and 8 rows) equals one traced here with no cache at all. The tracer forks from
+    a server started before the cache was chosen (as in a notebook that planned before): it writes where the
+    planner reads all the same."""
+    multiprocessing.forkserver.ensure_running()
     kw = dict(prompt_len=24, response_len=8, dtype=torch.float32, optim={"lr": 1e-6})
     monkeypatch.setenv(ENV, "")
     want = micro_batch_memory(deep_model_dir, kind="train", micro=5, **kw)

@@ -7,8 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +80,14 @@ def run_recipe(config: Path, *overrides: str, nproc: int = 1, timeout: float = 6
 
     ``torchrun`` (or ``max_restarts``, torchrun's ``--max-restarts``): ``python recipes/ppo.py`` (one process)
     or torchrun, exactly. Otherwise the ranks are forked from a process that imported the recipe once
-    (`warm_processes`, what most tests use: it saves each rank ~9-15 s of imports) and rendezvous as ``srun``
-    starts them; their outputs are joined in rank order, and a failed rank ends the others as torchrun does.
+    (`warm_processes.run_forked`, what most tests use: it saves each rank ~9-15 s of imports) and rendezvous as
+    ``srun`` starts them; their outputs are joined in rank order, and a failed rank ends the others as torchrun
+    does.
     """
     if not torchrun and not max_restarts:
-        env = {} if nproc == 1 else {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port(span=2))}
-        ranks = [_rank_env(**env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc > 1 else {}))
-                 for r in range(nproc)]
-        return _forked(["--config", str(config), *overrides], ranks, cwd, timeout, end_all_on_failure=True)
+        ranks = warm_processes.one_node(nproc, _rank_env(), free_port(span=2))
+        return warm_processes.run_forked(["--config", str(config), *overrides], ranks, cwd, timeout,
+                                         end_all_on_failure=True)
     if nproc == 1 and not max_restarts:
         cmd = [sys.executable, str(RECIPE)]
     else:
@@ -108,51 +105,9 @@ def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: floa
     ranks = [_rank_env(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                        GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
              for rank in range(nproc)]
-    return _forked(["--config", str(config), *overrides], ranks, ROOT, timeout, end_all_on_failure=False,
+    return warm_processes.run_forked(["--config", str(config), *overrides], ranks, ROOT, timeout,
+                                     end_all_on_failure=False,
                    joined=False)
-
-
-def _forked(argv: list[str], envs: list[dict[str, str]], cwd: Path, timeout: float, *, end_all_on_failure: bool,
-            joined: bool = True):
-    """Start one forked rank per environment (`warm_processes.start_recipe_rank`) and wait for all of them (killed past
-    ``timeout``, which then raises `subprocess.TimeoutExpired` as `subprocess.run` does). ``end_all_on_failure``:
-    once a rank fails, the others are stopped (SIGTERM, then SIGKILL), as torchrun's agent does. Returns the
-    ranks' outputs joined in rank order with the first failed rank's exit code (``joined``), or one answer per
-    rank."""
-    from warm_processes import start_recipe_rank
-
-    with tempfile.TemporaryDirectory(prefix="recipe-ranks-") as tmp:
-        files = [(Path(tmp) / f"{rank}.out", Path(tmp) / f"{rank}.err") for rank in range(len(envs))]
-        for path in (p for pair in files for p in pair):
-            path.touch()  # a rank that fails before its redirect (it cannot start) leaves them empty
-        procs = [start_recipe_rank(argv, env, cwd, out, err) for env, (out, err) in zip(envs, files)]
-        deadline, stopping_since, first_failure = time.monotonic() + timeout, None, 0
-        try:
-            while running := [p for p in procs if p.exitcode is None]:
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(["recipes/ppo.py", *argv], timeout)
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                first_failure = first_failure or (failed[0] if failed else 0)
-                if end_all_on_failure and failed and stopping_since is None:
-                    stopping_since = time.monotonic()
-                    for p in running:
-                        p.terminate()
-                if stopping_since is not None and time.monotonic() - stopping_since > 10:
-                    for p in running:
-                        p.kill()
-                running[0].join(timeout=0.2)
-        finally:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-                p.join()
-        answers = [subprocess.CompletedProcess(argv, p.exitcode, out.read_text(), err.read_text())
-                   for p, (out, err) in zip(procs, files)]
-    if not joined:
-        return answers
-    code = first_failure or next((a.returncode for a in answers if a.returncode != 0), 0)
-    return subprocess.CompletedProcess(argv, code, "".join(a.stdout for a in answers),
-                                       "".join(a.stderr for a in answers))
 
 
 def metrics_of(output_dir: Path) -> list[dict[str, Any]]:

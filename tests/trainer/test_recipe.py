@@ -34,7 +34,8 @@ def test_recipe_ranks_fork_from_a_server_that_imported_the_recipe():
     then every rank imports torch, transformers and the recipe again."""
     import warm_processes
 
-    probe = warm_processes.WARM.Process(target=exec, args=("import sys; sys.exit(0 if 'recipes.ppo' in sys.modules else 3)",))
+    probe = warm_processes.WARM.Process(target=exec,
+                                        args=("import sys; sys.exit(0 if 'recipes.ppo' in sys.modules else 3)",))
     probe.start()
     probe.join(timeout=300)
     assert probe.exitcode == 0, "the forkserver did not preload the recipe"

@@ -1,4 +1,4 @@
-"""Test helpers for the worker tests: spawn gloo ranks with a timeout, and build synthetic rollout batches."""
+"""Test helpers for the worker tests: start gloo ranks with a timeout, and build synthetic rollout batches."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchrlhf.data import Batch
+
+import warm_processes  # a sibling, as this module is to its importers
 
 
 # Ports for the stores the tests start themselves, below the kernel's ephemeral range (32768-60999 on Linux),
@@ -61,9 +63,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; fail (never hang) past ``timeout``."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fail (never hang) past ``timeout``.
+
+    The ranks fork from the warm forkserver (`warm_processes`), which has imported torch and torchrlhf once,
+    and take the test's ``sys.path`` as spawned ones would."""
+    warm_processes.start_server()
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
-                             start_method="spawn")
+                             start_method="forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,7 +45,9 @@ def generations(model_dir: str, answers: list[str]) -> Batch:
 @pytest.fixture(autouse=True)
 def fresh_script(monkeypatch):
     ScriptedEngine.calls, ScriptedEngine.clock, ScriptedEngine.seconds_per_call = [], [0.0], 0.0
-    monkeypatch.setattr("torchrlhf.workers.judge.time.monotonic", lambda: ScriptedEngine.clock[0])
+    # the judge's clock only: patching ``time.monotonic`` itself froze every clock of the process (a
+    # multiprocessing wait with timeout 0 then never ends, since its deadline is never passed)
+    monkeypatch.setattr("torchrlhf.workers.judge.time", SimpleNamespace(monotonic=lambda: ScriptedEngine.clock[0]))
 
 
 def test_question_is_the_last_user_message():

@@ -1,7 +1,8 @@
 """The rollout role with every engine, colocated (hybrid engine) and split (weights broadcast to its own ranks).
 
 Each case is a real job (tests/workers/rollout_scenarios.py, lora_scenarios.py): one process for colocated,
-torchrun with 3 ranks (actor on rank 0, rollout on ranks 1 and 2) for split placement. A split job checks
+3 ranks with torchrun's variables (actor on rank 0, rollout on ranks 1 and 2) for split placement, forked from
+a process that imported torch and torchrlhf once (`warm_processes`). A split job checks
 several things in turn (it ends with a dying rollout rank; a LoRA job syncs directly, then through the
 asynchronous relay): each start of one costs an engine start on every rollout rank.
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_helpers import free_port
+import warm_processes
 
 from torchrlhf.generation import vllm_available
 
@@ -37,19 +39,16 @@ def model_dir(tmp_path_factory) -> str:
                                hidden_size=128, head_dim=32))
 
 
-def _run(nproc: int, *args: str, timeout: float = 300, monitor_interval: float | None = None,
+def _run(nproc: int, *args: str, timeout: float = 300, grace: float = 0.0,
          script: Path = SCENARIOS) -> subprocess.CompletedProcess:
-    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in torchrun_vars}
-    env.update(OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if monitor_interval is not None:
-            cmd.append(f"--monitor-interval={monitor_interval}")
-    return subprocess.run([*cmd, str(script), *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    """``python script args`` (one process) or its ranks as torchrun starts them, forked warm
+    (`warm_processes`); ``grace``: seconds a failed rank leaves the others before they are stopped."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    envs = warm_processes.one_node(nproc, env, free_port(span=2))
+    return warm_processes.run_forked(list(args), envs, ROOT, timeout, script=script, end_all_on_failure=True,
+                                     grace=grace)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -61,9 +60,9 @@ def test_next_colocated_rollout_uses_the_updated_weights(model_dir, engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_split_rollout_gets_broadcast_weights_and_a_dying_rank_ends_the_job_naming_it(model_dir, engine):
-    # torchrun would tear the job down as soon as it sees the dead rank, racing the controller's report:
-    # a slow monitor lets the controller (the runtime, not torchrun) be the one that notices and ends it.
-    p = _run(3, "split", engine, model_dir, timeout=300, monitor_interval=20)  # a hang: TimeoutExpired
+    # torchrun would tear the job down as soon as it sees the dead rank, racing the controller's report: a
+    # grace as long as a slow monitor's lets the controller (the runtime, not torchrun) notice and end it.
+    p = _run(3, "split", engine, model_dir, timeout=300, grace=20)  # a hang: TimeoutExpired
     out = p.stdout + p.stderr
     assert "ALL PASSED" in p.stdout and "PASS weights went by bucketed broadcast" in p.stdout, out[-6000:]
     assert "PASS a dead rollout rank is named" in p.stdout, out[-6000:]

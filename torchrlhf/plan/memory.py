@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import multiprocessing
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -208,7 +209,9 @@ def dense_traces(model_path: str, kinds: tuple[str, ...], max_rows: int, *, prom
     return [(path, kind, setting, r) for r in rows for kind, setting in settings for path in paths]
 
 
-def _trace_each(traces: list[tuple]) -> None:
+def _trace_each(traces: list[tuple], environ: dict[str, str]) -> None:
+    os.environ.clear()  # the planner's, as a spawned process would have it (a forkserver's dates from its start)
+    os.environ.update(environ)
     torch.set_num_threads(1)
     for args in traces:
         _dense(*args)
@@ -224,7 +227,11 @@ def traced_ahead(traces: list[tuple]) -> Iterator[multiprocessing.process.BasePr
     if plan_cache_root() is None or not traces:
         yield None
         return
-    process = multiprocessing.get_context("spawn").Process(target=_trace_each, args=(traces,), daemon=True)
+    # forkserver where there is one: a process that plans again (a test, a notebook) forks its tracer from a
+    # server that has imported torch already, instead of paying the imports at every plan as spawn would
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    process = multiprocessing.get_context(method).Process(target=_trace_each, args=(traces, dict(os.environ)),
+                                                          daemon=True)
     process.start()
     try:
         yield process
