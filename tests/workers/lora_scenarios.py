@@ -26,7 +26,7 @@ from rollout_scenarios import ACTOR_KW, GREEDY, check, prompts, training_batch  
 
 from torchrlhf.data import Batch  # noqa: E402
 from torchrlhf.rollouts import Replicas, WeightSync  # noqa: E402
-from torchrlhf.runtime import colocate, launch, local_worker  # noqa: E402
+from torchrlhf.runtime import colocate, launch, local_worker, set_stall_timeout  # noqa: E402
 from torchrlhf.workers import ActorWorker, RolloutWorker  # noqa: E402
 
 # Not every projection: the rollout side must complete vLLM's fused q/k/v from the base.
@@ -93,4 +93,5 @@ def main(mode: str, engine_component: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    set_stall_timeout(240)  # a hung call ends the job with every rank's stack, before the test's timeout
     launch(main, *sys.argv[1:4])

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from torchrlhf.data import Batch
 from torchrlhf.generation import SamplingParams
 from torchrlhf.rollouts import Replicas, WeightSync
-from torchrlhf.runtime import Dispatch, WorkerError, colocate, launch, local_worker, register
+from torchrlhf.runtime import Dispatch, WorkerError, colocate, launch, local_worker, register, set_stall_timeout
 from torchrlhf.workers import ActorWorker, RolloutWorker
 from torchrlhf.workers.microbatch import Batching
 
@@ -122,4 +122,5 @@ def main(mode: str, engine_component: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    set_stall_timeout(240)  # a hung call ends the job with every rank's stack, before the test's timeout
     launch(main, *sys.argv[1:4])

@@ -97,6 +97,9 @@ def run_forked(argv: list[str], envs: list[dict[str, str]], cwd: Path, timeout: 
         try:
             while running := [p for p in procs if p.exitcode is None]:
                 if time.monotonic() > deadline:
+                    for rank, (out, err) in enumerate(files):  # what the ranks said: where it hung
+                        said = out.read_text()[-3000:] + err.read_text()[-6000:]
+                        print(f"--- rank {rank} before the timeout:\n{said}", file=sys.stderr)
                     raise subprocess.TimeoutExpired([str(script), *argv], timeout)
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 first_failure = first_failure or (failed[0] if failed else 0)
