@@ -64,6 +64,7 @@ def start_rank(argv: list[str], env: dict[str, str], cwd: Path, stdout: Path, st
                ) -> multiprocessing.process.BaseProcess:
     """Start one rank of ``python <script> <argv>`` (the recipe unless told) with environment ``env`` (the
     whole of it) in ``cwd``, its output written to the files ``stdout`` and ``stderr``."""
+    start_server()  # a no-op once it runs; a test file run alone may come here first
     process = WARM.Process(target=_rank_main, args=(str(script), argv, env, str(cwd), str(stdout), str(stderr)),
                            name=f"{script.stem}-rank-{env.get('RANK', '0')}")
     process.start()
