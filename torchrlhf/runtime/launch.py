@@ -165,8 +165,9 @@ def agreed_attempt(store: dist.Store, rank: int, world: int, timeout: timedelta 
     if rank != 0:
         while time.monotonic() < deadline:
             store.set(f"torchrlhf/nonce/{rank}", nonce)
-            if store.check([f"torchrlhf/ack/{rank}"]):
-                seen, _, name = store.get(f"torchrlhf/ack/{rank}").decode().partition(":")
+            ack = _peek(store, f"torchrlhf/ack/{rank}")
+            if ack is not None:
+                seen, _, name = ack.partition(":")
                 if seen == nonce:
                     store.set(f"torchrlhf/confirm/{rank}", nonce)
                     return name
@@ -179,20 +180,31 @@ def agreed_attempt(store: dist.Store, rank: int, world: int, timeout: timedelta 
     pending = set(range(1, world))
     while pending:
         for other in sorted(pending):
-            if not store.check([f"torchrlhf/nonce/{other}"]):
+            theirs = _peek(store, f"torchrlhf/nonce/{other}")
+            if theirs is None:
                 continue
-            theirs = store.get(f"torchrlhf/nonce/{other}").decode()
             if answered.get(other) != theirs:
                 store.set(f"torchrlhf/ack/{other}", f"{theirs}:{nonce}")
                 answered[other] = theirs
-            if store.check([f"torchrlhf/confirm/{other}"]) and \
-                    store.get(f"torchrlhf/confirm/{other}").decode() == theirs:
+            if _peek(store, f"torchrlhf/confirm/{other}") == theirs:
                 pending.discard(other)
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"rank 0: ranks {sorted(pending)} did not reach the rendezvous within {timeout}")
         if pending:
             time.sleep(poll_s)
     return nonce
+
+
+def _peek(store: dist.Store, key: str) -> str | None:
+    """The value at ``key``, or None when there is none, without waiting. A check and then a get blocked once in
+    the suite: rank 1 waited in the get of an ack the store no longer held (rank 0's clean-up is the one
+    delete), rank 0 for a nonce rank 1 no longer rewrote, until the store's timeout. One atomic compare-and-set
+    that sets nothing reads it."""
+    value = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if value == _ABSENT else value
+
+
+_ABSENT = "\0absent"
 
 
 dist.register_rendezvous_handler(_ATTEMPT_SCHEME, _attempt_store_rendezvous)
