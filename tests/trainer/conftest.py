@@ -106,8 +106,7 @@ def run_recipe_per_rank(config: Path, *overrides: str, nproc: int, timeout: floa
                        GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
              for rank in range(nproc)]
     return warm_processes.run_forked(["--config", str(config), *overrides], ranks, ROOT, timeout,
-                                     end_all_on_failure=False,
-                   joined=False)
+                                     end_all_on_failure=False, joined=False)
 
 
 def metrics_of(output_dir: Path) -> list[dict[str, Any]]:

@@ -195,6 +195,9 @@ def agreed_attempt(store: dist.Store, rank: int, world: int, timeout: timedelta 
     return nonce
 
 
+_ABSENT = "\0absent"  # no key's value: what `_peek` compares against, so its compare-and-set never sets
+
+
 def _peek(store: dist.Store, key: str) -> str | None:
     """The value at ``key``, or None when there is none, without waiting. A check and then a get blocked once in
     the suite: rank 1 waited in the get of an ack the store no longer held (rank 0's clean-up is the one
@@ -202,9 +205,6 @@ def _peek(store: dist.Store, key: str) -> str | None:
     that sets nothing reads it."""
     value = store.compare_set(key, _ABSENT, _ABSENT).decode()
     return None if value == _ABSENT else value
-
-
-_ABSENT = "\0absent"
 
 
 dist.register_rendezvous_handler(_ATTEMPT_SCHEME, _attempt_store_rendezvous)
