@@ -142,3 +142,77 @@ def test_a_manifest_that_is_not_ours_starts_the_kernels_afresh(tmp_path, monkeyp
         compile_cache.enable_compile_cache.cache_clear()
     assert "manifest is unreadable" in caplog.text
     assert not (path / "inductor" / "a").exists() and not (path / "manifest.json").exists()
+
+
+# A method compiled ahead in a fresh process: prints its results on two shapes, how many times this process
+# compiled it, and the compile cache's log.
+MODULE = textwrap.dedent("""
+    import torch
+    SCALE = {scale}
+    class Step:
+        def __init__(self):
+            self.weight = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+        def step(self, x, n: int):
+            return (x @ self.weight.T).sin().mul(SCALE).relu().sum(-1) * n
+""")
+CHILD_AHEAD = textwrap.dedent("""
+    import json, logging, torch
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from torchrlhf.utils import compile_cache
+    from aheadmod import Step
+    compiles = []
+    compile_ = compile_cache._CompiledAhead._compile
+    compile_cache._CompiledAhead._compile = lambda self, *a: compiles.append(1) or compile_(self, *a)
+    f = compile_cache.compile_ahead(Step().step, "step", dynamic=True)
+    outs = [f(torch.linspace(-2, 2, 6 * rows).view(rows, 6), n).tolist() for rows, n in ((4, 2), (7, 3))]
+    print(json.dumps({"outs": outs, "compiles": len(compiles)}))
+""")
+
+
+def reference_step(scale: float) -> list[list[float]]:
+    import torch
+
+    weight = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    return [((torch.linspace(-2, 2, 6 * rows).view(rows, 6) @ weight.T).sin() * scale).relu().sum(-1).mul(n).tolist()
+            for rows, n in ((4, 2), (7, 3))]
+
+
+def test_a_function_compiled_ahead_is_loaded_by_the_next_process_unless_its_code_or_file_changed(tmp_path):
+    """`compile_ahead` saves Dynamo's whole compilation: the second process runs it without compiling (both shapes,
+    one dynamic variant). A changed module constant, which Dynamo's saved guards do not cover, makes it compile
+    again, and so does a truncated or unreadable file: the results are always the code's own."""
+    root, code = tmp_path / "compile", tmp_path / "code"
+    code.mkdir()
+    module = code / "aheadmod.py"
+    module.write_text(MODULE.format(scale=3.0))
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(TORCHRLHF_COMPILE_CACHE=str(root), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join([str(code), env.get("PYTHONPATH", "")]))
+
+    def run() -> tuple[dict, str]:
+        out = subprocess.run([sys.executable, "-c", CHILD_AHEAD], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+    def close(outs, expected) -> bool:
+        return all(a == pytest.approx(b, abs=1e-4) for a, b in zip(outs, expected, strict=True))
+
+    first, _ = run()
+    assert first["compiles"] == 1 and close(first["outs"], reference_step(3.0))
+    saved = list(root.rglob("ahead/step-*/*.bin"))
+    assert len(saved) == 1
+    second, _ = run()
+    assert second["compiles"] == 0, "the second process compiled again instead of loading the saved function"
+    assert second["outs"] == first["outs"]
+
+    module.write_text(MODULE.format(scale=4.25))  # outside the traced lines: only the module's text tells
+    third, log = run()
+    assert third["compiles"] == 1 and close(third["outs"], reference_step(4.25))
+    assert "traced from code that has changed since" in log
+
+    (saved := list(root.rglob("ahead/step-*/*.bin")))[0].write_bytes(b"")  # recorded at exit: the manifest tells
+    (saved[0].parent / "9-1.bin").write_bytes(b"not a pickle")  # never recorded: loading it fails
+    fourth, log = run()
+    assert fourth["compiles"] == 1 and close(fourth["outs"], reference_step(4.25))
+    assert "file(s) changed since they were written" in log and "could not load" in log and "9-1.bin" in log

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -54,22 +53,15 @@ from torchrlhf.models.expert_parallel import split_experts_over_tp
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.moe import install_routers, routers
 from torchrlhf.models.parallelize import BLOCK_TP_PLAN
-from torchrlhf.utils.compile_cache import enable_compile_cache
+from torchrlhf.utils.compile_cache import compile_ahead
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
 
 def _compiled_decode(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``decode`` through ``torch.compile``, traced once for every span >= 2 (the engine never steps fewer
-    slots when compiled): without duck sizing a span equal to the cache's slot count is no special case,
-    which would cost another compilation (tens of seconds) the first time the span differs."""
-    enable_compile_cache()
-    compiled = torch.compile(decode, dynamic=True)
-
-    def step(*args: Any) -> torch.Tensor:
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled(*args)
-
-    return step
+    slots when compiled; `compile_ahead` traces sizes without duck sizing), and saved: a second process on
+    this machine loads the step instead of tracing every layer again."""
+    return compile_ahead(decode, "decode", dynamic=True)
 
 
 def _decode_kernel(choice: str, device: torch.device) -> bool:

@@ -6,8 +6,10 @@ which containers and reboots empty. `enable_compile_cache` points those caches a
 and machine under ``$TORCHRLHF_COMPILE_CACHE`` (default ``~/.cache/torchrlhf/compile``); an empty value leaves
 torch's defaults alone, and so does a ``TORCHINDUCTOR_CACHE_DIR`` the user set.
 
-A second run then traces with Dynamo and AOTAutograd again (torch 2.13 caches neither trace) and loads the
-compiled kernels instead of generating and building them. Each directory holds a stamp (torch version, CPU model,
+A second run of a plain ``torch.compile`` then traces with Dynamo and AOTAutograd again (torch 2.13 caches neither
+trace) and loads the compiled kernels instead of generating and building them. `compile_ahead` goes further for a
+hot function (the engine's decode step): Dynamo's ``aot_compile`` saves the whole compiled function, graph and
+guards, under the same directory, and a second process loads it without tracing at all. Each directory holds a stamp (torch version, CPU model,
 CUDA device): a cache whose stamp is missing or another machine's is started afresh with one warning, and
 directories of other torch versions or machines beside it are never read, only named in one log line. A corrupt
 file costs a recompilation, never a crash or a wrong result: a process records the size and hash of every cache
@@ -22,12 +24,15 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,4 +182,127 @@ def enable_compile_cache() -> Path | None:
     return path
 
 
-__all__ = ["ENV", "compile_cache_root", "enable_compile_cache", "machine_stamp"]
+AHEAD = "ahead"  # compile_ahead's saved functions, one folder per name and call fingerprint
+MAX_AHEAD = 8  # saved variants per folder (Dynamo's own recompile limit is 8 too)
+
+
+def _fingerprint(args: tuple) -> str:
+    """What an argument list looks like to the guards that matter most (every tensor's dtype, rank and device, a
+    module's parameters' shapes): calls that differ here are compiled into different folders, so a process loads
+    only the variants it may use. The saved guards still decide."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"T{a.dtype}{a.dim()}{a.device.type}")
+        elif isinstance(a, (list, tuple)):
+            parts.append(f"[{_fingerprint(tuple(a))}]")
+        elif isinstance(a, torch.nn.Module):
+            parts.append(";".join(f"{n}{tuple(p.shape)}{p.dtype}" for n, p in a.named_parameters()))
+        elif hasattr(a, "__dict__"):  # an object whose method is compiled: its tensors and modules
+            held = tuple(v for v in vars(a).values() if isinstance(v, (torch.Tensor, torch.nn.Module)))
+            parts.append(f"{type(a).__qualname__}({_fingerprint(held)})")
+        else:
+            parts.append(type(a).__name__)
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _sources_unchanged(fn: Any) -> bool:
+    """Whether every module the saved function traced code of (ours, transformers', torch's) still reads as it did:
+    a saved graph of edited code would run the old code, silently. Whole modules, not the traced lines only:
+    Dynamo does not save its guards on globals, so a changed module constant is a change too."""
+    for source in fn.source_info().inlined_sources:
+        try:
+            if inspect.getsource(importlib.import_module(source.module)) != source.content:
+                return False
+        except (ImportError, OSError, TypeError):
+            return False
+    return True
+
+
+def _no_duck_sizing() -> contextlib.AbstractContextManager:
+    """Sizes traced as separate symbols even where equal (a decode span equal to the slot count is no special
+    case, which would cost another compilation the first time they differ)."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
+class _CompiledAhead:
+    """`compile_ahead`'s callable: the saved variants whose guards pass, else a new one compiled and saved."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, dynamic: bool | None):
+        self.fn, self.name, self.dynamic = fn, name, dynamic
+        self.owner = getattr(fn, "__self__", None)  # a bound method's object: the traced function's first argument
+        self.variants: list[Any] = []
+        self.loaded = False  # the saved variants are read at the first call, which fingerprints the arguments
+        self.folder: Path | None = None  # where this call's variants are saved; None without a compile cache
+        self.fallback: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            with _no_duck_sizing():
+                return self.fallback(*args)
+        full = args if self.owner is None else (self.owner, *args)
+        if not self.loaded:
+            self._load(full)
+        for variant in self.variants:
+            if variant.guard_check(*full):
+                return variant.fn(*full)
+        if self.variants and torch._dynamo.config.error_on_recompile:
+            raise RuntimeError(f"compile_ahead({self.name!r}): no saved variant's guards pass, and "
+                               f"torch._dynamo.config.error_on_recompile is set")
+        return self._compile(args, full)
+
+    def _load(self, full: tuple) -> None:
+        self.loaded = True
+        root = enable_compile_cache()
+        if root is None:
+            return
+        self.folder = root / AHEAD / f"{self.name}-{_fingerprint(full)}"
+        for path in sorted(self.folder.glob("*.bin")):
+            try:
+                with open(path, "rb") as f:
+                    variant = torch.compiler.load_compiled_function(f)
+                if _sources_unchanged(variant):
+                    self.variants.append(variant)
+                else:
+                    log.info("compile cache: %s was traced from code that has changed since; compiling again", path)
+                    path.unlink()
+            except Exception as e:  # a cache is only a cache: a file it cannot load is compiled again
+                log.warning("compile cache: could not load %s (%s: %s); compiling again", path, type(e).__name__, e)
+                path.unlink(missing_ok=True)
+
+    def _compile(self, args: tuple, full: tuple) -> Any:
+        try:
+            with _no_duck_sizing(), torch._dynamo.config.patch(specialize_float=True):  # aot_compile cannot
+                # restart a trace, which a float made a tensor would ask for
+                variant = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True).aot_compile((args, {}))
+        except Exception as e:  # not every graph can be compiled ahead yet (the API is experimental)
+            log.warning("compile_ahead(%r): Dynamo's aot_compile failed (%s: %s); using torch.compile, whose trace "
+                        "is not saved", self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.fallback = torch.compile(self.fn, dynamic=self.dynamic)
+            with _no_duck_sizing():
+                return self.fallback(*args)
+        self.variants.append(variant)
+        if self.folder is not None and len(list(self.folder.glob("*.bin"))) < MAX_AHEAD:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                variant.save_compiled_function(str(self.folder / f"{len(self.variants) - 1}-{os.getpid()}.bin"))
+            except Exception as e:  # unpicklable state (say, a process group): this process keeps it in memory
+                log.warning("compile_ahead(%r): could not save the compiled function (%s: %s)", self.name,
+                            type(e).__name__, e)
+        return variant.fn(*full)
+
+
+def compile_ahead(fn: Callable[..., Any], name: str, *, dynamic: bool | None = None) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=dynamic)`` whose whole compilation is saved in this machine's compile cache and
+    loaded by the next process: Dynamo's trace and guards, AOTAutograd's graph and inductor's code. ``name`` names
+    its folder. The graph must need no graph break (it is compiled with ``fullgraph=True``); where Dynamo's
+    ``aot_compile`` fails, it is a plain ``torch.compile`` with one warning.
+
+    A saved variant is used only where its guards pass on the call's arguments and every source line it traced is
+    unchanged; otherwise another variant is compiled and saved. The files are pickles that name code to import, as
+    inductor's cached modules are code it runs: keep the cache directory as private as the code itself."""
+    enable_compile_cache()
+    return _CompiledAhead(fn, name, dynamic)
+
+
+__all__ = ["ENV", "compile_ahead", "compile_cache_root", "enable_compile_cache", "machine_stamp"]
