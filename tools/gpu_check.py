@@ -15,6 +15,10 @@ Checks (each a subprocess, so one failing or hanging does not stop the others):
   and the fraction of the memory bound (weights + KV bytes per step at the measured copy bandwidth), with the
   decode step compiled (``NativeEngine(compile=True)``) against uncompiled, each engine's warm-up, and the
   uncompiled step with the decode attention kernel against SDPA.
+- ``warmup`` (with ``--models DIR`` holding ``1b``): the decode-1b engine's warm-up (construction and first
+  ``generate``, graphs captured) uncompiled, compiled against an empty compile cache, and compiled again in a
+  fresh process that loads the saved step (``tools/bench/bench_warmup.py``): the second compiled warm-up over
+  the uncompiled one is issue 60's ``<= 1.3x`` target.
 - ``agent`` (with ``--models DIR`` holding ``smol``): multi-turn agent decode (turns of about 25 tokens, 64
   trajectories) against single-turn decode on the same engine and batch (``tools/bench/bench_agent.py``).
 - ``recipe`` and ``actor-update``: the GRPO recipe at world size 1 on SmolLM2-135M for a few steps with a
@@ -68,6 +72,9 @@ DECODE_1B = ["tools/bench/bench_generate.py", "--device", "cuda", "--dtype", "bf
 # issue 38's agent row: multi-turn decode against single-turn on the same engine and batch (random smol weights)
 AGENT = ["tools/bench/bench_agent.py", "--device", "cuda", "--dtype", "bfloat16", "--trajectories", "64", "--n", "1",
          "--turns", "8", "--stop-every", "25", "--max-tokens", "256", "--repeats", "2"]
+# issue 60's warm-up row: the decode-1b engine's first generate, uncompiled, compiled, and compiled again (loaded)
+WARMUP = ["tools/bench/bench_warmup.py", "--parts", "decode", "--device", "cuda", "--dtype", "bfloat16", "--batch", "128",
+          "--new-tokens", "256"]
 RECIPE_STEPS = 3
 # name -> (model folder under --models, micro-batch, extra overrides): the training rows (issue figures' shapes)
 TRAIN_ROWS = {
@@ -128,6 +135,9 @@ def checks(output_dir: str, vllm_ok: bool, models: str | None = None, profile_di
     ]
     if vllm_ok:
         found.insert(2, Check("vllm", "the same bench with vLLM beside it", [py, *BENCH, "--vllm"], 240))
+    if models is not None and (Path(models) / "1b").is_dir():
+        found.append(Check("warmup", "decode-1b engine warm-up: uncompiled, compiled, compiled again (loaded)",
+                           [py, *WARMUP, "--model", str(Path(models) / "1b")], 360))
     if models is not None and (Path(models) / "smol").is_dir():
         found.append(Check("agent", "multi-turn agent decode vs single-turn, smol shape, 64 trajectories",
                            [py, *AGENT, "--model", str(Path(models) / "smol")], 240))
@@ -212,6 +222,16 @@ def _figure_of_agent(out: str) -> str:
     return text
 
 
+def _figure_of_warmup(out: str) -> str:
+    """bench_warmup's three warm-ups and its ratio (second compiled / uncompiled)."""
+    runs = dict(re.findall(r"^\s+(uncompiled|first compiled|second compiled)\s+([\d.]+)\s", out, re.MULTILINE))
+    ratio = re.search(r"ratio ([\d.]+)x", out)
+    if len(runs) != 3 or not ratio:
+        return ""
+    return (f"warm-up uncompiled {runs['uncompiled']} s, compiled {runs['first compiled']} s, compiled again "
+            f"{runs['second compiled']} s: {ratio.group(1)}x")
+
+
 def _figures_of_recipe(output_dir: str) -> tuple[str, str]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -263,7 +283,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=None,
-                        help="run these checks only, in this order (cuda-tests, generate, vllm, decode-1b, agent, recipe, "
+                        help="run these checks only, in this order (cuda-tests, generate, vllm, decode-1b, warmup, agent, recipe, "
                              "actor-update, train-1b, train-1b-compile, train-1b-lora, train-3b, train-moe-1b)")
     parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting checks after this many seconds")
     parser.add_argument("--models", default=None, help="a folder with random-weight models 1b and 3b (training rows); "
@@ -308,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(Result(check.name, result, ", ".join(counts)))
             elif check.name == "agent":
                 results.append(Result(check.name, result, _figure_of_agent(out)))
+            elif check.name == "warmup":
+                results.append(Result(check.name, result, _figure_of_warmup(out)))
             elif check.name in ("generate", "vllm", "decode-1b"):
                 results.append(Result(check.name, result, _figure_of_bench(out, check.name == "vllm")))
             elif check.name.startswith("make-"):

@@ -68,6 +68,14 @@ def test_figures_come_from_the_bench_table_and_the_run_metrics(tmp_path):
              "native: agent / single-turn = 0.20x (model tokens per second)\n")
     assert tool._figure_of_agent(agent) == ("agent 2946 tok/s (7.84 turns), single-turn 14900 tok/s: 0.20x; decode "
                                             "steps 320 (41 riding, eager; 2 extends) against 188 single-turn")
+    warmup = ("decode:              run  warm-up s  steady s\n"  # bench_warmup's own lines (a CPU run's)
+              "              uncompiled        3.1      2.16\n"
+              "          first compiled      104.2      1.94\n"
+              "         second compiled        5.0      1.95\n"
+              "decode: first compiled / uncompiled 33.36x; second compiled / uncompiled: ratio 1.60x\n")
+    assert tool._figure_of_warmup(warmup) == ("warm-up uncompiled 3.1 s, compiled 104.2 s, compiled again 5.0 s: "
+                                              "1.60x")
+    assert tool._figure_of_warmup(warmup.split("decode: first")[0]) == ""  # a run cut short: no figure
     rows = [{"step": s, "timing_s/step": 2.0 + s, "critic/score/mean": 0.25, "timing_s/update_actor": 0.5,
              "actor/grad_norm": 1.5} for s in range(1, tool.RECIPE_STEPS + 1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -6,7 +6,8 @@ Three runs per part, each a new Python process:
 - ``first compiled``: with compilation, against an empty compile cache (`torchrlhf.utils.compile_cache`);
 - ``second compiled``: the same again, reading the cache the first run wrote.
 
-Parts (SmolLM2-135M's architecture with random weights, fp32):
+Parts (SmolLM2-135M's architecture with random weights, fp32, unless ``--model``, ``--device`` and ``--dtype``
+say otherwise; a CUDA device runs the decode part only, its first ``generate`` capturing the CUDA graphs):
 
 - ``decode``: `NativeEngine(compile=True)` built, then its first ``generate`` (``--batch`` prompts x
   ``--new-tokens`` tokens; the compiled decode step, ``rollout.engine.compile``);
@@ -18,6 +19,8 @@ compiled, so it has no compile warm-up to measure. Each part prints the three wa
 second call in each run, and ``ratio N.NNx``: second compiled warm-up / uncompiled warm-up.
 
     python tools/bench/bench_warmup.py [--parts decode blocks] [--threads 2]
+    python tools/bench/bench_warmup.py --parts decode --device cuda --dtype bfloat16 --model DIR --batch 128 \
+        --new-tokens 256    # tools/gpu_check.py's warmup row
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import make_prompts, random_model  # noqa: E402
+from bench_generate import _sync, make_prompts, random_model  # noqa: E402
 from bench_train import SHAPES, actor_step, group_rollouts, shape_batch  # noqa: E402
 
 RUNS = ("uncompiled", "first compiled", "second compiled")
@@ -43,15 +46,18 @@ RUNS = ("uncompiled", "first compiled", "second compiled")
 def decode_part(path: str, compile: bool, args: argparse.Namespace) -> tuple[float, float]:
     from torchrlhf.generation import NativeEngine, SamplingParams
 
+    device = torch.device(args.device)
     start = time.perf_counter()
     engine = NativeEngine(path, max_batch_size=args.batch, max_seq_len=64 + args.new_tokens, prefix_cache=False,
-                          compile=compile)
-    prompts = make_prompts(None, args.batch)
+                          compile=compile, device=device, dtype=getattr(torch, args.dtype))
+    prompts = make_prompts(None, args.batch, device)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=args.new_tokens, ignore_eos=True)
     engine.generate(prompts, params)
+    _sync(device)
     warmup = time.perf_counter() - start
     start = time.perf_counter()
     engine.generate(prompts, params)
+    _sync(device)
     return warmup, time.perf_counter() - start
 
 
@@ -78,7 +84,8 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(part: str, model: str, compile: bool, cache: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", part, "--model", model, "--threads", str(args.threads),
-           "--batch", str(args.batch), "--new-tokens", str(args.new_tokens)] + (["--compile"] if compile else [])
+           "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--device", args.device,
+           "--dtype", args.dtype] + (["--compile"] if compile else [])
     env = dict(os.environ, TORCHRLHF_COMPILE_CACHE=cache, OMP_NUM_THREADS=str(args.threads))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -93,16 +100,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="decode: prompts per generate")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode: tokens per prompt")
+    parser.add_argument("--device", default="cpu", help="decode: the engine's device")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="decode: the engine's dtype")
+    parser.add_argument("--model", help="decode: a model folder to load (default: SmolLM2's shape, random weights)")
     parser.add_argument("--child", choices=sorted(PARTS), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
-    print(f"torch {torch.__version__}, {args.threads} threads; SmolLM2-135M shape, random weights, fp32")
+    if args.device != "cpu" and args.parts != ["decode"]:
+        parser.error("on a device other than the CPU, only --parts decode runs")
+    what = args.model or "SmolLM2-135M shape, random weights"
+    print(f"torch {torch.__version__}, {args.device}, {args.threads} threads; {what}, {args.dtype}")
     with tempfile.TemporaryDirectory(prefix="bench_warmup_") as tmp:
-        model = str(Path(tmp) / "model")
-        random_model("smol", model, torch.float32)
+        model = args.model or str(Path(tmp) / "model")
+        if args.model is None:
+            random_model("smol", model, torch.float32)
         for part in args.parts:
             cache = str(Path(tmp) / f"cache_{part}")  # empty for the first compiled run
             runs = {"uncompiled": run_child(part, model, False, cache, args)}
