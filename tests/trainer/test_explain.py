@@ -26,6 +26,19 @@ def test_parameter_count_matches_the_loaded_model(tiny_model_dir):
     assert model_shape(tiny_model_dir).params == _hf_params(tiny_model_dir)
 
 
+def test_a_value_models_shape_has_the_backbone_and_a_one_output_head(tiny_model_dir):
+    """A critic or a reward model: transformers' bare backbone plus Linear(hidden, 1) with its bias, and a scored
+    position costs 2 · hidden FLOPs where the LM head's cost 2 · hidden · vocab."""
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    backbone = sum(p.numel() for p in transformers.AutoModel.from_pretrained(tiny_model_dir).parameters())
+    shape = model_shape(tiny_model_dir, value_head=True)
+    assert shape.params == backbone + config.hidden_size + 1
+    lm = model_shape(tiny_model_dir).flops
+    assert shape.flops.forward(0, 0, 10) == 2 * config.hidden_size * 10
+    assert lm.forward(0, 0, 10) == 2 * config.hidden_size * config.vocab_size * 10
+    assert shape.flops.forward(7, 30, 0) == lm.forward(7, 30, 0)  # the blocks are the same
+
+
 def test_batch_arithmetic_and_memory_per_rank(tiny_model_dir, tmp_path):
     # 8 prompts x 4 = 32 samples; mini-batches of 4 prompts -> 2 per step, x 2 epochs = 4 optimizer steps;
     # per rank per mini-batch 4 * 4 / 4 ranks = 4 samples, micro-batches of 2 -> 2 accumulation steps.

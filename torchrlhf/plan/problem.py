@@ -111,7 +111,7 @@ def plan_input(cfg: RecipeConfig, *, prompt_len: float | None = None, response_l
     shared = {"actor": actor.shared_prefix, "critic": False}
     if cfg.critic is not None:
         c = cfg.critic
-        shapes["critic"] = model_shape(resolve_model_path(c.model_path))
+        shapes["critic"] = model_shape(resolve_model_path(c.model_path), value_head=True)
         c_optim = _optim(c.optim)
         traced["critic"] = TracedRole(resolve_model_path(c.model_path), "value", getattr(torch, c.dtype), None,
                                       c.memory.activation_checkpointing, c_optim, cpu_offload=c.memory.cpu_offload)
@@ -122,7 +122,7 @@ def plan_input(cfg: RecipeConfig, *, prompt_len: float | None = None, response_l
     for scorer in ("reward_model", "cost_model"):
         sec = getattr(cfg, scorer)
         if sec is not None:
-            shapes[scorer] = model_shape(resolve_model_path(sec.model_path))
+            shapes[scorer] = model_shape(resolve_model_path(sec.model_path), value_head=True)
             traced[scorer] = TracedRole(resolve_model_path(sec.model_path), "forward", getattr(torch, sec.dtype))
             dtypes[scorer] = sec.dtype
     for role, shape in shapes.items():

@@ -35,7 +35,8 @@ import torch
 import transformers
 
 from torchrlhf.models.lora import inject_lora, is_adapter
-from torchrlhf.models.moe import expert_weights, install_routers
+from torchrlhf.models.heads import build_meta_value_model
+from torchrlhf.models.moe import TopKRouter, expert_weights, install_routers
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import (WORKING_KINDS, as_held, run_device_type, shared_prefix_shape,
                                       trace_micro_batch, trace_shared_prefix_update)
@@ -79,13 +80,18 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
-def model_shape(path: str, lora: Any = None) -> ModelShape:
+def model_shape(path: str, lora: Any = None, value_head: bool = False) -> ModelShape:
     """Parameter count and dimensions from the model directory's config, built on the meta device (with the
-    adapters of ``lora``, a `LoRAConfig`, when given)."""
+    adapters of ``lora``, a `LoRAConfig`, when given). ``value_head``: the `ValueModel` a critic or a reward model
+    runs, whose head scores each position with one output where the LM head projects onto the vocabulary."""
     config = transformers.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    moe = install_routers(model) > 0  # FLOPs count a mixture-of-experts model's active experts
+    if value_head:
+        model = build_meta_value_model(path)  # installs its routers
+        moe = any(isinstance(m, TopKRouter) for m in model.modules())
+    else:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        moe = install_routers(model) > 0  # FLOPs count a mixture-of-experts model's active experts
     if lora is not None:
         inject_lora(model, lora)
     heads = config.num_attention_heads
@@ -301,7 +307,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
                         "per sampled token"]
         add("teacher", ranks["teacher"], {} if teacher.memory.cpu_offload else mem, working=WORKING_KINDS)
     if cfg.critic is not None:
-        critic_shape = model_shape(resolve_model_path(cfg.critic.model_path))
+        critic_shape = model_shape(resolve_model_path(cfg.critic.model_path), value_head=True)
         shapes["critic"] = critic_shape
         lines, mem = _trainer_lines("critic", cfg.critic, cfg, layouts["critic"], critic_shape,
                                    resolve_model_path(cfg.critic.model_path))
@@ -352,7 +358,7 @@ def explain(cfg: RecipeConfig, world_size: int) -> str:
     for role in ("reward_model", "cost_model"):
         sec = getattr(cfg, role)
         if sec is not None:
-            rm_shape = model_shape(resolve_model_path(sec.model_path))
+            rm_shape = model_shape(resolve_model_path(sec.model_path), value_head=True)
             out.append(f"  {role:<9} ranks {_ranks(ranks[role])}: {rm_shape.params / 1e6:.1f} M parameters")
             add(role, ranks[role], {"weights": rm_shape.params * _bytes(sec.dtype) / len(ranks[role])})
     if cfg.judge is not None:  # one engine per judge.tp_size ranks: weights and KV cache divided by TP only
