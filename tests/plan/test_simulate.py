@@ -76,6 +76,18 @@ def test_decode_is_its_steps_at_the_roofline_bound_plus_a_prefill():
     assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
 
 
+def test_a_tp_replica_splits_the_blocks_and_runs_the_whole_lm_head_on_each_rank():
+    # the case above on one replica of TP 2; the head is hidden 8 x vocabulary 10 = 80 weights, on both ranks.
+    # prefill per rank: (2 * 1000 * 6 + 4 * 2 * 2 * 4 * 12) / 2 + 2 * 8 * 10 * 2 = 6 384 + 320 = 6 704 FLOPs
+    # a step reads ((2000 - 80) * 4 + 1 280 bytes of KV) / 2 + 80 * 4 = 4 800 bytes (memory-bound as above),
+    #   then 2 all-reduces per layer of 4 slots x hidden 8 x 4 bytes x 2 on the node's link (2 GB/s, 100 µs)
+    seconds = generate_s(MODEL, Role(ranks=2, tp=2), profile(), dtype="float32", prompts=2, n=2, prompt_len=3,
+                         decode_steps=5, response_len=4, max_slots=8, node_size=2, busy=2)
+    prefill = 0.1 + 6_704 / (1e12 * 0.5)
+    step = 0.01 + 4_800 / 1e9 / 0.5 + 4 * 100e-6 + 256 / 2e9
+    assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
+
+
 def test_decode_waves_when_samples_exceed_the_slots():
     one_wave = generate_s(MODEL, Role(ranks=1), profile(), dtype="float32", prompts=2, n=2, prompt_len=3,
                           decode_steps=5, response_len=4, max_slots=4, node_size=1, busy=1)

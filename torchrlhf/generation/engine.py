@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrlhf.data.batch import Batch
@@ -52,7 +51,7 @@ from torchrlhf.generation.session import Session
 from torchrlhf.models.expert_parallel import split_experts_over_tp
 from torchrlhf.models.loading import quiet_weight_loading
 from torchrlhf.models.moe import install_routers, routers
-from torchrlhf.models.parallelize import BLOCK_TP_PLAN
+from torchrlhf.models.parallelize import split_blocks_over_tp
 from torchrlhf.utils.compile_cache import compile_ahead
 from torchrlhf.utils.pystack import in_fresh_stack_chunk
 
@@ -86,18 +85,6 @@ def _load_model(path: str | Path, device, dtype) -> nn.Module:
     return model
 
 
-def _tp_plan(model: nn.Module) -> dict:
-    """The training block plan (`models.parallelize.BLOCK_TP_PLAN`) on every layer; embeddings stay replicated. A
-    mixture-of-experts block has no dense MLP projections: its experts are split by `split_experts_over_tp`."""
-    plan = {}
-    for i, layer in enumerate(model.model.layers):
-        for name, style in BLOCK_TP_PLAN.items():
-            parent, _, leaf = name.rpartition(".")
-            if hasattr(layer.get_submodule(parent), leaf):
-                plan[f"model.layers.{i}.{name}"] = style()
-    return plan
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's tensor behind a (possibly DTensor) parameter (call under no_grad: same object each time)."""
     return t.to_local() if hasattr(t, "to_local") else t.data
@@ -125,8 +112,8 @@ class NativeEngine:
         max_seq_len: longest prompt + response a slot holds.
         device, dtype: where the cache lives and its dtype (default: the model's dtype).
         tp_mesh: a 1-D DeviceMesh for tensor parallelism. The model is converted in
-            place by `parallelize_module` (q/k/v/gate/up colwise, o/down rowwise;
-            embeddings, norms and lm_head replicated; a mixture-of-experts block keeps
+            place by `models.parallelize.split_blocks_over_tp` (q/k/v/gate/up colwise,
+            o/down rowwise, plain tensors; embeddings, norms and lm_head replicated; a mixture-of-experts block keeps
             ``experts / tp`` experts per rank, `models.expert_parallel.split_experts_over_tp`),
             so pass a model the engine may own.
             Every TP rank must call `generate` with the same prompts and sampling
@@ -232,7 +219,7 @@ class NativeEngine:
                                      decode_kernel=_decode_kernel(decode_attention, self.device))
         self.dims = self.decoder.dims(self.tp_size)
         if self.tp_size > 1:
-            parallelize_module(model, tp_mesh, _tp_plan(model))
+            split_blocks_over_tp(model, tp_mesh)
             split_experts_over_tp(model, tp_mesh)  # a mixture-of-experts model's experts: a share per TP rank
             self.owns_weights = True  # the sharded projections are new tensors
         self._tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight

@@ -16,7 +16,12 @@ replicated DTensors so that their gradients are summed over the TP group.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -127,6 +132,36 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
 
+
+def split_blocks_over_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Generation's tensor parallelism: keep rank ``r``'s ``torch.chunk(weight, tp, dim)[r]`` of every projection
+    `BLOCK_TP_PLAN` splits (the dims of `block_tp_shard_dims`), as plain tensors, and sum each row-split
+    projection's output over the TP group. The same layout as `apply_tp`'s blocks without DTensor: a decode step of
+    a small model spends most of its time in DTensor's dispatch otherwise (8x a TP=1 step on a CPU), and inference
+    needs no gradients that DTensor would route. A mixture-of-experts block has no dense MLP projections (its
+    experts: `split_experts_over_tp`); the engine checks that TP divides the heads."""
+    tp, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    for block in find_transformer_blocks(model):
+        for name, style in BLOCK_TP_PLAN.items():
+            parent, _, leaf = name.rpartition(".")
+            linear = getattr(block.get_submodule(parent), leaf, None)
+            if linear is None:
+                continue
+            rowwise = style is RowwiseParallel
+            linear.weight = _chunk_param(linear.weight, tp, 1 if rowwise else 0, rank)
+            if rowwise:  # a bias, if any, is added once, after the sum
+                linear.forward = functools.partial(_row_split_forward, linear, group)
+            elif linear.bias is not None:
+                linear.bias = _chunk_param(linear.bias, tp, 0, rank)
+
+
+def _chunk_param(param: nn.Parameter, chunks: int, dim: int, index: int) -> nn.Parameter:
+    return nn.Parameter(param.data.chunk(chunks, dim)[index].clone(), requires_grad=param.requires_grad)
+
+
+def _row_split_forward(linear: nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+    out = funcol.all_reduce(F.linear(x, linear.weight), "sum", group)
+    return out if linear.bias is None else out + linear.bias
 
 def default_param_dtype(mesh: DeviceMesh) -> torch.dtype | None:
     """bf16 compute on accelerators, full fp32 on CPU (None = keep the parameters' dtype)."""

@@ -185,20 +185,28 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
                busy: int, colocated: bool = False) -> float:
     """Every replica (``rollout.tp`` ranks) generating its share of ``prompts`` × ``n`` samples in waves of at most
     ``max_slots``: a prefill of the wave's prompts, then ``decode_steps`` decode steps over its slots (``colocated``:
-    on the training model's weights, `HardwareProfile.decode_cost`)."""
+    on the training model's weights, `HardwareProfile.decode_cost`). A replica's ranks split the blocks and each
+    runs the whole LM head, as the native engine does."""
     replicas = rollout.ranks // rollout.tp
     samples = math.ceil(prompts * n / replicas)
     slots = min(samples, max_slots)
     waves = math.ceil(samples / slots)
     b = DTYPE_BYTES[dtype]
     slow = share(busy, hw)
+    f = model.flops
+    head = f.hidden * f.head_out  # the LM head: whole on every TP rank of the engine (`split_blocks_over_tp`)
+
+    def per_rank(tokens: int, keys: int, scored: int) -> float:  # the blocks split over TP, the head not
+        return f.forward(tokens, keys, 0) / rollout.tp + f.forward(0, 0, scored)
+
     prefill_tokens = slots / n * prompt_len
-    prefill = (hw.forward.call_s + model.flops.forward(int(prefill_tokens), int(slots / n * causal_keys(int(prompt_len))),
-                                                       max(1, int(slots / n))) / rollout.tp
+    prefill = (hw.forward.call_s + per_rank(int(prefill_tokens), int(slots / n * causal_keys(int(prompt_len))),
+                                            max(1, int(slots / n)))
                / (hw.peak_flops(dtype) * hw.forward.efficiency)) * slow
     context = prompt_len + response_len / 2  # mean keys a decode step reads per slot
-    read = (decode_weights(model, slots) * b + slots * context * model.kv_bytes_per_token(b)) / rollout.tp
-    flops = model.flops.forward(slots, int(slots * context), slots) / rollout.tp
+    read = ((decode_weights(model, slots) - head) * b + slots * context * model.kv_bytes_per_token(b)) / rollout.tp \
+        + head * b
+    flops = per_rank(slots, int(slots * context), slots)
     cost = hw.decode_cost(colocated)
     # a CPU rank sharing its compute unit runs every part of the step, host work included, at its share
     step = (cost.step_s + max(read / (hw.memory_bandwidth_gbps * 1e9), flops / hw.peak_flops(dtype)) / cost.efficiency
