@@ -44,14 +44,18 @@ SEQ = 64  # prompt 32 + response 32
 ROWS = (1, 4)  # the two micro-batch sizes the passes are timed at
 
 
-def _best(fn: Callable[[], None], repeats: int = 3) -> float:
+def _best(fn: Callable[[], None], repeats: int = 3, min_seconds: float = 0.5) -> float:
+    """The fastest of at least ``repeats`` runs after a warm-up, repeated until ``min_seconds`` have been spent: a
+    pass of a small model takes milliseconds, and the best of 3 of those moved a fitted ``call_s`` 2x between two
+    calibrations of one 2-core host, where the best of half a second's runs holds."""
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < repeats or spent < min_seconds:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return best
 
 
 def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
