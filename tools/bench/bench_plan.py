@@ -1,13 +1,13 @@
 """The planner's simulator against measured step times on this machine.
 
-Runs the SmolLM2 GRPO arithmetic recipe (and, with ``--ppo``, PPO with a critic on a tiny model) for 3 steps under
-several mappings (colocated / split, sync / async, micro-batch budgets; world size 2 and 4), each a fresh torchrun,
-and compares the mean of steps 2-3's ``timing_s/step`` with the simulator's estimate for the same mapping
-(`torchrlhf.plan`) from a hardware profile calibrated here first (``--hardware`` reuses one). Responses ignore EOS
-so that every run decodes exactly ``rollout.max_tokens`` tokens per sample: the workload is the same in the
-simulator and the run.
+Runs the SmolLM2 GRPO arithmetic recipe (and, with ``--ppo``, PPO with a critic on a tiny model instead) for 3 steps
+under several mappings (colocated / split, sync / async, micro-batch budgets; world size 2 and 4), each a fresh
+torchrun, and compares the mean of steps 2-3's ``timing_s/step`` with the simulator's estimate for the same mapping
+(`torchrlhf.plan`) from a hardware profile calibrated here first, on the run's architecture as ``recipes/ppo.py
+--calibrate --config`` does (``--hardware`` reuses a profile). Responses ignore EOS so that every run decodes exactly
+``rollout.max_tokens`` tokens per sample: the workload is the same in the simulator and the run.
 
-    python tools/bench/bench_plan.py [--hardware FILE] [--ppo] [--steps 3]
+    python tools/bench/bench_plan.py [--ppo] [--hardware FILE] [--steps 3]
 
 Prints one row per mapping (predicted, measured, error), then, per world size, the planner's own pick (searched
 over every mapping, run and measured) against the best measured row, and ``Kendall tau T`` and ``max error E %``
@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
 
+from torchrlhf.models.loading import save_tiny_model  # noqa: E402
 from torchrlhf.plan.calibrate import calibrate  # noqa: E402
 from torchrlhf.plan.hardware import load_hardware, save_hardware  # noqa: E402
 from torchrlhf.plan.auto import plan  # noqa: E402
@@ -52,12 +53,36 @@ MAPPINGS = [  # (world size, overrides)
     (4, SPLIT4 + ["actor.batching.ppo_micro_batch_size_per_device=8"]),
     (4, SPLIT4 + ASYNC[:2] + ["async_training.prompts_per_call=4", "actor.batching.ppo_micro_batch_size_per_device=8"]),
 ]
+# PPO: GAE over a critic of the actor's architecture, one sample per prompt; the model is `save_tiny_model`'s
+PPO_WORKLOAD = ["data.train_batch_size=32", "rollout.n=1", "rollout.max_tokens=24", "rollout.ignore_eos=true",
+                "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0",
+                "actor.batching.ppo_mini_batch_size=32", "critic.model_path=${model_path}",
+                "critic.batching.ppo_mini_batch_size=32", "trainer.val_before_train=false", "trainer.test_freq=0",
+                "trainer.checkpoint.save_freq=0", "trainer.loggers=[jsonl]", "rollout.engine.max_batch_size=32"]
+MICRO = ["actor.batching.ppo_micro_batch_size_per_device={0}", "critic.batching.ppo_micro_batch_size_per_device={0}"]
 
 
-def measure(world: int, overrides: list[str], out: Path, steps: int) -> dict[str, float]:
+def micro(size: int) -> list[str]:
+    return [m.format(size) for m in MICRO]
+
+
+PPO_MAPPINGS = [
+    (2, micro(16)),
+    (2, micro(4)),
+    (2, ["placement.actor=[0]", "placement.critic=[1]"] + micro(32)),
+    (2, SPLIT + micro(32)),
+    (2, SPLIT + ASYNC + micro(32)),
+    (2, ["actor.tp_size=2", "critic.tp_size=2", "rollout.tp_size=2"] + micro(32)),
+    (4, micro(8)),
+    (4, ["placement.actor=[0,1]", "placement.critic=[2,3]"] + micro(16)),
+    (4, SPLIT4 + ["async_training.prompts_per_call=16"] + ASYNC[:2] + micro(16)),
+]
+
+
+def measure(world: int, workload: list[str], overrides: list[str], out: Path, steps: int) -> dict[str, float]:
     """Mean ``timing_s/*`` of steps 2.. of a fresh torchrun of the recipe."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = ["torchrun", f"--nproc_per_node={world}", "recipes/ppo.py", "--config", GRPO, *WORKLOAD, *overrides,
+    cmd = ["torchrun", f"--nproc_per_node={world}", "recipes/ppo.py", "--config", GRPO, *workload, *overrides,
            f"trainer.total_steps={steps}", f"trainer.output_dir={out}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode:
@@ -76,24 +101,30 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--ppo", action="store_true", help="PPO with a critic on a tiny model instead of SmolLM2 GRPO")
     parser.add_argument("--hardware", help="a profile file; default: calibrate here first")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", type=int, nargs="*", help="mapping indices to run")
     args = parser.parse_args()
-    if args.hardware:
-        hw = load_hardware(args.hardware)
-    else:
-        hw = calibrate("cpu", threads=1)
-        print(f"calibrated: {save_hardware(hw, Path(tempfile.gettempdir()) / 'bench_plan_hardware.yaml')}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (world, overrides) in enumerate(MAPPINGS):
+        workload, mappings, model_dir, smallest = WORKLOAD, MAPPINGS, None, micro(1)[:1]
+        if args.ppo:
+            model_dir = str(save_tiny_model(Path(tmp) / "tiny"))
+            workload, mappings, smallest = [f"model_path={model_dir}", *PPO_WORKLOAD], PPO_MAPPINGS, micro(1)
+        if args.hardware:
+            hw = load_hardware(args.hardware)
+        else:
+            hw = calibrate("cpu", threads=1, model_dir=model_dir)
+            name = f"bench_plan_hardware{'_ppo' if args.ppo else ''}.yaml"
+            print(f"calibrated: {save_hardware(hw, Path(tempfile.gettempdir()) / name)}")
+        for i, (world, overrides) in enumerate(mappings):
             if args.only and i not in args.only:
                 continue
-            cfg, _ = load(ROOT / GRPO, [*WORKLOAD, *overrides], world)
+            cfg, _ = load(ROOT / GRPO, [*workload, *overrides], world)
             data = plan_input(cfg)
             predicted = step_estimate(data.problem, config_mapping(cfg, world), hw, node_size=world)
-            stages = measure(world, overrides, Path(tmp) / f"run{i}", args.steps)
+            stages = measure(world, workload, overrides, Path(tmp) / f"run{i}", args.steps)
             measured = stages["step"]
             rows.append((i, world, overrides, predicted.seconds, measured, predicted))
             print(f"[{i}] world {world} {' '.join(overrides) or '(colocated)'}: predicted {predicted.seconds:.2f} s "
@@ -101,9 +132,9 @@ def main() -> None:
                   f"({', '.join(f'{k} {v:.2f}' for k, v in stages.items() if k != 'step')}), error {100 * (predicted.seconds / measured - 1):+.0f} %", flush=True)
         pick = {}
         for world in sorted({r[1] for r in rows}):
-            cfg, _ = load(ROOT / GRPO, [*WORKLOAD, "actor.batching.ppo_micro_batch_size_per_device=1"], world)
+            cfg, _ = load(ROOT / GRPO, [*workload, *smallest], world)
             best = plan(cfg, world, hardware=hw).best
-            measured = measure(world, best.overrides, Path(tmp) / f"pick{world}", args.steps)
+            measured = measure(world, workload, best.overrides, Path(tmp) / f"pick{world}", args.steps)
             pick[world] = (best, measured["step"])
             print(f"planner's pick at world size {world}: {' '.join(best.overrides)}: predicted "
                   f"{best.estimate.seconds:.2f} s, measured {measured['step']:.2f} s "
