@@ -56,6 +56,18 @@ def test_a_training_pass_counts_three_forwards_the_optimizer_and_fsdp_traffic():
     assert seconds == pytest.approx(compute + fsdp, rel=1e-12)
 
 
+def test_tp_all_reduces_use_the_profiles_tp_link_inside_a_node():
+    # a forward over 2 ranks of TP 2 (dp 1): 4 samples in 4 calls, half of 45 120 FLOPs per rank. All-reduces: 2 per
+    # layer per call, 4 calls x 2 x 2 layers = 16; bytes: the 20 tokens x hidden 8 x 4 bytes x 2 x 1/2 = 640 per
+    # layer-reduce, x 2 x 2 layers = 2 560; on the tp link (0.5 GB/s, 1 ms)
+    kw = dict(dtype="float32", samples=4, prompt_len=3, response_len=2, train=False, node_size=2, busy=2)
+    compute = 4 * 0.1 + 45_120 / 2 / (1e12 * 0.5)
+    tp = pass_s(MODEL, Role(ranks=2, tp=2), profile(tp=Link(0.5, 1000.0)), **kw)
+    assert tp == pytest.approx(compute + 16 * 1e-3 + 2_560 / 0.5e9, rel=1e-12)
+    node = pass_s(MODEL, Role(ranks=2, tp=2), profile(), **kw)  # no tp link: the node's (2 GB/s, 100 µs)
+    assert node == pytest.approx(compute + 16 * 100e-6 + 2_560 / 2e9, rel=1e-12)
+
+
 def test_ranks_beyond_a_cpus_compute_units_share_them():
     alone = pass_s(MODEL, Role(ranks=1), profile(units=1), dtype="float32", samples=4, prompt_len=3, response_len=2,
                    train=False, node_size=2, busy=1)

@@ -14,7 +14,9 @@
 - **collectives**: two processes on this node, all-reduce of 4 KiB and 32 MiB (gloo on CPU, NCCL on GPU): latency
   and bandwidth. Across nodes is not probed: the profile copies the node's link, and says so in ``source``;
 - **FSDP2 in a step**: the same passes sharded over two processes against one: the latency and bandwidth of FSDP2's
-  traffic as a training step sees it (`probe_fsdp`).
+  traffic as a training step sees it (`probe_fsdp`);
+- **TP in a step**: the same passes split by tensor parallelism over two processes against half of them in one: the
+  latency and bandwidth of TP's all-reduces as a step sees them (`probe_tp`).
 
 On a CPU each rank is ``--threads`` threads (torchrun's ranks run 1), and the probes run at that many.
 """
@@ -64,15 +66,31 @@ def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
     return max(t1 - slope * x1, 0.0), slope
 
 
-def probe_model(config_dir: str | None, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The architecture of ``config_dir``'s config.json (no weights read), else SmolLM2's, with random weights."""
+def probe_model(config_dir: str | None, dtype: torch.dtype, device: torch.device, tp: int = 1) -> torch.nn.Module:
+    """The architecture of ``config_dir``'s config.json (no weights read), else SmolLM2's, with random weights;
+    ``tp``: with attention and KV heads rounded down to multiples of ``tp`` where they are not (SmolLM2's 9 and 3
+    become 8 and 2 at TP 2), head size unchanged, so that the TP probe can split them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchrlhf.models.loading import build_tiny_causal_lm
 
     if config_dir is None:
-        return build_tiny_causal_lm(SMOLLM2_SHAPE, dtype=dtype).to(device)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=dtype).to(device)
+        return build_tiny_causal_lm({**SMOLLM2_SHAPE, **_heads_for_tp(SMOLLM2_SHAPE, tp)}, dtype=dtype).to(device)
+    config = AutoConfig.from_pretrained(config_dir)
+    for key, value in _heads_for_tp(config.to_dict(), tp).items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+
+
+def _heads_for_tp(config: dict, tp: int) -> dict:
+    """Config changes that make ``tp`` divide the attention and KV heads (none where it does)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    if heads % tp == 0 and kv % tp == 0:
+        return {}
+    kv = max(tp, kv - kv % tp)
+    return {"num_attention_heads": max(kv, heads - heads % kv), "num_key_value_heads": kv,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
 
 
 def time_passes(model: torch.nn.Module, device: torch.device) -> dict[tuple[bool, int], float]:
@@ -258,6 +276,54 @@ def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype:
     return Link(bandwidth_gbps=1 / max(per_byte, 1e-15) / 1e9, latency_us=latency * 1e6)
 
 
+def _tp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str, out: str) -> None:
+    from torchrlhf.models.parallelize import apply_tp
+    from torchrlhf.runtime.mesh import build_mesh
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
+    apply_tp(model, build_mesh(torch.tensor([0, 1]), ("tp",), device.type))
+    times = time_passes(model, device)
+    if rank == 0:
+        Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
+    dist.destroy_process_group()
+
+
+def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype) -> Link | None:
+    """Tensor parallelism's all-reduces as a training step runs them: the passes of `time_passes` split over 2
+    processes (`models.parallelize.apply_tp`) against half of the same passes in one. The extra time of a training
+    pass at 1 and 4 rows (4 all-reduces per layer of the rows' activations) gives a latency per all-reduce and a
+    bandwidth, whatever else each one costs: on a CPU, a small model's step spends more in DTensor's dispatch and in
+    waiting for the other rank than in moving bytes. None for an architecture without a TP plan."""
+    from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
+
+    model = probe_model(model_dir, dtype, device, tp=2)
+    if model.config.model_type not in TP_SUPPORTED_MODEL_TYPES:
+        return None
+    from torchrlhf.models.lm_head import LogProbHead
+
+    LogProbHead.install(model)
+    alone = time_passes(model, device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "tp")
+        mp.spawn(_tp_worker, args=(f"file://{d}/store", backend, threads, model_dir, str(dtype).split(".")[-1], out),
+                 nprocs=2, join=True)
+        split = {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
+    config = model.config
+    width = torch.empty((), dtype=dtype).element_size()
+    calls = 4 * config.num_hidden_layers
+    points = []
+    for rows in ROWS:  # per all-reduce: the rows' activations, half of them crossing at TP 2
+        nbytes = rows * SEQ * config.hidden_size * width * 2 * (2 - 1) / 2
+        extra = max(0.0, split[True, rows] - alone[True, rows] / 2)
+        points.append((nbytes, extra / calls))
+    latency, per_byte = _fit(*points[0], *points[1])
+    return Link(bandwidth_gbps=1 / per_byte / 1e9, latency_us=latency * 1e6)
+
 def probe_link(device: torch.device, threads: int) -> Link:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < 2:
@@ -286,6 +352,8 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     link = probe_link(dev, threads)
     fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
                       model.config.num_hidden_layers, alone)
+    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute)) if dev.type == "cpu" or \
+        torch.cuda.device_count() > 1 else None
     if dev.type == "cuda":
         memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
     else:
@@ -301,7 +369,7 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
                 "(not probed)"),
         memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
         train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
-        fsdp=fsdp,
+        fsdp=fsdp, tp=tp,
         compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
 
 

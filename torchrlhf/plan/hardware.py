@@ -68,7 +68,9 @@ class HardwareProfile:
     peak per device by dtype name (``float32``, ``bfloat16``). ``step_overhead_s``: the controller's own time per
     RL step (calls, batch moves, the reward function). ``fsdp``: FSDP2's gathers and reduce-scatters inside a node as a
     training step sees them (measured in one by `torchrlhf.plan.calibrate.probe_fsdp`; on a CPU they share the cores
-    with the compute); None: the node's link. ``decode_shared``: decode on the training model's own weights, as a
+    with the compute); None: the node's link. ``tp``: tensor parallelism's all-reduces inside a node as a step sees
+    them (`torchrlhf.plan.calibrate.probe_tp`: on a CPU, DTensor's dispatch and the wait for the other rank count as
+    latency); None: the node's link. ``decode_shared``: decode on the training model's own weights, as a
     colocated engine does (on a CPU without the projections an engine that owns its weights prepacks); None: as
     ``decode``."""
 
@@ -83,6 +85,7 @@ class HardwareProfile:
     intra_node: Link
     inter_node: Link
     fsdp: Link | None = None
+    tp: Link | None = None
     decode_shared: DecodeCost | None = None
     step_overhead_s: float = 0.0
     compute_units_per_node: int | None = None
@@ -121,6 +124,10 @@ class HardwareProfile:
     @property
     def fsdp_link(self) -> Link:
         return self.fsdp or self.intra_node
+
+    @property
+    def tp_link(self) -> Link:
+        return self.tp or self.intra_node
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s per device in ``dtype`` (a torch dtype name)."""

@@ -164,6 +164,7 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
         comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
     if role.tp > 1:  # two all-reduces of a micro-batch's activations per layer forward, two more backward
         link = link_between(role.first, role.tp, node_size, hw)
+        link = hw.tp_link if link is hw.intra_node else link
         per_layer = 2 * (2 if train else 1)
         moved = tokens * passes / role.dp * model.hidden * b * 2 * (role.tp - 1) / role.tp
         comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
@@ -213,6 +214,7 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
             ) * slow
     if rollout.tp > 1:
         link = link_between(rollout.first, rollout.tp, node_size, hw)
+        link = hw.tp_link if link is hw.intra_node else link
         step += collective_s(link, slots * model.hidden * b * 2, calls=2 * model.layers)
     return waves * (prefill + decode_steps * step)
 
