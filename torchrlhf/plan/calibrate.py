@@ -292,12 +292,15 @@ def _tp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str 
     dist.destroy_process_group()
 
 
-def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype) -> Link | None:
+def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, link: Link
+             ) -> Link | None:
     """Tensor parallelism's all-reduces as a training step runs them: the passes of `time_passes` split over 2
     processes (`models.parallelize.apply_tp`) against half of the same passes in one. The extra time of a training
-    pass at 1 and 4 rows (4 all-reduces per layer of the rows' activations) gives a latency per all-reduce and a
-    bandwidth, whatever else each one costs: on a CPU, a small model's step spends more in DTensor's dispatch and in
-    waiting for the other rank than in moving bytes. None for an architecture without a TP plan."""
+    pass (4 all-reduces per layer of the rows' activations), less their bytes at the bare ``link``'s bandwidth, is a
+    latency per all-reduce, the mean over 1 and 4 rows: whatever else each one costs, which on a CPU is more than the
+    bytes (DTensor's dispatch, the wait for the other rank). One figure from two points: a bandwidth fitted through
+    them as well swung from 0.02 GB/s to infinite between two calibrations. None for an architecture without a TP
+    plan."""
     from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
 
     model = probe_model(model_dir, dtype, device, tp=2)
@@ -316,13 +319,12 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
     config = model.config
     width = torch.empty((), dtype=dtype).element_size()
     calls = 4 * config.num_hidden_layers
-    points = []
+    latencies = []
     for rows in ROWS:  # per all-reduce: the rows' activations, half of them crossing at TP 2
         nbytes = rows * SEQ * config.hidden_size * width * 2 * (2 - 1) / 2
-        extra = max(0.0, split[True, rows] - alone[True, rows] / 2)
-        points.append((nbytes, extra / calls))
-    latency, per_byte = _fit(*points[0], *points[1])
-    return Link(bandwidth_gbps=1 / per_byte / 1e9, latency_us=latency * 1e6)
+        extra = split[True, rows] - alone[True, rows] / 2
+        latencies.append(max(0.0, extra / calls - nbytes / (link.bandwidth_gbps * 1e9)))
+    return Link(bandwidth_gbps=link.bandwidth_gbps, latency_us=sum(latencies) / len(latencies) * 1e6)
 
 def probe_link(device: torch.device, threads: int) -> Link:
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -352,7 +354,7 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     link = probe_link(dev, threads)
     fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
                       model.config.num_hidden_layers, alone)
-    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute)) if dev.type == "cpu" or \
+    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if dev.type == "cpu" or \
         torch.cuda.device_count() > 1 else None
     if dev.type == "cuda":
         memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
