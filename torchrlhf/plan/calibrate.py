@@ -93,9 +93,11 @@ def _heads_for_tp(config: dict, tp: int) -> dict:
             "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
 
 
-def time_passes(model: torch.nn.Module, device: torch.device) -> dict[tuple[bool, int], float]:
+def time_passes(model: torch.nn.Module, device: torch.device, min_seconds: float = 0.5
+                ) -> dict[tuple[bool, int], float]:
     """Seconds of a training (forward + loss + backward) and a forward pass of ``model`` at 1 and 4 rows of `SEQ`
-    tokens (the best of 3): ``{(train, rows): seconds}``."""
+    tokens (`_best`): ``{(train, rows): seconds}``. Ranks of one process group pass ``min_seconds=0``: each must
+    run as many passes as the others, or their collectives pair up wrongly and hang."""
     from torchrlhf.trainer.memory import actor_loss
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -113,7 +115,7 @@ def time_passes(model: torch.nn.Module, device: torch.device) -> dict[tuple[bool
                     model.zero_grad(set_to_none=True)
                 sync()
 
-            out[train, rows] = _best(step, repeats=3)
+            out[train, rows] = _best(step, repeats=3, min_seconds=min_seconds)
     return out
 
 
@@ -192,7 +194,7 @@ def _collective_worker(rank: int, init: str, backend: str, threads: int, out: st
     result = []
     for nbytes in (4 << 10, 32 << 20):
         t = torch.ones(nbytes // 4, device=device)
-        seconds = _best(lambda: (dist.all_reduce(t), sync()), repeats=5)
+        seconds = _best(lambda: (dist.all_reduce(t), sync()), repeats=20, min_seconds=0.0)  # as many on each rank
         result.append((2 * nbytes / 2, seconds))  # a ring all-reduce moves 2 (n-1)/n of the bytes per rank
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -245,7 +247,7 @@ def _fsdp_worker(rank: int, init: str, backend: str, threads: int, model_dir: st
     model = probe_model(model_dir, getattr(torch, dtype), device)
     LogProbHead.install(model)
     parallelize(model, dp_mesh=build_mesh(torch.tensor([0, 1]), ("dp",), device.type))
-    times = time_passes(model, device)
+    times = time_passes(model, device, min_seconds=0.0)
     if rank == 0:
         Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
     dist.destroy_process_group()
@@ -288,7 +290,7 @@ def _tp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
     apply_tp(model, build_mesh(torch.tensor([0, 1]), ("tp",), device.type))
-    times = time_passes(model, device)
+    times = time_passes(model, device, min_seconds=0.0)
     if rank == 0:
         Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
     dist.destroy_process_group()
