@@ -206,8 +206,8 @@ def _gemm_worker(rank: int, threads: int, start_file: str, out: str) -> None:
     a = torch.randn(512, 512)
     while not os.path.exists(start_file):  # every process starts timing together
         time.sleep(0.001)
-    # the best of 3, not of half a second: the processes' loops overlap only so long, and the best of many runs
-    # picks moments when the others had stopped (1.0-1.07 in four calibrations; 1.15-1.19 measured in steps)
+    # as many runs in every process, so that they overlap to the end: with runs for half a second each, a process
+    # whose others had stopped would time uncontended runs
     rate = 2 * 512**3 / _best(lambda: [a @ a for _ in range(20)], repeats=3, min_seconds=0.0) * 20
     Path(f"{out}.{rank}").write_text(json.dumps(rate))
 
