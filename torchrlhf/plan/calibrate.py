@@ -233,10 +233,11 @@ def probe_concurrency(units: int, threads: int) -> float:
     return max(1.0, rates[0] / rates[1])
 
 
-def _fsdp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
-                 out: str) -> None:
+def _two_rank_passes_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
+                            layout: str, out: str) -> None:
+    """`time_passes` on one of two ranks, the model sharded by FSDP2 (``layout`` "fsdp") or split by TP ("tp")."""
     from torchrlhf.models.lm_head import LogProbHead
-    from torchrlhf.models.parallelize import parallelize
+    from torchrlhf.models.parallelize import apply_tp, parallelize
     from torchrlhf.runtime.mesh import build_mesh
 
     torch.set_num_threads(threads)
@@ -244,13 +245,28 @@ def _fsdp_worker(rank: int, init: str, backend: str, threads: int, model_dir: st
                             timeout=datetime.timedelta(seconds=300))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    model = probe_model(model_dir, getattr(torch, dtype), device)
-    LogProbHead.install(model)
-    parallelize(model, dp_mesh=build_mesh(torch.tensor([0, 1]), ("dp",), device.type))
+    mesh = build_mesh(torch.tensor([0, 1]), ("tp" if layout == "tp" else "dp",), device.type)
+    if layout == "tp":
+        model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
+        apply_tp(model, mesh)
+    else:
+        model = probe_model(model_dir, getattr(torch, dtype), device)
+        LogProbHead.install(model)
+        parallelize(model, dp_mesh=mesh)
     times = time_passes(model, device, min_seconds=0.0)
     if rank == 0:
         Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
     dist.destroy_process_group()
+
+
+def _two_rank_passes(layout: str, device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype
+                     ) -> dict[tuple[bool, int], float]:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, layout)
+        mp.spawn(_two_rank_passes_worker, args=(f"file://{d}/store", backend, threads, model_dir,
+                                                str(dtype).split(".")[-1], layout, out), nprocs=2, join=True)
+        return {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
 
 
 def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, params: int,
@@ -259,12 +275,7 @@ def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype:
     the same rows in one process (``alone``). The extra time of a training pass (2 gathers and a reduce-scatter per
     layer) and of a forward (a gather per layer) gives the latency and the bandwidth of that traffic, whatever it
     shares the cores with (on a CPU, gloo's threads and the copies in and out of its buffers)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "fsdp")
-        mp.spawn(_fsdp_worker, args=(f"file://{d}/store", backend, threads, model_dir, str(dtype).split(".")[-1], out),
-                 nprocs=2, join=True)
-        sharded = {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
+    sharded = _two_rank_passes("fsdp", device, threads, model_dir, dtype)
     width = torch.empty((), dtype=dtype).element_size()
     extra = {train: sum(max(0.0, sharded[train, r] - alone[train, r]) for r in ROWS) / len(ROWS)
              for train in (True, False)}
@@ -278,22 +289,6 @@ def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype:
     if per_byte <= 0 or latency < 0:  # not separable: all of it as bandwidth
         per_byte, latency = extra[True] / nbytes[True], 0.0
     return Link(bandwidth_gbps=1 / max(per_byte, 1e-15) / 1e9, latency_us=latency * 1e6)
-
-
-def _tp_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str, out: str) -> None:
-    from torchrlhf.models.parallelize import apply_tp
-    from torchrlhf.runtime.mesh import build_mesh
-
-    torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
-    apply_tp(model, build_mesh(torch.tensor([0, 1]), ("tp",), device.type))
-    times = time_passes(model, device, min_seconds=0.0)
-    if rank == 0:
-        Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
-    dist.destroy_process_group()
 
 
 def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, link: Link
@@ -314,12 +309,7 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
 
     LogProbHead.install(model)
     alone = time_passes(model, device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "tp")
-        mp.spawn(_tp_worker, args=(f"file://{d}/store", backend, threads, model_dir, str(dtype).split(".")[-1], out),
-                 nprocs=2, join=True)
-        split = {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
+    split = _two_rank_passes("tp", device, threads, model_dir, dtype)
     config = model.config
     width = torch.empty((), dtype=dtype).element_size()
     calls = 4 * config.num_hidden_layers
