@@ -163,6 +163,7 @@ def _row_split_forward(linear: nn.Linear, group: dist.ProcessGroup, x: torch.Ten
     out = funcol.all_reduce(F.linear(x, linear.weight), "sum", group)
     return out if linear.bias is None else out + linear.bias
 
+
 def default_param_dtype(mesh: DeviceMesh) -> torch.dtype | None:
     """bf16 compute on accelerators, full fp32 on CPU (None = keep the parameters' dtype)."""
     return torch.bfloat16 if mesh.device_type != "cpu" else None

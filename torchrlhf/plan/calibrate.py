@@ -300,13 +300,12 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
     bytes (DTensor's dispatch, the wait for the other rank). One figure from two points: a bandwidth fitted through
     them as well swung from 0.02 GB/s to infinite between two calibrations. None for an architecture without a TP
     plan."""
+    from torchrlhf.models.lm_head import LogProbHead
     from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
 
     model = probe_model(model_dir, dtype, device, tp=2)
     if model.config.model_type not in TP_SUPPORTED_MODEL_TYPES:
         return None
-    from torchrlhf.models.lm_head import LogProbHead
-
     LogProbHead.install(model)
     alone = time_passes(model, device)
     split = _two_rank_passes("tp", device, threads, model_dir, dtype)
@@ -319,6 +318,7 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
         extra = split[True, rows] - alone[True, rows] / 2
         latencies.append(max(0.0, extra / calls - nbytes / (link.bandwidth_gbps * 1e9)))
     return Link(bandwidth_gbps=link.bandwidth_gbps, latency_us=sum(latencies) / len(latencies) * 1e6)
+
 
 def probe_link(device: torch.device, threads: int) -> Link:
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -121,14 +121,6 @@ class HardwareProfile:
     def decode_cost(self, colocated: bool) -> DecodeCost:
         return self.decode_shared if colocated and self.decode_shared is not None else self.decode
 
-    @property
-    def fsdp_link(self) -> Link:
-        return self.fsdp or self.intra_node
-
-    @property
-    def tp_link(self) -> Link:
-        return self.tp or self.intra_node
-
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s per device in ``dtype`` (a torch dtype name)."""
         if dtype not in self.matmul_tflops:

@@ -96,9 +96,12 @@ class StepEstimate:
 
 
 # ------------------------------------------------------------------ collectives
-def link_between(first: int, count: int, node_size: int, hw: HardwareProfile) -> Link:
-    """The slowest link inside ranks [first, first + count): across nodes when they span more than one."""
-    return hw.intra_node if first // node_size == (first + count - 1) // node_size else hw.inter_node
+def link_between(first: int, count: int, node_size: int, hw: HardwareProfile, inside: Link | None = None) -> Link:
+    """The slowest link inside ranks [first, first + count): across nodes when they span more than one; inside a
+    node, ``inside`` where given (a step's FSDP2 or TP traffic as calibrated), else the node's link."""
+    if first // node_size == (first + count - 1) // node_size:
+        return inside or hw.intra_node
+    return hw.inter_node
 
 
 def collective_s(link: Link, nbytes: float, calls: int = 1) -> float:
@@ -149,8 +152,7 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
     b = DTYPE_BYTES[dtype]
     comm = 0.0
     if role.dp > 1:  # FSDP2: gather the parameters per forward (and again for backward), reduce-scatter float32 grads
-        link = link_between(role.first, role.ranks, node_size, hw)
-        link = hw.fsdp_link if link is hw.intra_node else link
+        link = link_between(role.first, role.ranks, node_size, hw, inside=hw.fsdp)
         # with EP, a rank gathers only its own experts, from the dp / ep ranks that shard the same ones
         group = role.dp // role.ep
         shard = ((model.params - model.expert_params) / role.tp * (role.dp - 1) / role.dp
@@ -163,8 +165,7 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
         moved = tokens * passes / role.dp * model.top_k * model.hidden * b * (role.ep - 1) / role.ep
         comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
     if role.tp > 1:  # two all-reduces of a micro-batch's activations per layer forward, two more backward
-        link = link_between(role.first, role.tp, node_size, hw)
-        link = hw.tp_link if link is hw.intra_node else link
+        link = link_between(role.first, role.tp, node_size, hw, inside=hw.tp)
         per_layer = 2 * (2 if train else 1)
         moved = tokens * passes / role.dp * model.hidden * b * 2 * (role.tp - 1) / role.tp
         comm += collective_s(link, moved * per_layer * model.layers, calls=calls * per_layer * model.layers)
@@ -213,8 +214,7 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
     step = (cost.step_s + max(read / (hw.memory_bandwidth_gbps * 1e9), flops / hw.peak_flops(dtype)) / cost.efficiency
             ) * slow
     if rollout.tp > 1:
-        link = link_between(rollout.first, rollout.tp, node_size, hw)
-        link = hw.tp_link if link is hw.intra_node else link
+        link = link_between(rollout.first, rollout.tp, node_size, hw, inside=hw.tp)
         step += collective_s(link, slots * model.hidden * b * 2, calls=2 * model.layers)
     return waves * (prefill + decode_steps * step)
 

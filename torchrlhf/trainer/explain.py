@@ -36,7 +36,7 @@ import transformers
 
 from torchrlhf.models.lora import inject_lora, is_adapter
 from torchrlhf.models.heads import build_meta_value_model
-from torchrlhf.models.moe import TopKRouter, expert_weights, install_routers
+from torchrlhf.models.moe import expert_weights, install_routers, routers
 from torchrlhf.models.parallelize import model_layout
 from torchrlhf.trainer.memory import (WORKING_KINDS, as_held, run_device_type, shared_prefix_shape,
                                       trace_micro_batch, trace_shared_prefix_update)
@@ -87,7 +87,7 @@ def model_shape(path: str, lora: Any = None, value_head: bool = False) -> ModelS
     config = transformers.AutoConfig.from_pretrained(path)
     if value_head:
         model = build_meta_value_model(path)  # installs its routers
-        moe = any(isinstance(m, TopKRouter) for m in model.modules())
+        moe = bool(routers(model))
     else:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
