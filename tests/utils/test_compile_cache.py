@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,20 @@ def test_a_stamp_of_another_machine_starts_the_cache_afresh(tmp_path, monkeypatc
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path / "inductor")
 
 
+def test_machines_of_one_cpu_model_with_other_vector_instructions_get_other_caches():
+    """Two virtual machines named "AMD EPYC", one shown AVX-512 and one not, must not share kernels: one built with
+    AVX-512 kills a process that loads it on the other."""
+    from torchrlhf.utils.compile_cache import cpu_isa
+
+    flags = "fpu vme sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 smep bmi2"
+    plain = f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n"
+    wide = plain.replace("avx2", "avx2 avx512f avx512bw avx512_bf16")
+    assert cpu_isa(plain) == "avx avx2 f16c fma sse sse2 sse4_1 sse4_2 ssse3"
+    assert cpu_isa(wide) == "avx avx2 avx512_bf16 avx512bw avx512f f16c fma sse sse2 sse4_1 sse4_2 ssse3"
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve sve2 bf16 i8mm\n"
+    assert cpu_isa(arm) == "asimd bf16 i8mm sve sve2"
+
+
 @pytest.mark.parametrize("setting", ["off", "user_dir", "unusable"])
 def test_torch_defaults_stay_when_asked(tmp_path, monkeypatch, caplog, setting):
     """``TORCHRLHF_COMPILE_CACHE=""``, a ``TORCHINDUCTOR_CACHE_DIR`` of the user's, or a cache directory that cannot
@@ -163,9 +178,13 @@ CHILD_AHEAD = textwrap.dedent("""
     compiles = []
     compile_ = compile_cache._CompiledAhead._compile
     compile_cache._CompiledAhead._compile = lambda self, *a: compiles.append(1) or compile_(self, *a)
+    from torch._inductor.cpu_vec_isa import VecISA
+    probes = []  # inductor's build-and-load probes of a vector ISA
+    check_build = VecISA.check_build
+    VecISA.check_build = lambda self, code: probes.append(str(self)) or check_build(self, code)
     f = compile_cache.compile_ahead(Step().step, "step", dynamic=True)
     outs = [f(torch.linspace(-2, 2, 6 * rows).view(rows, 6), n).tolist() for rows, n in ((4, 2), (7, 3))]
-    print(json.dumps({"outs": outs, "compiles": len(compiles)}))
+    print(json.dumps({"outs": outs, "compiles": len(compiles), "probes": probes}))
 """)
 
 
@@ -205,6 +224,10 @@ def test_a_function_compiled_ahead_is_loaded_by_the_next_process_unless_its_code
     second, _ = run()
     assert second["compiles"] == 0, "the second process compiled again instead of loading the saved function"
     assert second["outs"] == first["outs"]
+    if platform.machine() in ("x86_64", "AMD64"):  # the first process probed the ISAs; the second knew their answer
+        passed = json.loads(next(root.rglob("vec_isa.json")).read_text())["passed"]
+        assert first["probes"] and passed and set(passed) <= set(first["probes"])
+        assert second["probes"] == []
 
     module.write_text(MODULE.format(scale=4.25))  # outside the traced lines: only the module's text tells
     third, log = run()

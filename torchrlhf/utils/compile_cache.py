@@ -9,8 +9,9 @@ torch's defaults alone, and so does a ``TORCHINDUCTOR_CACHE_DIR`` the user set.
 A second run of a plain ``torch.compile`` then traces with Dynamo and AOTAutograd again (torch 2.13 caches neither
 trace) and loads the compiled kernels instead of generating and building them. `compile_ahead` goes further for a
 hot function (the engine's decode step): Dynamo's ``aot_compile`` saves the whole compiled function, graph and
-guards, under the same directory, and a second process loads it without tracing at all. Each directory holds a stamp (torch version, CPU model,
-CUDA device): a cache whose stamp is missing or another machine's is started afresh with one warning, and
+guards, under the same directory, and a second process loads it without tracing at all. Each directory holds a stamp
+(torch version, CPU model and vector instruction sets, CUDA device): a cache whose stamp is missing or another
+machine's is started afresh with one warning, and
 directories of other torch versions or machines beside it are never read, only named in one log line. A corrupt
 file costs a recompilation, never a crash or a wrong result: a process records the size and hash of every cache
 file at exit, and the next one deletes those that changed (inductor would load a truncated generated module as it
@@ -29,6 +30,8 @@ import inspect
 import json
 import logging
 import os
+import platform
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +44,7 @@ from torchrlhf.utils.calibration import device_name
 
 ENV = "TORCHRLHF_COMPILE_CACHE"
 STAMP = "stamp.json"
+VEC_ISA = "vec_isa.json"  # the vector ISAs inductor's build-and-load probe passed on this machine
 MANIFEST = "manifest.json"  # relative path -> [size, mtime_ns, sha256] of every file a finished process wrote
 
 log = logging.getLogger(__name__)
@@ -51,9 +55,26 @@ def compile_cache_root() -> Path | None:
     return user_cache_path(ENV, USER_CACHE / "compile")
 
 
+_ISA_FLAG = re.compile(r"^(avx|amx|fma|f16c|sse|ssse|asimd|sve|bf16|i8mm)")
+
+
+def cpu_isa(cpuinfo: str) -> str:
+    """The vector instruction sets ``/proc/cpuinfo``'s text names: machines of one model name differ here (a virtual
+    machine's host may hide AVX-512), and a kernel built for an instruction the CPU lacks kills the process that
+    loads it."""
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            return " ".join(sorted(f for f in line.split(":", 1)[1].split() if _ISA_FLAG.match(f)))
+    return platform.machine()
+
+
 def machine_stamp() -> dict[str, str]:
     """What a cache is valid for: this torch build and this machine's compute device."""
-    stamp = {"torch": torch.__version__, "cpu": device_name(torch.device("cpu"))}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    stamp = {"torch": torch.__version__, "cpu": device_name(torch.device("cpu")), "cpu_isa": cpu_isa(cpuinfo)}
     if torch.cuda.is_available():
         stamp["cuda"] = f"{torch.version.cuda} {device_name(torch.device('cuda'))}"
     return stamp
@@ -219,6 +240,41 @@ def _sources_unchanged(fn: Any) -> bool:
     return True
 
 
+def _isa_candidates() -> list[str] | None:
+    """The vector ISAs inductor would probe on this x86 CPU, by its flags alone; None on other CPUs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+    except ImportError:  # inductor moved them: its probe runs as usual
+        return None
+    flags = x86_isa_checker()
+    return [str(isa) for isa in supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+
+
+def _record_vec_isa(path: Path) -> None:
+    """After a compilation: which vector ISAs inductor's probe passed here (it has run by then, and cached its
+    answer in this process)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if not (path / VEC_ISA).exists():
+        _write_json(path / VEC_ISA, {"passed": [str(isa) for isa in valid_vec_isa_list()]})
+
+
+def _known_vec_isa(path: Path) -> contextlib.AbstractContextManager:
+    """Inductor proves every vector ISA the CPU's flags name, in every process, by building a probe and loading it in
+    a child Python (0.4-0.8 s of a 2-core machine's warm-up). Where an earlier process on this machine (the stamp
+    includes the flags) saw every candidate pass, the load says so instead (``config.cpp.vec_isa_ok``), and the
+    answer is the probe's. Only around a load: that setting is part of inductor's cache keys, which a later
+    compilation in the process must compute as the first process did."""
+    from torch._inductor import config
+
+    passed = (_read_json(path / VEC_ISA) or {}).get("passed")
+    if config.cpp.vec_isa_ok is not None or passed is None or passed != _isa_candidates():
+        return contextlib.nullcontext()
+    return config.patch({"cpp.vec_isa_ok": True})
+
+
 def _no_duck_sizing() -> contextlib.AbstractContextManager:
     """Sizes traced as separate symbols even where equal (a decode span equal to the slot count is no special
     case, which would cost another compilation the first time they differ)."""
@@ -233,7 +289,8 @@ class _CompiledAhead:
         self.owner = getattr(fn, "__self__", None)  # a bound method's object: the traced function's first argument
         self.variants: list[Any] = []
         self.loaded = False  # the saved variants are read at the first call, which fingerprints the arguments
-        self.folder: Path | None = None  # where this call's variants are saved; None without a compile cache
+        self.cache: Path | None = None  # this machine's compile cache; None without one
+        self.folder: Path | None = None  # where this call's variants are saved
         self.fallback: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
@@ -253,13 +310,13 @@ class _CompiledAhead:
 
     def _load(self, full: tuple) -> None:
         self.loaded = True
-        root = enable_compile_cache()
-        if root is None:
+        self.cache = enable_compile_cache()
+        if self.cache is None:
             return
-        self.folder = root / AHEAD / f"{self.name}-{_fingerprint(full)}"
+        self.folder = self.cache / AHEAD / f"{self.name}-{_fingerprint(full)}"
         for path in sorted(self.folder.glob("*.bin")):
             try:
-                with open(path, "rb") as f:
+                with open(path, "rb") as f, _known_vec_isa(self.cache):
                     variant = torch.compiler.load_compiled_function(f)
                 if _sources_unchanged(variant):
                     self.variants.append(variant)
@@ -282,8 +339,9 @@ class _CompiledAhead:
             with _no_duck_sizing():
                 return self.fallback(*args)
         self.variants.append(variant)
-        if self.folder is not None and len(list(self.folder.glob("*.bin"))) < MAX_AHEAD:
+        if self.cache is not None and len(list(self.folder.glob("*.bin"))) < MAX_AHEAD:
             try:
+                _record_vec_isa(self.cache)
                 self.folder.mkdir(parents=True, exist_ok=True)
                 variant.save_compiled_function(str(self.folder / f"{len(self.variants) - 1}-{os.getpid()}.bin"))
             except Exception as e:  # unpicklable state (say, a process group): this process keeps it in memory
