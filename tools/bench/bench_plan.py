@@ -2,12 +2,16 @@
 
 Runs the SmolLM2 GRPO arithmetic recipe (and, with ``--ppo``, PPO with a critic on a tiny model instead) for 3 steps
 under several mappings (colocated / split, sync / async, micro-batch budgets; world size 2 and 4), each a fresh
-torchrun, and compares the mean of steps 2-3's ``timing_s/step`` with the simulator's estimate for the same mapping
+torchrun, and compares the median of steps 2..'s ``timing_s/step`` with the simulator's estimate for the same mapping
 (`torchrlhf.plan`) from a hardware profile calibrated here first, on the run's architecture as ``recipes/ppo.py
 --calibrate --config`` does (``--hardware`` reuses a profile). Responses ignore EOS so that every run decodes exactly
 ``rollout.max_tokens`` tokens per sample: the workload is the same in the simulator and the run.
 
-    python tools/bench/bench_plan.py [--ppo] [--hardware FILE] [--steps 3]
+    python tools/bench/bench_plan.py [--ppo] [--hardware FILE] [--steps 3] [--rounds 1]
+
+With ``--rounds R`` every mapping runs R times, the table once per round, and a mapping's measured time is the
+fastest of its rounds: on a shared host, noise only ever slows a run down (the calibration keeps the best of its
+probes the same way), and a round-robin spreads the host's slow spells over every mapping alike.
 
 Prints one row per mapping (predicted, measured, error), then, per world size, the planner's own pick (searched
 over every mapping, run and measured) against the best measured row, and ``Kendall tau T`` and ``max error E %``
@@ -80,7 +84,8 @@ PPO_MAPPINGS = [
 
 
 def measure(world: int, workload: list[str], overrides: list[str], out: Path, steps: int) -> dict[str, float]:
-    """Mean ``timing_s/*`` of steps 2.. of a fresh torchrun of the recipe."""
+    """``timing_s/*`` of the step whose ``timing_s/step`` is the median of steps 2.. of a fresh torchrun of the
+    recipe."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = ["torchrun", f"--nproc_per_node={world}", "recipes/ppo.py", "--config", GRPO, *workload, *overrides,
            f"trainer.total_steps={steps}", f"trainer.output_dir={out}"]
@@ -88,9 +93,18 @@ def measure(world: int, workload: list[str], overrides: list[str], out: Path, st
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "timing_s/step" in r and r["step"] > 1]
-    keys = {k for r in rows for k in r if k.startswith("timing_s/")}
-    return {k.split("/", 1)[1]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in sorted(keys)}
+    rows = sorted((r for r in rows if "timing_s/step" in r and r["step"] > 1), key=lambda r: r["timing_s/step"])
+    median = rows[(len(rows) - 1) // 2]
+    return {k.split("/", 1)[1]: v for k, v in sorted(median.items()) if k.startswith("timing_s/")}
+
+
+def fastest(world: int, workload: list[str], overrides: list[str], out: Path, steps: int, rounds: int,
+            earlier: list[dict[str, float]] | None = None) -> tuple[dict[str, float], list[float]]:
+    """The fastest of ``rounds`` runs (``earlier`` ones included), and every run's step time."""
+    runs = list(earlier or [])
+    while len(runs) < rounds:
+        runs.append(measure(world, workload, overrides, out / f"round{len(runs)}", steps))
+    return min(runs, key=lambda r: r["step"]), [r["step"] for r in runs]
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -104,6 +118,7 @@ def main() -> None:
     parser.add_argument("--ppo", action="store_true", help="PPO with a critic on a tiny model instead of SmolLM2 GRPO")
     parser.add_argument("--hardware", help="a profile file; default: calibrate here first")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="runs per mapping, round-robin; the fastest counts")
     parser.add_argument("--only", type=int, nargs="*", help="mapping indices to run")
     args = parser.parse_args()
     rows = []
@@ -118,27 +133,35 @@ def main() -> None:
             hw = calibrate("cpu", threads=1, model_dir=model_dir)
             name = f"bench_plan_hardware{'_ppo' if args.ppo else ''}.yaml"
             print(f"calibrated: {save_hardware(hw, Path(tempfile.gettempdir()) / name)}")
-        for i, (world, overrides) in enumerate(mappings):
-            if args.only and i not in args.only:
-                continue
+        todo = [(i, world, overrides) for i, (world, overrides) in enumerate(mappings) if not args.only or i in args.only]
+        runs: dict[int, list[dict[str, float]]] = {i: [] for i, _, _ in todo}
+        for round_ in range(args.rounds):
+            for i, world, overrides in todo:
+                runs[i].append(measure(world, workload, overrides, Path(tmp) / f"run{i}" / f"round{round_}", args.steps))
+                print(f"round {round_ + 1}: [{i}] measured {runs[i][-1]['step']:.2f} s", flush=True)
+        for i, world, overrides in todo:
             cfg, _ = load(ROOT / GRPO, [*workload, *overrides], world)
             data = plan_input(cfg)
             predicted = step_estimate(data.problem, config_mapping(cfg, world), hw, node_size=world)
-            stages = measure(world, workload, overrides, Path(tmp) / f"run{i}", args.steps)
+            stages, each = fastest(world, workload, overrides, Path(tmp), args.steps, args.rounds, runs[i])
             measured = stages["step"]
             rows.append((i, world, overrides, predicted.seconds, measured, predicted))
             print(f"[{i}] world {world} {' '.join(overrides) or '(colocated)'}: predicted {predicted.seconds:.2f} s "
                   f"({', '.join(f'{k} {v:.2f}' for k, v in predicted.by_stage().items())}), measured {measured:.2f} s "
-                  f"({', '.join(f'{k} {v:.2f}' for k, v in stages.items() if k != 'step')}), error {100 * (predicted.seconds / measured - 1):+.0f} %", flush=True)
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in stages.items() if k != 'step')}; rounds "
+                  f"{' '.join(f'{t:.2f}' for t in each)}), error {100 * (predicted.seconds / measured - 1):+.0f} %",
+                  flush=True)
         pick = {}
         for world in sorted({r[1] for r in rows}):
             cfg, _ = load(ROOT / GRPO, [*workload, *smallest], world)
             best = plan(cfg, world, hardware=hw).best
-            measured = measure(world, workload, best.overrides, Path(tmp) / f"pick{world}", args.steps)
+            measured, each = fastest(world, workload, best.overrides, Path(tmp) / f"pick{world}", args.steps,
+                                     args.rounds)
             pick[world] = (best, measured["step"])
             print(f"planner's pick at world size {world}: {' '.join(best.overrides)}: predicted "
                   f"{best.estimate.seconds:.2f} s, measured {measured['step']:.2f} s "
-                  f"({', '.join(f'{k} {v:.2f}' for k, v in measured.items() if k != 'step')})", flush=True)
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in measured.items() if k != 'step')}; rounds "
+                  f"{' '.join(f'{t:.2f}' for t in each)})", flush=True)
     predicted, measured = [r[3] for r in rows], [r[4] for r in rows]
     print("\n| # | world | mapping | predicted s | measured s | error |")
     print("|---|---|---|---|---|---|")
