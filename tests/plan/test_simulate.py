@@ -98,6 +98,13 @@ def test_a_tp_replica_splits_the_blocks_and_runs_the_whole_lm_head_on_each_rank(
     prefill = 0.1 + 6_704 / (1e12 * 0.5)
     step = 0.01 + 4_800 / 1e9 / 0.5 + 4 * 100e-6 + 256 / 2e9
     assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
+    # the engine's own TP link (plain tensors) where the profile has one, else the training TP's (DTensor)
+    kw = dict(dtype="float32", prompts=2, n=2, prompt_len=3, decode_steps=5, response_len=4, max_slots=8, node_size=2,
+              busy=2)
+    engine = generate_s(MODEL, Role(ranks=2, tp=2), profile(tp=Link(0.5, 5000.0), tp_engine=Link(1.0, 300.0)), **kw)
+    assert engine == pytest.approx(prefill + 5 * (0.01 + 4_800 / 1e9 / 0.5 + 4 * 300e-6 + 256 / 1e9), rel=1e-12)
+    training = generate_s(MODEL, Role(ranks=2, tp=2), profile(tp=Link(0.5, 5000.0)), **kw)
+    assert training == pytest.approx(prefill + 5 * (0.01 + 4_800 / 1e9 / 0.5 + 4 * 5000e-6 + 256 / 0.5e9), rel=1e-12)
 
 
 def test_decode_waves_when_samples_exceed_the_slots():

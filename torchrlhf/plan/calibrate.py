@@ -152,8 +152,7 @@ def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     """The native engine's decode at batch 4 and 32 (32 sampled tokens, EOS ignored) against its roofline bound,
     fitted as ``step_s + bound / efficiency``: an engine that owns its weights (a rollout on ranks of its own; on a
     CPU its projections prepacked), and one decoding ``model``'s own (a colocated rollout)."""
-    from torchrlhf.data.batch import Batch
-    from torchrlhf.generation import NativeEngine, SamplingParams
+    from torchrlhf.generation import NativeEngine
 
     counts = TransformerFlops.from_model(model)
     config = model.config
@@ -163,13 +162,11 @@ def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     kv_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     width = torch.empty((), dtype=dtype).element_size()
     peak = peak_flops(dtype, device)
-    sampling = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
 
     def fit(engine: NativeEngine) -> DecodeCost:
         points = []
         for batch in (4, 32):
-            ids = torch.randint(3, 1000, (batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
-            prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            prompts, sampling = _decode_batch(batch, device)
             seconds = _best(lambda: engine.generate(prompts, sampling), repeats=1)
             context = 32 + 16
             bound = max((params * width + batch * context * kv_per_token) / bandwidth,
@@ -233,40 +230,66 @@ def probe_concurrency(units: int, threads: int) -> float:
     return max(1.0, rates[0] / rates[1])
 
 
+def _decode_batch(batch: int, device: torch.device):
+    """``batch`` prompts of 32 random tokens, and sampling of 32 tokens ignoring EOS: what the decode probes run."""
+    from torchrlhf.data.batch import Batch
+    from torchrlhf.generation import SamplingParams
+
+    ids = torch.randint(3, 1000, (batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    return prompts, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+
+
 def _two_rank_passes_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
                             layout: str, out: str) -> None:
-    """`time_passes` on one of two ranks, the model sharded by FSDP2 (``layout`` "fsdp") or split by TP ("tp")."""
+    """On one of two ranks: `time_passes`, the model sharded by FSDP2 (``layout`` "fsdp") or split by TP ("tp"); or
+    ("engine") the seconds of one `generate` of `_decode_batch(4)` by a native engine split by TP."""
+    from torchrlhf.generation import NativeEngine
     from torchrlhf.models.lm_head import LogProbHead
     from torchrlhf.models.parallelize import apply_tp, parallelize
     from torchrlhf.runtime.mesh import build_mesh
 
     torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
-    mesh = build_mesh(torch.tensor([0, 1]), ("tp" if layout == "tp" else "dp",), device.type)
-    if layout == "tp":
-        model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
-        apply_tp(model, mesh)
-    else:
-        model = probe_model(model_dir, getattr(torch, dtype), device)
-        LogProbHead.install(model)
-        parallelize(model, dp_mesh=mesh)
-    times = time_passes(model, device, min_seconds=0.0)
+    with tempfile.TemporaryDirectory() as d:
+        if layout == "engine":  # saved before the process group starts: transformers saves on its rank 0 only
+            probe_model(model_dir, getattr(torch, dtype), device, tp=2).save_pretrained(d, safe_serialization=True)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=300))
+        mesh = build_mesh(torch.tensor([0, 1]), ("dp" if layout == "fsdp" else "tp",), device.type)
+        if layout == "engine":
+            engine = NativeEngine(d, max_batch_size=4, max_seq_len=SEQ + 32, device=device, dtype=getattr(torch, dtype),
+                                  tp_mesh=mesh)
+            prompts, sampling = _decode_batch(4, device)
+            result = _best(lambda: engine.generate(prompts, sampling), repeats=3, min_seconds=0.0)  # as many per rank
+        else:
+            if layout == "tp":
+                model = probe_model(model_dir, getattr(torch, dtype), device, tp=2)
+                apply_tp(model, mesh)
+            else:
+                model = probe_model(model_dir, getattr(torch, dtype), device)
+                LogProbHead.install(model)
+                parallelize(model, dp_mesh=mesh)
+            times = time_passes(model, device, min_seconds=0.0)
+            result = [[train, rows, t] for (train, rows), t in times.items()]
     if rank == 0:
-        Path(out).write_text(json.dumps([[train, rows, t] for (train, rows), t in times.items()]))
+        Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def _two_rank_passes(layout: str, device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype
-                     ) -> dict[tuple[bool, int], float]:
+def _two_rank_run(layout: str, device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype):
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, layout)
         mp.spawn(_two_rank_passes_worker, args=(f"file://{d}/store", backend, threads, model_dir,
                                                 str(dtype).split(".")[-1], layout, out), nprocs=2, join=True)
-        return {(bool(train), int(rows)): t for train, rows, t in json.loads(Path(out).read_text())}
+        return json.loads(Path(out).read_text())
+
+
+def _two_rank_passes(layout: str, device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype
+                     ) -> dict[tuple[bool, int], float]:
+    return {(bool(train), int(rows)): t for train, rows, t in _two_rank_run(layout, device, threads, model_dir, dtype)}
 
 
 def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, params: int,
@@ -320,6 +343,37 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
     return Link(bandwidth_gbps=link.bandwidth_gbps, latency_us=sum(latencies) / len(latencies) * 1e6)
 
 
+def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, link: Link,
+                    bandwidth: float, decode: DecodeCost) -> Link | None:
+    """The native engine's TP all-reduces (plain tensors, `models.parallelize.split_blocks_over_tp`) as its decode
+    step sees them: a TP-2 engine's `generate` of `_decode_batch(4)` on 2 processes, against what the simulator
+    (`plan.simulate.generate_s`) gives that step without its all-reduces, from ``decode`` (the one-rank engine's
+    fit): the blocks' reads and FLOPs halved, the LM head whole. The rest, less the bytes at the bare ``link``'s
+    bandwidth, is a latency per all-reduce (2 per layer and step). None for an architecture without a TP plan."""
+    from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
+
+    model = probe_model(model_dir, dtype, device, tp=2)
+    config = model.config
+    if config.model_type not in TP_SUPPORTED_MODEL_TYPES:
+        return None
+    seconds = _two_rank_run("engine", device, threads, model_dir, dtype)
+    counts = TransformerFlops.from_model(model)
+    width = torch.empty((), dtype=dtype).element_size()
+    head = config.hidden_size * config.vocab_size
+    params = sum(p.numel() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    batch, context = 4, 32 + 16
+    kv = batch * context * 2 * config.num_hidden_layers * kv_heads * head_dim * width
+    read = ((params - head) * width + kv) / 2 + head * width  # per rank and step, as the simulator counts it
+    flops = counts.forward(batch, batch * context, 0) / 2 + counts.forward(0, 0, batch)
+    step = decode.step_s + max(read / bandwidth, flops / peak_flops(dtype, device)) / decode.efficiency
+    calls = 2 * config.num_hidden_layers
+    nbytes = batch * config.hidden_size * width * 2 * (2 - 1) / 2
+    latency = max(0.0, (seconds / 32 - step) / calls - nbytes / (link.bandwidth_gbps * 1e9))
+    return Link(bandwidth_gbps=link.bandwidth_gbps, latency_us=latency * 1e6)
+
+
 def probe_link(device: torch.device, threads: int) -> Link:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < 2:
@@ -348,8 +402,10 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     link = probe_link(dev, threads)
     fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
                       model.config.num_hidden_layers, alone)
-    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if dev.type == "cpu" or \
-        torch.cuda.device_count() > 1 else None
+    two = dev.type == "cpu" or torch.cuda.device_count() > 1
+    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if two else None
+    tp_engine = probe_tp_engine(dev, threads, model_dir, getattr(torch, compute), link, bandwidth, decode) \
+        if two else None
     if dev.type == "cuda":
         memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
     else:
@@ -365,8 +421,8 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
                 "(not probed)"),
         memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
         train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
-        fsdp=fsdp, tp=tp,
+        fsdp=fsdp, tp=tp, tp_engine=tp_engine,
         compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
 
 
-__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_link", "probe_passes"]
+__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_link", "probe_passes", "probe_tp", "probe_tp_engine"]

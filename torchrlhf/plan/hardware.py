@@ -70,7 +70,9 @@ class HardwareProfile:
     training step sees them (measured in one by `torchrlhf.plan.calibrate.probe_fsdp`; on a CPU they share the cores
     with the compute); None: the node's link. ``tp``: tensor parallelism's all-reduces inside a node as a step sees
     them (`torchrlhf.plan.calibrate.probe_tp`: on a CPU, DTensor's dispatch and the wait for the other rank count as
-    latency); None: the node's link. ``decode_shared``: decode on the training model's own weights, as a
+    latency); None: the node's link. ``tp_engine``: the same inside the native engine's decode step, whose TP runs on
+    plain tensors (`torchrlhf.plan.calibrate.probe_tp_engine`); None: as ``tp``. ``decode_shared``: decode on the
+    training model's own weights, as a
     colocated engine does (on a CPU without the projections an engine that owns its weights prepacks); None: as
     ``decode``."""
 
@@ -86,6 +88,7 @@ class HardwareProfile:
     inter_node: Link
     fsdp: Link | None = None
     tp: Link | None = None
+    tp_engine: Link | None = None
     decode_shared: DecodeCost | None = None
     step_overhead_s: float = 0.0
     compute_units_per_node: int | None = None

@@ -214,7 +214,7 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
     step = (cost.step_s + max(read / (hw.memory_bandwidth_gbps * 1e9), flops / hw.peak_flops(dtype)) / cost.efficiency
             ) * slow
     if rollout.tp > 1:
-        link = link_between(rollout.first, rollout.tp, node_size, hw, inside=hw.tp)
+        link = link_between(rollout.first, rollout.tp, node_size, hw, inside=hw.tp_engine or hw.tp)
         step += collective_s(link, slots * model.hidden * b * 2, calls=2 * model.layers)
     return waves * (prefill + decode_steps * step)
 
