@@ -98,12 +98,8 @@ def measure(world: int, workload: list[str], overrides: list[str], out: Path, st
     return {k.split("/", 1)[1]: v for k, v in sorted(median.items()) if k.startswith("timing_s/")}
 
 
-def fastest(world: int, workload: list[str], overrides: list[str], out: Path, steps: int, rounds: int,
-            earlier: list[dict[str, float]] | None = None) -> tuple[dict[str, float], list[float]]:
-    """The fastest of ``rounds`` runs (``earlier`` ones included), and every run's step time."""
-    runs = list(earlier or [])
-    while len(runs) < rounds:
-        runs.append(measure(world, workload, overrides, out / f"round{len(runs)}", steps))
+def fastest(runs: list[dict[str, float]]) -> tuple[dict[str, float], list[float]]:
+    """The fastest of a mapping's runs, and every run's step time."""
     return min(runs, key=lambda r: r["step"]), [r["step"] for r in runs]
 
 
@@ -133,17 +129,19 @@ def main() -> None:
             hw = calibrate("cpu", threads=1, model_dir=model_dir)
             name = f"bench_plan_hardware{'_ppo' if args.ppo else ''}.yaml"
             print(f"calibrated: {save_hardware(hw, Path(tempfile.gettempdir()) / name)}")
-        todo = [(i, world, overrides) for i, (world, overrides) in enumerate(mappings) if not args.only or i in args.only]
+        todo = [(i, world, overrides) for i, (world, overrides) in enumerate(mappings)
+                if not args.only or i in args.only]
         runs: dict[int, list[dict[str, float]]] = {i: [] for i, _, _ in todo}
         for round_ in range(args.rounds):
             for i, world, overrides in todo:
-                runs[i].append(measure(world, workload, overrides, Path(tmp) / f"run{i}" / f"round{round_}", args.steps))
+                out = Path(tmp) / f"run{i}" / f"round{round_}"
+                runs[i].append(measure(world, workload, overrides, out, args.steps))
                 print(f"round {round_ + 1}: [{i}] measured {runs[i][-1]['step']:.2f} s", flush=True)
         for i, world, overrides in todo:
             cfg, _ = load(ROOT / GRPO, [*workload, *overrides], world)
             data = plan_input(cfg)
             predicted = step_estimate(data.problem, config_mapping(cfg, world), hw, node_size=world)
-            stages, each = fastest(world, workload, overrides, Path(tmp), args.steps, args.rounds, runs[i])
+            stages, each = fastest(runs[i])
             measured = stages["step"]
             rows.append((i, world, overrides, predicted.seconds, measured, predicted))
             print(f"[{i}] world {world} {' '.join(overrides) or '(colocated)'}: predicted {predicted.seconds:.2f} s "
@@ -155,8 +153,8 @@ def main() -> None:
         for world in sorted({r[1] for r in rows}):
             cfg, _ = load(ROOT / GRPO, [*workload, *smallest], world)
             best = plan(cfg, world, hardware=hw).best
-            measured, each = fastest(world, workload, best.overrides, Path(tmp) / f"pick{world}", args.steps,
-                                     args.rounds)
+            measured, each = fastest([measure(world, workload, best.overrides, Path(tmp) / f"pick{world}" / f"round{r}",
+                                              args.steps) for r in range(args.rounds)])
             pick[world] = (best, measured["step"])
             print(f"planner's pick at world size {world}: {' '.join(best.overrides)}: predicted "
                   f"{best.estimate.seconds:.2f} s, measured {measured['step']:.2f} s "
@@ -179,7 +177,8 @@ def main() -> None:
             print(f"world {world}: the planner's own pick measured {seconds:.2f} s "
                   f"({100 * (seconds / best_measured[4] - 1):+.0f} % against the best of the table; predicted "
                   f"{best.estimate.seconds:.2f} s, error {100 * (best.estimate.seconds / seconds - 1):+.0f} %)")
-    print(f"Kendall tau {kendall_tau(predicted, measured):.2f}")
+    if len(rows) > 1:  # a ranking needs two rows (``--only`` may leave one)
+        print(f"Kendall tau {kendall_tau(predicted, measured):.2f}")
     print(f"max error {max(abs(p / m - 1) for p, m in zip(predicted, measured)) * 100:.0f} %")
 
 

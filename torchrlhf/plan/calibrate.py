@@ -154,24 +154,12 @@ def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     CPU its projections prepacked), and one decoding ``model``'s own (a colocated rollout)."""
     from torchrlhf.generation import NativeEngine
 
-    counts = TransformerFlops.from_model(model)
-    config = model.config
-    params = sum(p.numel() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    width = torch.empty((), dtype=dtype).element_size()
-    peak = peak_flops(dtype, device)
-
     def fit(engine: NativeEngine) -> DecodeCost:
         points = []
         for batch in (4, 32):
             prompts, sampling = _decode_batch(batch, device)
             seconds = _best(lambda: engine.generate(prompts, sampling), repeats=1)
-            context = 32 + 16
-            bound = max((params * width + batch * context * kv_per_token) / bandwidth,
-                        counts.forward(batch, batch * context, batch) / peak)
-            points.append((bound, seconds / 32))
+            points.append((_decode_bound(model, batch, dtype, device, bandwidth), seconds / 32))
         step_s, per_bound = _fit(*points[0], *points[1])
         return DecodeCost(efficiency=min(1.0, 1 / per_bound), step_s=step_s)
 
@@ -238,6 +226,25 @@ def _decode_batch(batch: int, device: torch.device):
     ids = torch.randint(3, 1000, (batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return prompts, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+
+
+def _decode_bound(model: torch.nn.Module, batch: int, dtype: torch.dtype, device: torch.device, bandwidth: float,
+                  tp: int = 1) -> float:
+    """The roofline bound of a decode step of `_decode_batch(batch)` (its mean context, 32 + 16 keys) on one rank
+    of a ``tp``-way engine, as `plan.simulate.generate_s` counts it: the blocks' weights, KV and FLOPs split over
+    ``tp``, the LM head whole."""
+    config = model.config
+    width = torch.empty((), dtype=dtype).element_size()
+    head = config.hidden_size * config.vocab_size
+    params = sum(p.numel() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    context = 32 + 16
+    kv = batch * context * 2 * config.num_hidden_layers * kv_heads * head_dim * width
+    read = ((params - head) * width + kv) / tp + head * width
+    counts = TransformerFlops.from_model(model)
+    flops = counts.forward(batch, batch * context, 0) / tp + counts.forward(0, 0, batch)
+    return max(read / bandwidth, flops / peak_flops(dtype, device))
 
 
 def _two_rank_passes_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
@@ -357,19 +364,10 @@ def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, d
     if config.model_type not in TP_SUPPORTED_MODEL_TYPES:
         return None
     seconds = _two_rank_run("engine", device, threads, model_dir, dtype)
-    counts = TransformerFlops.from_model(model)
+    step = decode.step_s + _decode_bound(model, 4, dtype, device, bandwidth, tp=2) / decode.efficiency
     width = torch.empty((), dtype=dtype).element_size()
-    head = config.hidden_size * config.vocab_size
-    params = sum(p.numel() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    batch, context = 4, 32 + 16
-    kv = batch * context * 2 * config.num_hidden_layers * kv_heads * head_dim * width
-    read = ((params - head) * width + kv) / 2 + head * width  # per rank and step, as the simulator counts it
-    flops = counts.forward(batch, batch * context, 0) / 2 + counts.forward(0, 0, batch)
-    step = decode.step_s + max(read / bandwidth, flops / peak_flops(dtype, device)) / decode.efficiency
     calls = 2 * config.num_hidden_layers
-    nbytes = batch * config.hidden_size * width * 2 * (2 - 1) / 2
+    nbytes = 4 * config.hidden_size * width * 2 * (2 - 1) / 2
     latency = max(0.0, (seconds / 32 - step) / calls - nbytes / (link.bandwidth_gbps * 1e9))
     return Link(bandwidth_gbps=link.bandwidth_gbps, latency_us=latency * 1e6)
 
