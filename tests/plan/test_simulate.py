@@ -22,9 +22,9 @@ from torchrlhf.plan.simulate import (
 from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.utils.flops import TransformerFlops
 
-# 2 layers, 1000 block weights, 2 heads of 4, hidden 8, vocabulary 10; 2000 parameters in all
+# 2 layers, 1000 block weights, 2 heads of 4, hidden 8, vocabulary 10; 2000 parameters in 5 tensors
 FLOPS = TransformerFlops(layers=2, block_params=1000, heads=2, head_dim=4, hidden=8, head_out=10)
-MODEL = ModelShape(params=2000, layers=2, hidden=8, vocab=10, kv_heads=1, head_dim=4, flops=FLOPS)
+MODEL = ModelShape(params=2000, layers=2, hidden=8, vocab=10, kv_heads=1, head_dim=4, flops=FLOPS, tensors=5)
 
 
 def profile(units: int | None = None, **changes) -> HardwareProfile:
@@ -124,9 +124,17 @@ def test_a_collective_is_latency_plus_bytes_over_bandwidth_on_the_link_it_crosse
     assert split == pytest.approx(2 * 100e-6 + 8000 / 2e9)
     across = weight_sync_s(MODEL, Role(ranks=1), Role(ranks=1, first=1), hw, dtype="float32", node_size=1)
     assert across == pytest.approx(2 * 1000e-6 + 8000 / 1e9)
-    # colocated on 2 ranks: each gathers the other half, 2 layers
-    colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2)
-    assert colocated == pytest.approx(2 * 100e-6 + 1000 * 4 / 2e9)
+    # colocated on 2 ranks: each gathers the other half, one collective per tensor (5), then its engine takes back
+    # 2000 x 4 bytes of weights and 10 tokens x (2 layers x K and V x 1 KV head x 4 wide x 4 bytes = 64) of KV cache
+    colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2, kv_tokens=10)
+    assert colocated == pytest.approx(5 * 100e-6 + 1000 * 4 / 2e9 + (8000 + 640) / 1e9)
+    # FSDP2's calibrated link carries the gathers, and a calibrated resume rate the engine's fill; on one rank
+    # (dp 1) there is nothing to gather
+    hw = profile(fsdp=Link(0.5, 10.0), engine_resume_gbps=4.0)
+    colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2, kv_tokens=10)
+    assert colocated == pytest.approx(5 * 10e-6 + 1000 * 4 / 0.5e9 + (8000 + 640) / 4e9)
+    alone = weight_sync_s(MODEL, Role(ranks=1), Role(ranks=1), hw, dtype="float32", node_size=2, kv_tokens=10)
+    assert alone == pytest.approx((8000 + 640) / 4e9)
 
 
 # the same model as a mixture of experts: 1200 of its 2000 parameters are 4 routed experts per layer, 2 per token
@@ -163,7 +171,7 @@ def _problem() -> Problem:
     return Problem(models={"actor": MODEL}, dtypes={"actor": "float32", "rollout": "float32"},
                    workload=Workload(prompts=2, n=2, prompt_len=3, response_len=4, longest_response=4),
                    mini_batches={"actor": 1}, epochs={"actor": 1}, old_log_prob=False, reference=True,
-                   shared_prefix={"actor": False, "critic": False}, max_slots=8)
+                   shared_prefix={"actor": False, "critic": False}, max_slots=8, max_seq_len=7)
 
 
 def test_a_synchronous_step_adds_its_stages_and_an_asynchronous_one_takes_the_slower_side():

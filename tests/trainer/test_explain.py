@@ -26,6 +26,15 @@ def test_parameter_count_matches_the_loaded_model(tiny_model_dir):
     assert model_shape(tiny_model_dir).params == _hf_params(tiny_model_dir)
 
 
+def test_tensor_count_is_a_llamas_nine_per_layer_and_the_embedding_norm_and_untied_head(tiny_model_dir):
+    """What a weight sync moves one by one: per layer q, k, v, o, gate, up, down and two norms; then the embedding,
+    the final norm, and the LM head unless it is the embedding's tensor."""
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    assert config.model_type == "llama"
+    want = 9 * config.num_hidden_layers + 2 + (0 if config.tie_word_embeddings else 1)
+    assert model_shape(tiny_model_dir).tensors == want
+
+
 def test_a_value_models_shape_has_the_backbone_and_a_one_output_head(tiny_model_dir):
     """A critic or a reward model: transformers' bare backbone plus Linear(hidden, 1) with its bias, and a scored
     position costs 2 · hidden FLOPs where the LM head's cost 2 · hidden · vocab."""

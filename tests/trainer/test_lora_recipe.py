@@ -57,6 +57,7 @@ def test_dry_run_memory_knows_lora(tiny_model_dir, tmp_path):
     shape = model_shape(tiny_model_dir, cfg.actor.lora)
     plain = model_shape(tiny_model_dir)
     assert shape.params == plain.params and 0 < shape.adapter_params < plain.params / 5
+    assert shape.tensors == plain.tensors  # the adapters merge into the weights a sync moves
     adapters_gib = shape.adapter_params * 4 / 2**30
     # one fp32 rank, unsharded: the base and adapters as loaded; AdamW's states for the adapters only
     assert f"actor parameters {(shape.params + shape.adapter_params) * 4 / 2**30:.2f} GiB" in text

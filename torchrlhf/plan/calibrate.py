@@ -9,6 +9,7 @@
 - **decode**: the native engine at two batch sizes (EOS ignored), fitted as ``step_s + bound / efficiency``, once
   with weights of its own (a rollout apart) and once on the training model's (colocated);
 - **memory bandwidth**: a large copy;
+- **a colocated engine's resume**: its weights and KV cache taken back after training, as at each rollout;
 - **concurrency** (CPU): a GEMM loop in every compute unit at once against one alone (SMT siblings and a shared
   memory bus slow each rank down when all compute);
 - **collectives**: two processes on this node, all-reduce of 4 KiB and 32 MiB (gloo on CPU, NCCL on GPU): latency
@@ -228,6 +229,39 @@ def _decode_batch(batch: int, device: torch.device):
     return prompts, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
 
 
+def _kv_bytes_per_token(config, width: int) -> int:
+    """Keys and values of one token over all layers of a HF ``config``, at ``width`` bytes per element."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * width
+
+
+def probe_engine_resume(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> float:
+    """GB/s at which a colocated engine takes back its weights and KV cache at each rollout: a `NativeEngine`
+    released as at the end of one, then `hybrid.generation_mode` handing it ``model``'s weights (the engine's weight
+    storage and KV cache allocated again and filled) and releasing them as the rollout's end does. On a CPU the
+    fresh pages fault in: SmolLM2's 0.54 GB of weights took 0.5 s where the copy probe moves 12 GB/s."""
+    from torchrlhf.generation import NativeEngine
+    from torchrlhf.hybrid import generation_mode
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    slots, seq = 32, SEQ + 32
+
+    def resume() -> None:
+        with generation_mode(model, engine):
+            sync()
+        sync()
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        engine = NativeEngine(d, max_batch_size=slots, max_seq_len=seq, device=device, dtype=dtype)
+        engine.release()
+        seconds = _best(resume, repeats=3)
+    width = torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(p.numel() for p in model.parameters()) * width + slots * seq * _kv_bytes_per_token(model.config, width)
+    return nbytes / seconds / 1e9
+
+
 def _decode_bound(model: torch.nn.Module, batch: int, dtype: torch.dtype, device: torch.device, bandwidth: float,
                   tp: int = 1) -> float:
     """The roofline bound of a decode step of `_decode_batch(batch)` (its mean context, 32 + 16 keys) on one rank
@@ -237,10 +271,8 @@ def _decode_bound(model: torch.nn.Module, batch: int, dtype: torch.dtype, device
     width = torch.empty((), dtype=dtype).element_size()
     head = config.hidden_size * config.vocab_size
     params = sum(p.numel() for p in model.parameters())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     context = 32 + 16
-    kv = batch * context * 2 * config.num_hidden_layers * kv_heads * head_dim * width
+    kv = batch * context * _kv_bytes_per_token(config, width)
     read = ((params - head) * width + kv) / tp + head * width
     counts = TransformerFlops.from_model(model)
     flops = counts.forward(batch, batch * context, 0) / tp + counts.forward(0, 0, batch)
@@ -396,6 +428,7 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     model = probe_model(model_dir, getattr(torch, compute), dev)
     bandwidth = probe_bandwidth(dev)
     decode, decode_shared = probe_decode(model, dev, getattr(torch, compute), bandwidth)
+    engine_resume = probe_engine_resume(model, dev, getattr(torch, compute))
     train, forward, alone = probe_passes(model, dev, getattr(torch, compute))
     link = probe_link(dev, threads)
     fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
@@ -419,8 +452,9 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
                 "(not probed)"),
         memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
         train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
-        fsdp=fsdp, tp=tp, tp_engine=tp_engine,
+        fsdp=fsdp, tp=tp, tp_engine=tp_engine, engine_resume_gbps=engine_resume,
         compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
 
 
-__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_link", "probe_passes", "probe_tp", "probe_tp_engine"]
+__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_engine_resume", "probe_link", "probe_passes",
+           "probe_tp", "probe_tp_engine"]

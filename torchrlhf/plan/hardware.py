@@ -74,7 +74,10 @@ class HardwareProfile:
     plain tensors (`torchrlhf.plan.calibrate.probe_tp_engine`); None: as ``tp``. ``decode_shared``: decode on the
     training model's own weights, as a
     colocated engine does (on a CPU without the projections an engine that owns its weights prepacks); None: as
-    ``decode``."""
+    ``decode``. ``engine_resume_gbps``: the rate at which a colocated engine takes back its weights and KV cache at
+    each rollout, after releasing them to training (`hybrid.generation_mode`; measured by
+    `torchrlhf.plan.calibrate.probe_engine_resume`: on a CPU the fresh pages fault in at a fraction of the copy
+    bandwidth); None: ``memory_bandwidth_gbps``."""
 
     name: str
     source: str
@@ -90,6 +93,7 @@ class HardwareProfile:
     tp: Link | None = None
     tp_engine: Link | None = None
     decode_shared: DecodeCost | None = None
+    engine_resume_gbps: float | None = None
     step_overhead_s: float = 0.0
     compute_units_per_node: int | None = None
     concurrent_slowdown: float = 1.0

@@ -54,7 +54,6 @@ class PlanInput:
     problem: Problem
     traced: dict[str, TracedRole]  # actor, ref (its own forward), critic, teacher, reward_model, cost_model
     engine_dtype_bytes: int
-    max_seq_len: int  # prompt + response a KV slot holds
     max_prompt_len: int
     prompt_len_source: str  # where the workload's prompt length came from
     heads: dict[str, tuple[int, int]]  # role -> (attention heads, KV heads): TP must divide both
@@ -138,9 +137,10 @@ def plan_input(cfg: RecipeConfig, *, prompt_len: float | None = None, response_l
     problem = Problem(
         models=shapes, dtypes=dtypes, workload=workload, mini_batches=mini_batches, epochs=epochs,
         old_log_prob=needs_old_log_prob(cfg), reference=reference, shared_prefix=shared,
-        max_slots=getattr(engine, "max_batch_size", None) or 256)
+        max_slots=getattr(engine, "max_batch_size", None) or 256,
+        max_seq_len=getattr(engine, "max_seq_len", None) or p_max + r_max)
     return PlanInput(problem, traced, torch.empty((), dtype=getattr(torch, actor.dtype)).element_size(),
-                     getattr(engine, "max_seq_len", None) or p_max + r_max, p_max, prompt_source, heads,
+                     p_max, prompt_source, heads,
                      {role: getattr(cfg, role).batching.use_dynamic_bsz for role in mini_batches})
 
 

@@ -162,7 +162,7 @@ class Planner:
         """The engine's weights and KV cache per rank (its configured slots × sequence length)."""
         b = self.data.engine_dtype_bytes
         shape = self.p.models["actor"]
-        return (shape.params * b + self.p.max_slots * self.data.max_seq_len * shape.kv_bytes_per_token(b)) / tp
+        return (shape.params * b + self.p.max_slots * self.p.max_seq_len * shape.kv_bytes_per_token(b)) / tp
 
     def _fit_micro(self, role: str, dp: int, tp: int, per_rank: int, held: float, working: list[float],
                    asynchronous: bool, no_grad: bool = False, at_most: int | None = None, exact: bool = False

@@ -220,15 +220,21 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
 
 
 def weight_sync_s(model: ModelShape, actor: Role, rollout: Role, hw: HardwareProfile, *, dtype: str,
-                  node_size: int) -> float:
-    """New weights into the engines: colocated, each rank gathers its engine's TP shard from the FSDP2 shards;
-    split, the actor broadcasts the weights (in ``dtype``) to the rollout ranks."""
+                  node_size: int, kv_tokens: int = 0) -> float:
+    """New weights into the engines. Colocated: each rank's engine takes back its TP shard of the weights and its KV
+    cache of ``kv_tokens`` tokens (slots × sequence length), which it released to training, at
+    ``engine_resume_gbps``, and with FSDP2 over dp > 1 ranks gathers the other ranks' shards first, one collective
+    per parameter tensor (`hybrid.iter_generation_weights`) on FSDP2's link. Split: the actor broadcasts the
+    weights (in ``dtype``) to the rollout ranks."""
     b = DTYPE_BYTES[dtype]
     if rollout.first == actor.first and rollout.ranks == actor.ranks:
-        if actor.dp == 1:
-            return model.params * b / actor.tp / (hw.memory_bandwidth_gbps * 1e9)  # a cast-copy in place
-        link = link_between(actor.first, actor.ranks, node_size, hw)
-        return collective_s(link, model.params * b / rollout.tp * (actor.dp - 1) / actor.dp, calls=model.layers)
+        filled = (model.params * b + kv_tokens * model.kv_bytes_per_token(b)) / rollout.tp
+        seconds = filled / ((hw.engine_resume_gbps or hw.memory_bandwidth_gbps) * 1e9)
+        if actor.dp > 1:
+            link = link_between(actor.first, actor.ranks, node_size, hw, inside=hw.fsdp)
+            seconds += collective_s(link, model.params * b / rollout.tp * (actor.dp - 1) / actor.dp,
+                                    calls=max(1, model.tensors))
+        return seconds
     span_first = min(actor.first, rollout.first)
     span = max(actor.first + actor.ranks, rollout.first + rollout.ranks) - span_first
     link = link_between(span_first, span, node_size, hw)
@@ -254,6 +260,7 @@ class Problem:
     reference: bool  # a separate reference forward on the actor's ranks
     shared_prefix: dict[str, bool]
     max_slots: int  # the engine's KV slots (samples decoded together)
+    max_seq_len: int  # prompt + response a KV slot holds
 
 
 @dataclass(frozen=True)
@@ -329,7 +336,7 @@ def step_estimate(problem: Problem, mapping: Mapping, hw: HardwareProfile, *, no
             prefix_passes=problem.epochs[role] * problem.mini_batches[role],
             shared_prompts=w.prompts * problem.epochs[role] if problem.shared_prefix[role] else 0))
     add("weight_sync", "actor", weight_sync_s(models["actor"], actor, rollout, hw, dtype=dtypes["rollout"],
-                                              node_size=node_size))
+                                              node_size=node_size, kv_tokens=problem.max_slots * problem.max_seq_len))
 
     generation = sum(s.seconds for s in stages if s.name == "generate")
     training = sum(s.seconds for s in stages if s.name != "generate")

@@ -74,6 +74,7 @@ class ModelShape:
     experts: int = 0  # a mixture-of-experts model's routed experts per sparse block (0: dense)
     top_k: int = 0  # experts each token runs
     expert_params: int = 0  # every routed expert's weights over all layers (included in ``params``)
+    tensors: int = 0  # parameter tensors (tied ones once, adapters left out): a weight sync moves them one by one
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Keys and values of one token over all layers."""
@@ -105,6 +106,7 @@ def model_shape(path: str, lora: Any = None, value_head: bool = False) -> ModelS
         model_type=config.model_type,
         experts=config.num_experts if moe else 0, top_k=config.num_experts_per_tok if moe else 0,
         expert_params=expert_weights(model),
+        tensors=sum(1 for n, _ in model.named_parameters() if not is_adapter(n)),
     )
 
 
