@@ -19,6 +19,7 @@ from torchrlhf.plan.simulate import (
     step_estimate,
     weight_sync_s,
 )
+from torchrlhf.plan.simulate import _stages
 from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.utils.flops import TransformerFlops
 
@@ -124,6 +125,10 @@ def test_a_collective_is_latency_plus_bytes_over_bandwidth_on_the_link_it_crosse
     assert split == pytest.approx(2 * 100e-6 + 8000 / 2e9)
     across = weight_sync_s(MODEL, Role(ranks=1), Role(ranks=1, first=1), hw, dtype="float32", node_size=1)
     assert across == pytest.approx(2 * 1000e-6 + 8000 / 1e9)
+    # an actor on 2 ranks first gathers each of its 5 tensors whole (half of 2000 float32 parameters arrive), bf16
+    # broadcast
+    sharded = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=1, first=2), hw, dtype="bfloat16", node_size=4)
+    assert sharded == pytest.approx(5 * 100e-6 + 1000 * 4 / 2e9 + 2 * 100e-6 + 2000 * 2 / 2e9)
     # colocated on 2 ranks: each gathers the other half, one collective per tensor (5), then its engine takes back
     # 2000 x 4 bytes of weights and 10 tokens x (2 layers x K and V x 1 KV head x 4 wide x 4 bytes = 64) of KV cache
     colocated = weight_sync_s(MODEL, Role(ranks=2), Role(ranks=2), hw, dtype="float32", node_size=2, kv_tokens=10)
@@ -193,3 +198,44 @@ def test_a_synchronous_step_adds_its_stages_and_an_asynchronous_one_takes_the_sl
     assert async_.seconds < sync.seconds
     # split: one engine decodes all 4 samples; colocated, two engines decode 2 each
     assert sync.by_stage()["generate"] > step_estimate(_problem(), colocated, hw, node_size=2).by_stage()["generate"]
+
+
+def _both_sides_step_by_step(alone, beside, steps: int = 200_000) -> tuple[float, float]:
+    """A slow loop: the training stages one after another and generation from the start, each progressing at its
+    rate beside the other side while the other still runs, at its rate alone after; (generation, training) s."""
+    gen = [(a.seconds, b.seconds) for a, b in zip(alone, beside) if a.name == "generate"][0]
+    train = [(a.seconds, b.seconds) for a, b in zip(alone, beside) if a.name != "generate"]
+    dt = (sum(b for _, b in train) + gen[1]) / steps
+    t, gen_left, stage, stage_left, gen_end, train_end = 0.0, 1.0, 0, 1.0, None, None
+    while gen_end is None or train_end is None:
+        t += dt
+        if gen_end is None:
+            gen_left -= dt / (gen[1] if train_end is None else gen[0])
+            gen_end = t if gen_left <= 0 else None
+        if train_end is None:
+            a, b = train[stage]
+            stage_left -= dt / (b if gen_end is None else a)
+            if stage_left <= 0:
+                stage, stage_left = stage + 1, 1.0
+                train_end = t if stage == len(train) else None
+    return gen_end, train_end
+
+
+@pytest.mark.parametrize("decode_steps", [4, 4000], ids=["training-longer", "generation-longer"])
+def test_async_ranks_sharing_a_cpu_slow_each_other_only_while_both_sides_run(decode_steps):
+    """Two ranks on one compute unit: a stage computing beside the other side takes twice as long (`share`).
+    Generation starts with the step; the step's times equal a slow step-by-step loop of both sides."""
+    problem = dataclasses.replace(_problem(), workload=Workload(prompts=2, n=2, prompt_len=3, response_len=4,
+                                                                longest_response=decode_steps))
+    hw = profile(units=1)
+    streamed = Mapping({"actor": Role(1), "rollout": Role(1, first=1)}, mode="async", max_staleness=1,
+                       prompts_per_call=2)
+    alone = _stages(problem, streamed, hw, node_size=2, busy=lambda r: 1)
+    beside = _stages(problem, streamed, hw, node_size=2, busy=lambda r: 2)
+    assert all(b.seconds > a.seconds for a, b in zip(alone, beside) if a.name != "weight_sync")  # the unit shared
+    est = step_estimate(problem, streamed, hw, node_size=2)
+    generation, training = _both_sides_step_by_step(alone, beside)
+    assert (est.generation_s > est.training_s) == (decode_steps == 4000)
+    assert est.generation_s == pytest.approx(generation, rel=1e-3)
+    assert est.training_s == pytest.approx(training, rel=1e-3)
+    assert est.seconds == pytest.approx(max(generation, training), rel=1e-3)

@@ -12,13 +12,15 @@ sync. Each stage is timed on its role's ranks:
 - decode: ``steps · (step_s + max(bytes / bandwidth, FLOPs / peak) / efficiency)``, where a step reads the engine's
   weights (of a mixture-of-experts model's experts, those its slots' tokens were routed to: `decode_weights`) and
   the KV cache of its slots, and a synchronous generation decodes as many steps as its longest response;
-- the weight sync: colocated, every rank gathers the engine's weights from the FSDP2 shards; split, the actor
-  broadcasts them to the rollout ranks.
+- the weight sync: colocated, every rank's engine takes back its weights and KV cache after gathering the other
+  ranks' FSDP2 shards; split, the actor gathers each parameter whole and broadcasts them to the rollout ranks.
 
 Stages add up in a synchronous step (the controller calls the roles one after another; roles on ranks of their own
 wait meanwhile). An asynchronous step overlaps generation (on the rollout ranks) with training (on the others): its
 time is the slower side. On a CPU whose ranks outnumber its compute units, ranks computing at the same time share
-them (``compute_units_per_node``).
+them (``compute_units_per_node``). In an asynchronous step generation starts as the trainer takes its batch: the
+training stages compute beside it, in order, until it is done, and the rest of the step alone (and generation
+beside the training, then alone, when it is the longer side).
 
 What it leaves out is listed in ``docs/planning.md``: the variance of response lengths beyond the longest, the
 reward function's time (in ``step_overhead_s``), host↔device offload copies, and memory fragmentation.
@@ -26,7 +28,9 @@ reward function's time (in ``step_overhead_s``), host↔device offload copies, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchrlhf.plan.hardware import HardwareProfile, Link
@@ -224,8 +228,9 @@ def weight_sync_s(model: ModelShape, actor: Role, rollout: Role, hw: HardwarePro
     """New weights into the engines. Colocated: each rank's engine takes back its TP shard of the weights and its KV
     cache of ``kv_tokens`` tokens (slots × sequence length), which it released to training, at
     ``engine_resume_gbps``, and with FSDP2 over dp > 1 ranks gathers the other ranks' shards first, one collective
-    per parameter tensor (`hybrid.iter_generation_weights`) on FSDP2's link. Split: the actor broadcasts the
-    weights (in ``dtype``) to the rollout ranks."""
+    per parameter tensor (`hybrid.iter_generation_weights`) on FSDP2's link. Split: the actor's ranks gather each
+    parameter whole, FSDP2's float32 master weights (`hybrid.broadcast.send_weights`), and its first rank broadcasts
+    the weights (in ``dtype``) to the rollout ranks."""
     b = DTYPE_BYTES[dtype]
     if rollout.first == actor.first and rollout.ranks == actor.ranks:
         filled = (model.params * b + kv_tokens * model.kv_bytes_per_token(b)) / rollout.tp
@@ -235,10 +240,14 @@ def weight_sync_s(model: ModelShape, actor: Role, rollout: Role, hw: HardwarePro
             seconds += collective_s(link, model.params * b / rollout.tp * (actor.dp - 1) / actor.dp,
                                     calls=max(1, model.tensors))
         return seconds
+    gathers = 0.0
+    if actor.ranks > 1:
+        inside = link_between(actor.first, actor.ranks, node_size, hw, inside=hw.fsdp)
+        gathers = collective_s(inside, model.params * 4 * (actor.ranks - 1) / actor.ranks, calls=max(1, model.tensors))
     span_first = min(actor.first, rollout.first)
     span = max(actor.first + actor.ranks, rollout.first + rollout.ranks) - span_first
     link = link_between(span_first, span, node_size, hw)
-    return collective_s(link, model.params * b, calls=max(1, model.layers))
+    return gathers + collective_s(link, model.params * b, calls=max(1, model.layers))
 
 
 __all__ = ["DTYPE_BYTES", "Role", "Stage", "StepEstimate", "Workload", "collective_s", "decode_weights", "generate_s",
@@ -280,14 +289,47 @@ class Mapping:
 
 def step_estimate(problem: Problem, mapping: Mapping, hw: HardwareProfile, *, node_size: int) -> StepEstimate:
     """The simulated time of one step of ``mapping`` (see the module docstring)."""
+    # ranks computing at once on a node: a stage's own (its role's ranks, at most a node's), and in an asynchronous
+    # step, while the other side runs, all of them
+    node_of = lambda r: min(r.ranks, node_size)  # noqa: E731
+    if mapping.mode != "async":
+        stages = _stages(problem, mapping, hw, node_size=node_size, busy=node_of)
+        generation = sum(s.seconds for s in stages if s.name == "generate")
+        training = sum(s.seconds for s in stages if s.name != "generate")
+        return StepEstimate(stages, generation + training + hw.step_overhead_s,
+                            max(stages, key=lambda s: s.seconds).name, generation, training)
+    world = max(r.first + r.ranks for r in mapping.roles.values())
+    alone = _stages(problem, mapping, hw, node_size=node_size, busy=node_of)
+    beside = _stages(problem, mapping, hw, node_size=node_size, busy=lambda r: min(world, node_size))
+    # the stream takes the next batch's prompts as the trainer takes a batch: generation runs beside the training
+    # stages from the step's start, in order, and each side runs alone once the other is done
+    gen_alone = sum(s.seconds for s in alone if s.name == "generate")
+    gen_beside = sum(s.seconds for s in beside if s.name == "generate")
+    left, stages = gen_beside, []
+    for a, b in zip(alone, beside):
+        if a.name != "generate":
+            done = min(1.0, left / b.seconds) if b.seconds else 1.0  # of the stage's work, beside generation
+            stages.append(dataclasses.replace(a, seconds=done * b.seconds + (1 - done) * a.seconds))
+            left -= done * b.seconds
+    training = sum(s.seconds for s in stages)
+    done = min(1.0, training / gen_beside) if gen_beside else 1.0  # of generation's work, beside training
+    scale = (done * gen_beside + (1 - done) * gen_alone) / gen_beside if gen_beside else 1.0
+    trained = iter(stages)
+    stages = [dataclasses.replace(b, seconds=b.seconds * scale) if b.name == "generate" else next(trained)
+              for b in beside]
+    generation = sum(s.seconds for s in stages if s.name == "generate")
+    training = sum(s.seconds for s in stages if s.name != "generate")
+    bottleneck = "generate" if generation >= training else max(
+        (s for s in stages if s.name != "generate"), key=lambda s: s.seconds).name
+    return StepEstimate(stages, max(generation, training) + hw.step_overhead_s, bottleneck, generation, training)
+
+
+def _stages(problem: Problem, mapping: Mapping, hw: HardwareProfile, *, node_size: int,
+            busy: Callable[[Role], int]) -> list[Stage]:
+    """Every stage of a step of ``mapping``, each computing beside ``busy(role)`` ranks of its node."""
     w, roles, models, dtypes = problem.workload, mapping.roles, problem.models, problem.dtypes
     actor, rollout = roles["actor"], roles["rollout"]
-    world = max(r.first + r.ranks for r in roles.values())
     asynchronous = mapping.mode == "async"
-    # ranks computing at once on a node: a synchronous stage's own (its role's ranks, at most a node's); async, all
-    node_of = lambda r: min(r.ranks, node_size)  # noqa: E731
-    busy = (lambda r: min(world, node_size)) if asynchronous else node_of
-
     stages: list[Stage] = []
 
     def add(name: str, role: str, seconds: float) -> None:
@@ -337,17 +379,7 @@ def step_estimate(problem: Problem, mapping: Mapping, hw: HardwareProfile, *, no
             shared_prompts=w.prompts * problem.epochs[role] if problem.shared_prefix[role] else 0))
     add("weight_sync", "actor", weight_sync_s(models["actor"], actor, rollout, hw, dtype=dtypes["rollout"],
                                               node_size=node_size, kv_tokens=problem.max_slots * problem.max_seq_len))
-
-    generation = sum(s.seconds for s in stages if s.name == "generate")
-    training = sum(s.seconds for s in stages if s.name != "generate")
-    if asynchronous:  # generation overlaps everything else; the slower side sets the pace
-        seconds = max(generation, training) + hw.step_overhead_s
-        bottleneck = "generate" if generation >= training else max(
-            (s for s in stages if s.name != "generate"), key=lambda s: s.seconds).name
-    else:
-        seconds = generation + training + hw.step_overhead_s
-        bottleneck = max(stages, key=lambda s: s.seconds).name
-    return StepEstimate(stages, seconds, bottleneck, generation, training)
+    return stages
 
 
 __all__ += ["Mapping", "Problem", "step_estimate"]
