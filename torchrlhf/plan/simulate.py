@@ -303,22 +303,16 @@ def step_estimate(problem: Problem, mapping: Mapping, hw: HardwareProfile, *, no
     beside = _stages(problem, mapping, hw, node_size=node_size, busy=lambda r: min(world, node_size))
     # the stream takes the next batch's prompts as the trainer takes a batch: generation runs beside the training
     # stages from the step's start, in order, and each side runs alone once the other is done
-    gen_alone = sum(s.seconds for s in alone if s.name == "generate")
-    gen_beside = sum(s.seconds for s in beside if s.name == "generate")
-    left, stages = gen_beside, []
-    for a, b in zip(alone, beside):
-        if a.name != "generate":
-            done = min(1.0, left / b.seconds) if b.seconds else 1.0  # of the stage's work, beside generation
-            stages.append(dataclasses.replace(a, seconds=done * b.seconds + (1 - done) * a.seconds))
-            left -= done * b.seconds
-    training = sum(s.seconds for s in stages)
-    done = min(1.0, training / gen_beside) if gen_beside else 1.0  # of generation's work, beside training
-    scale = (done * gen_beside + (1 - done) * gen_alone) / gen_beside if gen_beside else 1.0
-    trained = iter(stages)
-    stages = [dataclasses.replace(b, seconds=b.seconds * scale) if b.name == "generate" else next(trained)
-              for b in beside]
-    generation = sum(s.seconds for s in stages if s.name == "generate")
-    training = sum(s.seconds for s in stages if s.name != "generate")
+    (gen_alone, gen_beside), trained = (alone[0], beside[0]), []  # `_stages` puts the one "generate" first
+    left = gen_beside.seconds
+    for a, b in zip(alone[1:], beside[1:]):
+        done = min(1.0, left / b.seconds) if b.seconds else 1.0  # of the stage's work, beside generation
+        trained.append(dataclasses.replace(a, seconds=done * b.seconds + (1 - done) * a.seconds))
+        left -= done * b.seconds
+    training = sum(s.seconds for s in trained)
+    done = min(1.0, training / gen_beside.seconds) if gen_beside.seconds else 1.0  # of generation's work, beside
+    generation = done * gen_beside.seconds + (1 - done) * gen_alone.seconds
+    stages = [dataclasses.replace(gen_beside, seconds=generation), *trained]
     bottleneck = "generate" if generation >= training else max(
         (s for s in stages if s.name != "generate"), key=lambda s: s.seconds).name
     return StepEstimate(stages, max(generation, training) + hw.step_overhead_s, bottleneck, generation, training)
