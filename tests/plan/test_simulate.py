@@ -89,6 +89,18 @@ def test_decode_is_its_steps_at_the_roofline_bound_plus_a_prefill():
     assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
 
 
+def test_a_cpu_decode_step_adds_its_bytes_and_flops_and_samples_every_slot_over_the_vocabulary():
+    # the case above on a CPU (one compute unit): the step's 9 280 bytes at 1 GB/s and its 9 920 FLOPs at 1 TFLOP/s
+    # add up, and the sampler's 2 ns per logit draws a token for each of the 4 slots over the 10-token vocabulary,
+    # in the prefill (every sample's first token) and in every step
+    seconds = generate_s(MODEL, Role(ranks=1), profile(units=1, sample_ns_per_logit=2.0), dtype="float32", prompts=2,
+                         n=2, prompt_len=3, decode_steps=5, response_len=4, max_slots=8, node_size=1, busy=1)
+    sample = 4 * 10 * 2e-9
+    prefill = 0.1 + 13_088 / (1e12 * 0.5) + sample
+    step = 0.01 + (9_280 / 1e9 + 9_920 / 1e12) / 0.5 + sample
+    assert seconds == pytest.approx(prefill + 5 * step, rel=1e-12)
+
+
 def test_a_tp_replica_splits_the_blocks_and_runs_the_whole_lm_head_on_each_rank():
     # the case above on one replica of TP 2; the head is hidden 8 x vocabulary 10 = 80 weights, on both ranks.
     # prefill per rank: (2 * 1000 * 6 + 4 * 2 * 2 * 4 * 12) / 2 + 2 * 8 * 10 * 2 = 6 384 + 320 = 6 704 FLOPs

@@ -6,8 +6,9 @@
 - **training and forward passes** of the run's architecture (SmolLM2's by default; random weights) at two
   micro-batch sizes: the time model
   ``call_s + FLOPs / (peak · efficiency)`` through both points gives the efficiency and the cost per call;
-- **decode**: the native engine at two batch sizes (EOS ignored), fitted as ``step_s + bound / efficiency``, once
-  with weights of its own (a rollout apart) and once on the training model's (colocated);
+- **sampling**: the engine's sampler over 32 rows of the vocabulary, in ns per logit;
+- **decode**: the native engine at two batch sizes (EOS ignored), less its sampling, fitted as ``step_s + bound /
+  efficiency``, once with weights of its own (a rollout apart) and once on the training model's (colocated);
 - **memory bandwidth**: a large copy;
 - **a colocated engine's resume**: its weights and KV cache taken back after training, as at each rollout;
 - **concurrency** (CPU): a GEMM loop in every compute unit at once against one alone (SMT siblings and a shared
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost
+from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost, decode_bound_s
 from torchrlhf.utils import calibration
 from torchrlhf.utils.flops import TransformerFlops, causal_keys, peak_flops
 
@@ -62,9 +63,13 @@ def _best(fn: Callable[[], None], repeats: int = 3, min_seconds: float = 0.5) ->
 
 
 def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
-    """(intercept, slope) of the line through (x1, t1) and (x2, t2), both kept ≥ 0."""
-    slope = max((t2 - t1) / (x2 - x1), 1e-18)
-    return max(t1 - slope * x1, 0.0), slope
+    """(intercept, slope) of the line through (x1, t1) and (x2, t2); where that line's intercept or slope is
+    negative, the line through the origin whose errors at the two points cancel (not one through the larger point,
+    which missed the smaller by a factor of two or more in the decode fit of a tiny model)."""
+    slope = (t2 - t1) / (x2 - x1)
+    if slope > 0 and t1 - slope * x1 >= 0:
+        return t1 - slope * x1, slope
+    return 0.0, max((t1 + t2) / (x1 + x2), 1e-18)
 
 
 def probe_model(config_dir: str | None, dtype: torch.dtype, device: torch.device, tp: int = 1) -> torch.nn.Module:
@@ -148,11 +153,26 @@ def probe_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, bandwidth: float
-                 ) -> tuple[DecodeCost, DecodeCost]:
-    """The native engine's decode at batch 4 and 32 (32 sampled tokens, EOS ignored) against its roofline bound,
-    fitted as ``step_s + bound / efficiency``: an engine that owns its weights (a rollout on ranks of its own; on a
-    CPU its projections prepacked), and one decoding ``model``'s own (a colocated rollout)."""
+def probe_sampling(device: torch.device, vocab: int) -> float:
+    """Nanoseconds per vocabulary logit of the engine's sampler (`generation.sampling.sample_tokens`, temperature 1)
+    drawing a token for each of 32 rows: per-slot work of a decode step that its roofline bound does not count."""
+    from torchrlhf.generation.sampling import SamplingParams, sample_tokens
+
+    logits = torch.randn(32, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    uniforms = torch.rand(32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = _best(lambda: (sample_tokens(logits, uniforms, params, check_finite=False), sync()), repeats=5,
+                    min_seconds=0.2)
+    return seconds / logits.numel() * 1e9
+
+
+def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, bandwidth: float,
+                 sample_ns: float = 0.0) -> tuple[DecodeCost, DecodeCost]:
+    """The native engine's decode at batch 4 and 32 (32 sampled tokens, EOS ignored), less its sampling
+    (``sample_ns`` per logit, `probe_sampling`), against its roofline bound, fitted as ``step_s + bound /
+    efficiency``: an engine that owns its weights (a rollout on ranks of its own; on a CPU its projections
+    prepacked), and one decoding ``model``'s own (a colocated rollout)."""
     from torchrlhf.generation import NativeEngine
 
     def fit(engine: NativeEngine) -> DecodeCost:
@@ -160,7 +180,8 @@ def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
         for batch in (4, 32):
             prompts, sampling = _decode_batch(batch, device)
             seconds = _best(lambda: engine.generate(prompts, sampling), repeats=1)
-            points.append((_decode_bound(model, batch, dtype, device, bandwidth), seconds / 32))
+            sampled = batch * model.config.vocab_size * sample_ns * 1e-9
+            points.append((_decode_bound(model, batch, dtype, device, bandwidth), seconds / 32 - sampled))
         step_s, per_bound = _fit(*points[0], *points[1])
         return DecodeCost(efficiency=min(1.0, 1 / per_bound), step_s=step_s)
 
@@ -276,7 +297,7 @@ def _decode_bound(model: torch.nn.Module, batch: int, dtype: torch.dtype, device
     read = ((params - head) * width + kv) / tp + head * width
     counts = TransformerFlops.from_model(model)
     flops = counts.forward(batch, batch * context, 0) / tp + counts.forward(0, 0, batch)
-    return max(read / bandwidth, flops / peak_flops(dtype, device))
+    return decode_bound_s(read, flops, bandwidth, peak_flops(dtype, device), device.type)
 
 
 def _two_rank_passes_worker(rank: int, init: str, backend: str, threads: int, model_dir: str | None, dtype: str,
@@ -383,11 +404,11 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
 
 
 def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, link: Link,
-                    bandwidth: float, decode: DecodeCost) -> Link | None:
+                    bandwidth: float, decode: DecodeCost, sample_ns: float = 0.0) -> Link | None:
     """The native engine's TP all-reduces (plain tensors, `models.parallelize.split_blocks_over_tp`) as its decode
     step sees them: a TP-2 engine's `generate` of `_decode_batch(4)` on 2 processes, against what the simulator
     (`plan.simulate.generate_s`) gives that step without its all-reduces, from ``decode`` (the one-rank engine's
-    fit): the blocks' reads and FLOPs halved, the LM head whole. The rest, less the bytes at the bare ``link``'s
+    fit and the sampler's ``sample_ns`` per logit): the blocks' reads and FLOPs halved, the LM head whole. The rest, less the bytes at the bare ``link``'s
     bandwidth, is a latency per all-reduce (2 per layer and step). None for an architecture without a TP plan."""
     from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
 
@@ -396,7 +417,8 @@ def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, d
     if config.model_type not in TP_SUPPORTED_MODEL_TYPES:
         return None
     seconds = _two_rank_run("engine", device, threads, model_dir, dtype)
-    step = decode.step_s + _decode_bound(model, 4, dtype, device, bandwidth, tp=2) / decode.efficiency
+    step = (decode.step_s + _decode_bound(model, 4, dtype, device, bandwidth, tp=2) / decode.efficiency
+            + 4 * config.vocab_size * sample_ns * 1e-9)
     width = torch.empty((), dtype=dtype).element_size()
     calls = 2 * config.num_hidden_layers
     nbytes = 4 * config.hidden_size * width * 2 * (2 - 1) / 2
@@ -427,7 +449,8 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     compute = dtypes[0]
     model = probe_model(model_dir, getattr(torch, compute), dev)
     bandwidth = probe_bandwidth(dev)
-    decode, decode_shared = probe_decode(model, dev, getattr(torch, compute), bandwidth)
+    sample_ns = probe_sampling(dev, model.config.vocab_size)
+    decode, decode_shared = probe_decode(model, dev, getattr(torch, compute), bandwidth, sample_ns)
     engine_resume = probe_engine_resume(model, dev, getattr(torch, compute))
     train, forward, alone = probe_passes(model, dev, getattr(torch, compute))
     link = probe_link(dev, threads)
@@ -435,8 +458,8 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
                       model.config.num_hidden_layers, alone)
     two = dev.type == "cpu" or torch.cuda.device_count() > 1
     tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if two else None
-    tp_engine = probe_tp_engine(dev, threads, model_dir, getattr(torch, compute), link, bandwidth, decode) \
-        if two else None
+    tp_engine = probe_tp_engine(dev, threads, model_dir, getattr(torch, compute), link, bandwidth, decode,
+                                sample_ns) if two else None
     if dev.type == "cuda":
         memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
     else:
@@ -452,9 +475,9 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
                 "(not probed)"),
         memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
         train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
-        fsdp=fsdp, tp=tp, tp_engine=tp_engine, engine_resume_gbps=engine_resume,
+        fsdp=fsdp, tp=tp, tp_engine=tp_engine, engine_resume_gbps=engine_resume, sample_ns_per_logit=sample_ns,
         compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
 
 
 __all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_engine_resume", "probe_link", "probe_passes",
-           "probe_tp", "probe_tp_engine"]
+           "probe_sampling", "probe_tp", "probe_tp_engine"]

@@ -7,7 +7,9 @@ came from in the file's ``source``; ``--calibrate`` measures one on the user's m
 Each kind of work has a time model of two terms, a fixed cost per call and a rate:
 
 - a training or forward pass over ``F`` FLOPs in ``m`` micro-batches: ``m · call_s + F / (peak · efficiency)``;
-- a decode step reading ``B`` bytes and doing ``F`` FLOPs: ``step_s + max(B / bandwidth, F / peak) / efficiency``;
+- a decode step reading ``B`` bytes and doing ``F`` FLOPs over ``b`` slots of a ``V``-token vocabulary:
+  ``step_s + bound / efficiency + b · V · sample_ns_per_logit``, where the roofline ``bound`` is
+  ``max(B / bandwidth, F / peak)`` on a GPU and ``B / bandwidth + F / peak`` on a CPU (`decode_bound_s`);
 - a collective over ``n`` ranks moving ``B`` bytes: ``latency + B / bandwidth`` on the link it crosses.
 """
 
@@ -49,8 +51,8 @@ class PassCost:
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """A decode step: the fraction of its roofline bound (the larger of bytes / bandwidth and FLOPs / peak) that it
-    reaches, and a fixed cost per step (host work, kernel launches)."""
+    """A decode step: the fraction of its roofline bound (`decode_bound_s`) that it reaches, and a fixed cost per
+    step (host work, kernel launches)."""
 
     efficiency: float
     step_s: float
@@ -77,7 +79,10 @@ class HardwareProfile:
     ``decode``. ``engine_resume_gbps``: the rate at which a colocated engine takes back its weights and KV cache at
     each rollout, after releasing them to training (`hybrid.generation_mode`; measured by
     `torchrlhf.plan.calibrate.probe_engine_resume`: on a CPU the fresh pages fault in at a fraction of the copy
-    bandwidth); None: ``memory_bandwidth_gbps``."""
+    bandwidth); None: ``memory_bandwidth_gbps``. ``sample_ns_per_logit``: the sampler's time per vocabulary logit
+    of each token it samples (softmax, the inverse CDF: `torchrlhf.plan.calibrate.probe_sampling`), a decode step's
+    cost per slot that no roofline counts (on a CPU a quarter to a half of a tiny model's step at 32 slots); None: not
+    measured, 0."""
 
     name: str
     source: str
@@ -94,6 +99,7 @@ class HardwareProfile:
     tp_engine: Link | None = None
     decode_shared: DecodeCost | None = None
     engine_resume_gbps: float | None = None
+    sample_ns_per_logit: float | None = None
     step_overhead_s: float = 0.0
     compute_units_per_node: int | None = None
     concurrent_slowdown: float = 1.0
@@ -128,6 +134,10 @@ class HardwareProfile:
     def decode_cost(self, colocated: bool) -> DecodeCost:
         return self.decode_shared if colocated and self.decode_shared is not None else self.decode
 
+    def decode_bound_s(self, nbytes: float, flops: float, dtype: str) -> float:
+        return decode_bound_s(nbytes, flops, self.memory_bandwidth_gbps * 1e9, self.peak_flops(dtype),
+                              self.device_type)
+
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s per device in ``dtype`` (a torch dtype name)."""
         if dtype not in self.matmul_tflops:
@@ -141,6 +151,17 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def decode_bound_s(nbytes: float, flops: float, bandwidth: float, peak: float, device_type: str) -> float:
+    """The roofline bound of a decode step reading ``nbytes`` at ``bandwidth`` B/s and doing ``flops`` at ``peak``
+    FLOP/s. A GPU streams the weights while it multiplies (each kernel is bound by the larger); a CPU core runs a
+    step's small kernels one after another without hiding the loads behind the arithmetic, so the two add up
+    (SmolLM2's shape on one core, 1 to 32 slots: the step grew 96 to 190 ms as its FLOPs did, where its bytes moved
+    54 to 61 ms)."""
+    if device_type == "cpu":
+        return nbytes / bandwidth + flops / peak
+    return max(nbytes / bandwidth, flops / peak)
 
 
 SHIPPED = {p.stem: p for p in sorted(PROFILES_DIR.glob("*.yaml"))}
@@ -185,4 +206,5 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-__all__ = ["DecodeCost", "HardwareProfile", "Link", "PassCost", "SHIPPED", "load_hardware", "save_hardware"]
+__all__ = ["DecodeCost", "HardwareProfile", "Link", "PassCost", "SHIPPED", "decode_bound_s", "load_hardware",
+           "save_hardware"]

@@ -9,9 +9,11 @@ sync. Each stage is timed on its role's ranks:
   its collectives: FSDP2's parameter gathers (and, training, the gradients' reduce-scatter), TP's all-reduces
   (two per layer per forward, four with backward) and expert parallelism's all-to-alls (the same count, of each
   token's ``top_k`` copies), each ``latency + bytes / bandwidth`` on the link it crosses;
-- decode: ``steps · (step_s + max(bytes / bandwidth, FLOPs / peak) / efficiency)``, where a step reads the engine's
-  weights (of a mixture-of-experts model's experts, those its slots' tokens were routed to: `decode_weights`) and
-  the KV cache of its slots, and a synchronous generation decodes as many steps as its longest response;
+- decode: ``steps · (step_s + bound / efficiency + slots · vocabulary · sample_ns_per_logit)``, where a step reads
+  the engine's weights (of a mixture-of-experts model's experts, those its slots' tokens were routed to:
+  `decode_weights`) and the KV cache of its slots, its roofline ``bound`` is the larger of bytes / bandwidth and
+  FLOPs / peak on a GPU and their sum on a CPU (`hardware.decode_bound_s`), and a synchronous generation decodes as
+  many steps as its longest response;
 - the weight sync: colocated, every rank's engine takes back its weights and KV cache after gathering the other
   ranks' FSDP2 shards; split, the actor gathers each parameter whole and broadcasts them to the rollout ranks.
 
@@ -205,18 +207,18 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
     def per_rank(tokens: int, keys: int, scored: int) -> float:  # the blocks split over TP, the head not
         return f.forward(tokens, keys, 0) / rollout.tp + f.forward(0, 0, scored)
 
+    sample = slots * f.head_out * (hw.sample_ns_per_logit or 0.0) * 1e-9  # a token for every slot
     prefill_tokens = slots / n * prompt_len
     prefill = (hw.forward.call_s + per_rank(int(prefill_tokens), int(slots / n * causal_keys(int(prompt_len))),
                                             max(1, int(slots / n)))
-               / (hw.peak_flops(dtype) * hw.forward.efficiency)) * slow
+               / (hw.peak_flops(dtype) * hw.forward.efficiency) + sample) * slow
     context = prompt_len + response_len / 2  # mean keys a decode step reads per slot
     read = ((decode_weights(model, slots) - head) * b + slots * context * model.kv_bytes_per_token(b)) / rollout.tp \
         + head * b
     flops = per_rank(slots, int(slots * context), slots)
     cost = hw.decode_cost(colocated)
     # a CPU rank sharing its compute unit runs every part of the step, host work included, at its share
-    step = (cost.step_s + max(read / (hw.memory_bandwidth_gbps * 1e9), flops / hw.peak_flops(dtype)) / cost.efficiency
-            ) * slow
+    step = (cost.step_s + hw.decode_bound_s(read, flops, dtype) / cost.efficiency + sample) * slow
     if rollout.tp > 1:
         link = link_between(rollout.first, rollout.tp, node_size, hw, inside=hw.tp_engine or hw.tp)
         step += collective_s(link, slots * model.hidden * b * 2, calls=2 * model.layers)
