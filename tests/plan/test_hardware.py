@@ -47,3 +47,9 @@ def test_an_efficiency_given_in_percent_is_refused(tmp_path):
 def test_an_unknown_profile_name_lists_the_shipped_ones():
     with pytest.raises(ConfigError, match="h100.*--calibrate"):
         load_hardware("a100-nonexistent")
+
+
+def test_a_negative_sampling_cost_is_refused(tmp_path):
+    text = SHIPPED["h100"].read_text() + "sample_ns_per_logit: -1.0\n"
+    with pytest.raises(ConfigError, match="sample_ns_per_logit must be >= 0 or null, got -1.0"):
+        load_hardware(_write(tmp_path, text))

@@ -124,6 +124,8 @@ class HardwareProfile:
         for key in ("intra_node", "inter_node"):
             if not getattr(self, key).bandwidth_gbps > 0:
                 problems.append(f"{key}.bandwidth_gbps must be > 0, got {getattr(self, key).bandwidth_gbps}")
+        if self.sample_ns_per_logit is not None and not self.sample_ns_per_logit >= 0:
+            problems.append(f"sample_ns_per_logit must be >= 0 or null, got {self.sample_ns_per_logit}")
         if not self.concurrent_slowdown >= 1:
             problems.append(f"concurrent_slowdown is a factor >= 1, got {self.concurrent_slowdown}")
         if self.compute_units_per_node is not None and self.compute_units_per_node < 1:
