@@ -59,7 +59,7 @@ USAGE = """usage: recipes/ppo.py --config X.yaml [--dry-run | --plan] [--world-s
                       ranks (--nodes M nodes) by simulated step time; print the best and write it as a config
   --world-size N      the dry run's or the plan's number of ranks (default: torchrun's WORLD_SIZE, else 1)
   --nodes M           nodes the plan's ranks are spread over (default 1)
-  --hardware H        a hardware profile: a shipped name (h100, cpu_epyc_2core) or a file (default: the profile
+  --hardware H        a hardware profile: a shipped name (h100, cpu_xeon_2core) or a file (default: the profile
                       --calibrate wrote for this machine)
   --plan-out FILE     where --plan writes its config (default: <trainer.output_dir>/plan_w<N>.yaml)
   --response-len L    the mean response length --plan assumes (default: rollout.max_tokens)

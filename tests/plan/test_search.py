@@ -98,7 +98,7 @@ def _direct_no_grad_peak(cfg, role, dtype=torch.float32) -> float:
 ], ids=["short-prompts", "long-prompts"])
 def test_every_kept_candidate_fits_by_a_direct_trace_and_tight_memory_shrinks_the_micro_batch(recipe_config, sections):
     cfg, _ = recipe_config(**sections)
-    roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
+    roomy = dataclasses.replace(load_hardware("cpu_xeon_2core"), memory_gib=8.0)
     loose = plan(cfg, 2, hardware=roomy, prompt_len=20.0)
     assert max(c.mapping.roles["actor"].micro for c in loose.candidates) == 16  # 4 prompts x n 4 on one rank
     for c in loose.candidates:  # the actor alone, traced directly, within the whole rank's estimate
@@ -123,7 +123,7 @@ def test_the_written_candidate_fits_by_a_direct_trace_of_its_shared_prefix_sched
     trace 85.3 MB."""
     cfg, _ = recipe_config(1, data={"train_batch_size": 12}, rollout={"n": 2},
                            actor={"batching": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_device": 1}})
-    roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
+    roomy = dataclasses.replace(load_hardware("cpu_xeon_2core"), memory_gib=8.0)
     result = plan(cfg, 1, hardware=roomy, prompt_len=20.0)
     best = result.best
     assert best.peak_bytes == pytest.approx(_direct_peak(cfg, "actor", best.mapping.roles["actor"]), rel=1e-9)
@@ -136,7 +136,7 @@ def test_a_written_candidate_that_its_direct_trace_does_not_fit_shrinks_its_micr
     trace: it is re-fitted to a smaller micro-batch, and the peak it reports is that micro-batch's direct trace."""
     cfg, _ = recipe_config(1, data={"train_batch_size": 12}, rollout={"n": 2},
                            actor={"batching": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_device": 1}})
-    roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
+    roomy = dataclasses.replace(load_hardware("cpu_xeon_2core"), memory_gib=8.0)
     best = plan(cfg, 1, hardware=roomy, prompt_len=20.0).best
     actor = best.mapping.roles["actor"]
     half = dataclasses.replace(actor, micro=actor.micro // 2)
@@ -152,7 +152,7 @@ def test_a_written_candidate_that_its_direct_trace_does_not_fit_shrinks_its_micr
 
 def test_a_model_that_fits_nowhere_gets_no_plan_and_the_smallest_cluster_that_fits(recipe_config):
     cfg, _ = recipe_config(1)
-    roomy = dataclasses.replace(load_hardware("cpu_epyc_2core"), memory_gib=8.0)
+    roomy = dataclasses.replace(load_hardware("cpu_xeon_2core"), memory_gib=8.0)
     one = plan(cfg, 1, hardware=roomy, prompt_len=20.0).best
     # a device 25 % smaller than one rank needs with everything on it: FSDP2 over more ranks holds less per rank
     hw = dataclasses.replace(roomy, memory_gib=0.75 * one.peak_bytes / GIB)

@@ -27,7 +27,7 @@ def test_plan_writes_a_config_that_validates_and_trains_a_step(tiny_model_dir, t
     cfg_path = write_config(tmp_path / "c.yaml", tiny_model_dir, actor=MICRO_1)
     before = cfg_path.read_text()
     out = tmp_path / "planned.yaml"
-    done = _cli("--config", str(cfg_path), "--plan", "--world-size", "2", "--hardware", "cpu_epyc_2core",
+    done = _cli("--config", str(cfg_path), "--plan", "--world-size", "2", "--hardware", "cpu_xeon_2core",
                 "--plan-out", str(out), "trainer.total_steps=1")
     assert done.returncode == 0, done.stderr
     assert "torchrlhf plan: world size 2" in done.stdout and f"best plan written to {out}" in done.stdout
