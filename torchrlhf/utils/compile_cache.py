@@ -265,8 +265,9 @@ def _known_vec_isa(path: Path) -> contextlib.AbstractContextManager:
     """Inductor proves every vector ISA the CPU's flags name, in every process, by building a probe and loading it in
     a child Python (0.4-0.8 s of a 2-core machine's warm-up). Where an earlier process on this machine (the stamp
     includes the flags) saw every candidate pass, the load says so instead (``config.cpp.vec_isa_ok``), and the
-    answer is the probe's. Only around a load: that setting is part of inductor's cache keys, which a later
-    compilation in the process must compute as the first process did."""
+    answer is the probe's. It covers that probe only: on a CPU with AVX-512's bf16 or VNNI instructions, or AMX,
+    inductor's further checks of those still build in every process. Only around a load: that setting is part of
+    inductor's cache keys, which a later compilation in the process must compute as the first process did."""
     from torch._inductor import config
 
     passed = (_read_json(path / VEC_ISA) or {}).get("passed")
