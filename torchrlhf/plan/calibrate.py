@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost, decode_bound_s
+from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost, decode_bound_s, sampling_s
 from torchrlhf.utils import calibration
 from torchrlhf.utils.flops import TransformerFlops, causal_keys, peak_flops
 
@@ -180,7 +180,7 @@ def probe_decode(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
         for batch in (4, 32):
             prompts, sampling = _decode_batch(batch, device)
             seconds = _best(lambda: engine.generate(prompts, sampling), repeats=1)
-            sampled = batch * model.config.vocab_size * sample_ns * 1e-9
+            sampled = sampling_s(batch, model.config.vocab_size, sample_ns)
             points.append((_decode_bound(model, batch, dtype, device, bandwidth), seconds / 32 - sampled))
         step_s, per_bound = _fit(*points[0], *points[1])
         return DecodeCost(efficiency=min(1.0, 1 / per_bound), step_s=step_s)
@@ -408,8 +408,9 @@ def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, d
     """The native engine's TP all-reduces (plain tensors, `models.parallelize.split_blocks_over_tp`) as its decode
     step sees them: a TP-2 engine's `generate` of `_decode_batch(4)` on 2 processes, against what the simulator
     (`plan.simulate.generate_s`) gives that step without its all-reduces, from ``decode`` (the one-rank engine's
-    fit and the sampler's ``sample_ns`` per logit): the blocks' reads and FLOPs halved, the LM head whole. The rest, less the bytes at the bare ``link``'s
-    bandwidth, is a latency per all-reduce (2 per layer and step). None for an architecture without a TP plan."""
+    fit and the sampler's ``sample_ns`` per logit): the blocks' reads and FLOPs halved, the LM head whole. The
+    rest, less the bytes at the bare ``link``'s bandwidth, is a latency per all-reduce (2 per layer and step). None
+    for an architecture without a TP plan."""
     from torchrlhf.models.parallelize import TP_SUPPORTED_MODEL_TYPES
 
     model = probe_model(model_dir, dtype, device, tp=2)
@@ -418,7 +419,7 @@ def probe_tp_engine(device: torch.device, threads: int, model_dir: str | None, d
         return None
     seconds = _two_rank_run("engine", device, threads, model_dir, dtype)
     step = (decode.step_s + _decode_bound(model, 4, dtype, device, bandwidth, tp=2) / decode.efficiency
-            + 4 * config.vocab_size * sample_ns * 1e-9)
+            + sampling_s(4, config.vocab_size, sample_ns))
     width = torch.empty((), dtype=dtype).element_size()
     calls = 2 * config.num_hidden_layers
     nbytes = 4 * config.hidden_size * width * 2 * (2 - 1) / 2

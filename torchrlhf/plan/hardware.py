@@ -166,6 +166,12 @@ def decode_bound_s(nbytes: float, flops: float, bandwidth: float, peak: float, d
     return max(nbytes / bandwidth, flops / peak)
 
 
+def sampling_s(slots: int, vocab: int, ns_per_logit: float | None) -> float:
+    """The sampler's time to draw a token for each of ``slots`` rows over a ``vocab``-token vocabulary at
+    ``ns_per_logit`` (a profile's ``sample_ns_per_logit``; None: not measured, 0)."""
+    return slots * vocab * (ns_per_logit or 0.0) * 1e-9
+
+
 SHIPPED = {p.stem: p for p in sorted(PROFILES_DIR.glob("*.yaml"))}
 _UNIT_IN_VALUE = re.compile(r"^\s*[-+0-9.eE]+\s*[A-Za-z/%]+\s*$")
 
@@ -209,4 +215,4 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 __all__ = ["DecodeCost", "HardwareProfile", "Link", "PassCost", "SHIPPED", "decode_bound_s", "load_hardware",
-           "save_hardware"]
+           "sampling_s", "save_hardware"]

@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torchrlhf.plan.hardware import HardwareProfile, Link
+from torchrlhf.plan.hardware import HardwareProfile, Link, sampling_s
 from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.utils.flops import causal_keys
 
@@ -207,7 +207,7 @@ def generate_s(model: ModelShape, rollout: Role, hw: HardwareProfile, *, dtype: 
     def per_rank(tokens: int, keys: int, scored: int) -> float:  # the blocks split over TP, the head not
         return f.forward(tokens, keys, 0) / rollout.tp + f.forward(0, 0, scored)
 
-    sample = slots * f.head_out * (hw.sample_ns_per_logit or 0.0) * 1e-9  # a token for every slot
+    sample = sampling_s(slots, f.head_out, hw.sample_ns_per_logit)  # a token for every slot
     prefill_tokens = slots / n * prompt_len
     prefill = (hw.forward.call_s + per_rank(int(prefill_tokens), int(slots / n * causal_keys(int(prompt_len))),
                                             max(1, int(slots / n)))
