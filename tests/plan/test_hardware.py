@@ -53,3 +53,10 @@ def test_a_negative_sampling_cost_is_refused(tmp_path):
     text = SHIPPED["h100"].read_text() + "sample_ns_per_logit: -1.0\n"
     with pytest.raises(ConfigError, match="sample_ns_per_logit must be >= 0 or null, got -1.0"):
         load_hardware(_write(tmp_path, text))
+
+
+def test_an_fsdp_slowdown_below_one_is_refused(tmp_path):
+    # a speed-up beside FSDP2's traffic is a mis-fit, not hardware; a profile without the key computes at 1
+    with pytest.raises(ConfigError, match="fsdp_slowdown is a factor >= 1, got 0.9"):
+        load_hardware(_write(tmp_path, SHIPPED["h100"].read_text() + "fsdp_slowdown: 0.9\n"))
+    assert load_hardware("h100").fsdp_slowdown == 1.0

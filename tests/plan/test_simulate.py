@@ -57,6 +57,20 @@ def test_a_training_pass_counts_three_forwards_the_optimizer_and_fsdp_traffic():
     assert seconds == pytest.approx(compute + fsdp, rel=1e-12)
 
 
+def test_an_fsdp_group_computes_its_passes_fsdp_slowdown_times_slower_but_not_its_optimizer_step():
+    # the case above with fsdp_slowdown 1.5 and a CPU node of 2 units contended 1.2x when both compute: the calls and
+    # FLOPs take 1.2 * 1.5 times as long, the AdamW step 1.2 times, the traffic as before
+    hw = profile(units=2, fsdp_slowdown=1.5, concurrent_slowdown=1.2)
+    seconds = pass_s(MODEL, Role(ranks=2, micro=1), hw, dtype="float32", samples=4, prompt_len=3,
+                     response_len=2, train=True, node_size=2, busy=2, optimizer_steps=1)
+    passes = (2 * 0.5 + 3 * 45_120 / 2 / (1e12 * 0.25)) * 1.2 * 1.5
+    assert seconds == pytest.approx(passes + 1000 * 28 / 1e9 * 1.2 + 2 * (6 * 100e-6 + 1000 * 12 / 2e9), rel=1e-12)
+    # one rank: no FSDP2, no slowdown
+    alone = pass_s(MODEL, Role(ranks=1, micro=1), hw, dtype="float32", samples=4, prompt_len=3, response_len=2,
+                   train=True, node_size=2, busy=1, optimizer_steps=1)
+    assert alone == pytest.approx(4 * 0.5 + 3 * 45_120 / (1e12 * 0.25) + 2000 * 28 / 1e9, rel=1e-12)
+
+
 def test_tp_all_reduces_use_the_profiles_tp_link_inside_a_node():
     # a forward over 2 ranks of TP 2 (dp 1): 4 samples in 4 calls, half of 45 120 FLOPs per rank. All-reduces: 2 per
     # layer per call, 4 calls x 2 x 2 layers = 16; bytes: the 20 tokens x hidden 8 x 4 bytes x 2 x 1/2 = 640 per

@@ -16,7 +16,7 @@
 - **collectives**: two processes on this node, all-reduce of 4 KiB and 32 MiB (gloo on CPU, NCCL on GPU): latency
   and bandwidth. Across nodes is not probed: the profile copies the node's link, and says so in ``source``;
 - **FSDP2 in a step**: the same passes sharded over two processes against one: the latency and bandwidth of FSDP2's
-  traffic as a training step sees it (`probe_fsdp`);
+  traffic as a training step sees it, and how much slower the passes compute beside it (`probe_fsdp`);
 - **TP in a step**: the same passes split by tensor parallelism over two processes against half of them in one: the
   latency and bandwidth of TP's all-reduces as a step sees them (`probe_tp`).
 
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchrlhf.plan.hardware import GIB, DecodeCost, HardwareProfile, Link, PassCost, decode_bound_s, sampling_s
+from torchrlhf.plan.hardware import (GIB, DecodeCost, HardwareProfile, Link, PassCost, decode_bound_s, sampling_s,
+                                     share)
 from torchrlhf.utils import calibration
 from torchrlhf.utils.flops import TransformerFlops, causal_keys, peak_flops
 
@@ -45,7 +46,10 @@ from torchrlhf.utils.flops import TransformerFlops, causal_keys, peak_flops
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      head_dim=64, num_hidden_layers=30, vocab_size=49152, max_position_embeddings=2048)
 SEQ = 64  # prompt 32 + response 32
-ROWS = (1, 4)  # the two micro-batch sizes the passes are timed at
+# the two micro-batch sizes the passes are timed at: 64 and 1 024 tokens, the range of a CPU run's micro-batches (the
+# line through 1 and 4 rows of SmolLM2's shape missed 16 rows by -14 %, and FSDP2's extra time, which grows with
+# the rows, could not be told from noise over so short a span)
+ROWS = (1, 16)
 
 
 def _best(fn: Callable[[], None], repeats: int = 3, min_seconds: float = 0.5) -> float:
@@ -101,7 +105,7 @@ def _heads_for_tp(config: dict, tp: int) -> dict:
 
 def time_passes(model: torch.nn.Module, device: torch.device, min_seconds: float = 0.5
                 ) -> dict[tuple[bool, int], float]:
-    """Seconds of a training (forward + loss + backward) and a forward pass of ``model`` at 1 and 4 rows of `SEQ`
+    """Seconds of a training (forward + loss + backward) and a forward pass of ``model`` at `ROWS` rows of `SEQ`
     tokens (`_best`): ``{(train, rows): seconds}``. Ranks of one process group pass ``min_seconds=0``: each must
     run as many passes as the others, or their collectives pair up wrongly and hang."""
     from torchrlhf.trainer.memory import actor_loss
@@ -127,8 +131,8 @@ def time_passes(model: torch.nn.Module, device: torch.device, min_seconds: float
 
 def probe_passes(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
                  ) -> tuple[PassCost, PassCost, dict[tuple[bool, int], float]]:
-    """Training (forward + loss + backward; the optimizer step is timed by the bandwidth) and forward passes at 1
-    and 4 rows of `SEQ` tokens, and the times they were fitted through."""
+    """Training (forward + loss + backward; the optimizer step is timed by the bandwidth) and forward passes at
+    `ROWS` rows of `SEQ` tokens, and the times they were fitted through."""
     from torchrlhf.models.lm_head import LogProbHead
 
     LogProbHead.install(model)
@@ -214,8 +218,9 @@ def _gemm_worker(rank: int, threads: int, start_file: str, out: str) -> None:
     while not os.path.exists(start_file):  # every process starts timing together
         time.sleep(0.001)
     # as many runs in every process, so that they overlap to the end: with runs for half a second each, a process
-    # whose others had stopped would time uncontended runs
-    rate = 2 * 512**3 / _best(lambda: [a @ a for _ in range(20)], repeats=3, min_seconds=0.0) * 20
+    # whose others had stopped would time uncontended runs. Runs of 20 products (a few ms) read 1.0 and 1.43 in two
+    # calibrations of one host; of 200, long enough that a scheduling hiccup does not decide the figure
+    rate = 2 * 512**3 / _best(lambda: [a @ a for _ in range(200)], repeats=5, min_seconds=0.0) * 200
     Path(f"{out}.{rank}").write_text(json.dumps(rate))
 
 
@@ -353,25 +358,40 @@ def _two_rank_passes(layout: str, device: torch.device, threads: int, model_dir:
 
 
 def probe_fsdp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, params: int,
-               layers: int, alone: dict[tuple[bool, int], float]) -> Link:
-    """FSDP2's collectives as a training step runs them: the passes of `time_passes` sharded over 2 processes, against
-    the same rows in one process (``alone``). The extra time of a training pass (2 gathers and a reduce-scatter per
-    layer) and of a forward (a gather per layer) gives the latency and the bandwidth of that traffic, whatever it
-    shares the cores with (on a CPU, gloo's threads and the copies in and out of its buffers)."""
+               layers: int, alone: dict[tuple[bool, int], float], contention: float = 1.0) -> tuple[Link, float]:
+    """FSDP2 as a training step runs it: the passes of `time_passes` sharded over 2 processes, against the same rows
+    in one process (``alone``); `fit_fsdp` of the two."""
     sharded = _two_rank_passes("fsdp", device, threads, model_dir, dtype)
-    width = torch.empty((), dtype=dtype).element_size()
-    extra = {train: sum(max(0.0, sharded[train, r] - alone[train, r]) for r in ROWS) / len(ROWS)
-             for train in (True, False)}
+    return fit_fsdp(alone, sharded, params, layers, torch.empty((), dtype=dtype).element_size(), contention)
+
+
+def fit_fsdp(alone: dict[tuple[bool, int], float], sharded: dict[tuple[bool, int], float], params: int, layers: int,
+             width: int, contention: float = 1.0) -> tuple[Link, float]:
+    """FSDP2's traffic as a step sees it (a `Link`) and how much slower the passes compute beside it (the profile's
+    ``fsdp_slowdown``), from the seconds of passes at `ROWS` rows ``{(train, rows): s}`` in one process (``alone``)
+    and on each of 2 ranks (``sharded``), whose compute alone would be ``contention`` times slower for computing
+    together (the simulator's `plan.simulate.share` of 2 ranks; 1 on GPUs). A sharded pass takes ``contention ·
+    slowdown · alone + calls · latency + bytes / bandwidth``: its growth with the rows, over both passes, gives the
+    slowdown (whatever takes the cores from the compute: on a CPU gloo's threads, while FSDP2 prefetches the next
+    block's gather); what is left, the same at both sizes, gives the latency and the bandwidth from the training
+    pass (2 gathers of ``width``-byte parameters and a float32 reduce-scatter per layer) and the forward (a gather
+    per layer). Where the two are not separable, all of it is bandwidth."""
+    small, large = ROWS
+    growth = {train: sharded[train, large] - sharded[train, small] for train in (True, False)}
+    alone_growth = {train: alone[train, large] - alone[train, small] for train in (True, False)}
+    slowdown = max(1.0, sum(growth.values()) / sum(alone_growth.values()) / contention)
+    fixed = {train: sum(max(0.0, sharded[train, r] - contention * slowdown * alone[train, r]) for r in ROWS)
+             / len(ROWS) for train in (True, False)}
     # per pass, half the parameters cross: train 2 gathers of `width` + a float32 reduce-scatter, forward 1 gather
     nbytes = {True: params / 2 * (2 * width + 4), False: params / 2 * width}
     calls = {True: 3 * layers, False: layers}
-    # extra = calls * latency + nbytes / bandwidth, for both passes
+    # fixed = calls * latency + nbytes / bandwidth, for both passes
     det = calls[True] * nbytes[False] - calls[False] * nbytes[True]
-    per_byte = (calls[True] * extra[False] - calls[False] * extra[True]) / det if det else 0.0
-    latency = (extra[True] - nbytes[True] * per_byte) / calls[True] if per_byte > 0 else 0.0
+    per_byte = (calls[True] * fixed[False] - calls[False] * fixed[True]) / det if det else 0.0
+    latency = (fixed[True] - nbytes[True] * per_byte) / calls[True] if per_byte > 0 else 0.0
     if per_byte <= 0 or latency < 0:  # not separable: all of it as bandwidth
-        per_byte, latency = extra[True] / nbytes[True], 0.0
-    return Link(bandwidth_gbps=1 / max(per_byte, 1e-15) / 1e9, latency_us=latency * 1e6)
+        per_byte, latency = fixed[True] / nbytes[True], 0.0
+    return Link(bandwidth_gbps=1 / max(per_byte, 1e-15) / 1e9, latency_us=latency * 1e6), slowdown
 
 
 def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: torch.dtype, link: Link
@@ -379,7 +399,7 @@ def probe_tp(device: torch.device, threads: int, model_dir: str | None, dtype: t
     """Tensor parallelism's all-reduces as a training step runs them: the passes of `time_passes` split over 2
     processes (`models.parallelize.apply_tp`) against half of the same passes in one. The extra time of a training
     pass (4 all-reduces per layer of the rows' activations), less their bytes at the bare ``link``'s bandwidth, is a
-    latency per all-reduce, the mean over 1 and 4 rows: whatever else each one costs, which on a CPU is more than the
+    latency per all-reduce, the mean over `ROWS`: whatever else each one costs, which on a CPU is more than the
     bytes (DTensor's dispatch, the wait for the other rank). One figure from two points: a bandwidth fitted through
     them as well swung from 0.02 GB/s to infinite between two calibrations. None for an architecture without a TP
     plan."""
@@ -441,7 +461,7 @@ def probe_link(device: torch.device, threads: int) -> Link:
 
 def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               name: str | None = None, model_dir: str | None = None) -> HardwareProfile:
-    """Run every probe (about a minute on a CPU) and return the profile (`save_hardware` writes it). ``model_dir``:
+    """Run every probe (6 to 7 minutes on a 2-core CPU) and return the profile (`save_hardware` writes it). ``model_dir``:
     time the passes and decode on that architecture (its config.json; random weights), else SmolLM2's."""
     dev = torch.device(device)
     torch.set_num_threads(threads)
@@ -455,12 +475,6 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
     engine_resume = probe_engine_resume(model, dev, getattr(torch, compute))
     train, forward, alone = probe_passes(model, dev, getattr(torch, compute))
     link = probe_link(dev, threads)
-    fsdp = probe_fsdp(dev, threads, model_dir, getattr(torch, compute), sum(p.numel() for p in model.parameters()),
-                      model.config.num_hidden_layers, alone)
-    two = dev.type == "cpu" or torch.cuda.device_count() > 1
-    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if two else None
-    tp_engine = probe_tp_engine(dev, threads, model_dir, getattr(torch, compute), link, bandwidth, decode,
-                                sample_ns) if two else None
     if dev.type == "cuda":
         memory_gib, units, slowdown = torch.cuda.get_device_properties(dev).total_memory / GIB, None, 1.0
     else:
@@ -468,6 +482,13 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
         units = max(1, (os.cpu_count() or 1) // threads)
         memory_gib = total / GIB / units
         slowdown = probe_concurrency(units, threads)
+    fsdp, fsdp_slowdown = probe_fsdp(dev, threads, model_dir, getattr(torch, compute),
+                                     sum(p.numel() for p in model.parameters()), model.config.num_hidden_layers, alone,
+                                     contention=share(2, units, slowdown))
+    two = dev.type == "cpu" or torch.cuda.device_count() > 1
+    tp = probe_tp(dev, threads, model_dir, getattr(torch, compute), link) if two else None
+    tp_engine = probe_tp_engine(dev, threads, model_dir, getattr(torch, compute), link, bandwidth, decode,
+                                sample_ns) if two else None
     stamp = datetime.date.today().isoformat()
     return HardwareProfile(
         name=name or (f"{label} ({threads} thread(s) per rank)" if dev.type == "cpu" else label),
@@ -477,8 +498,8 @@ def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = (
         memory_gib=round(memory_gib, 2), matmul_tflops=peaks, memory_bandwidth_gbps=bandwidth / 1e9,
         train=train, forward=forward, decode=decode, decode_shared=decode_shared, intra_node=link, inter_node=link,
         fsdp=fsdp, tp=tp, tp_engine=tp_engine, engine_resume_gbps=engine_resume, sample_ns_per_logit=sample_ns,
-        compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3))
+        compute_units_per_node=units, concurrent_slowdown=round(slowdown, 3), fsdp_slowdown=round(fsdp_slowdown, 3))
 
 
-__all__ = ["calibrate", "probe_bandwidth", "probe_decode", "probe_engine_resume", "probe_link", "probe_passes",
-           "probe_sampling", "probe_tp", "probe_tp_engine"]
+__all__ = ["calibrate", "fit_fsdp", "probe_bandwidth", "probe_decode", "probe_engine_resume", "probe_link",
+           "probe_passes", "probe_sampling", "probe_tp", "probe_tp_engine"]

@@ -82,7 +82,10 @@ class HardwareProfile:
     bandwidth); None: ``memory_bandwidth_gbps``. ``sample_ns_per_logit``: the sampler's time per vocabulary logit
     of each token it samples (softmax, the inverse CDF: `torchrlhf.plan.calibrate.probe_sampling`), a decode step's
     cost per slot that no roofline counts (on a CPU a quarter to a half of a tiny model's step at 32 slots); None: not
-    measured, 0."""
+    measured, 0. ``fsdp_slowdown``: how much slower a rank of an FSDP2 group computes its passes than one alone,
+    beyond the traffic and the node's contention (``concurrent_slowdown``): FSDP2 prefetches the next gather while a block computes, and on a CPU gloo's threads take
+    that time from the cores (`torchrlhf.plan.calibrate.probe_fsdp`: SmolLM2's shape, 1 thread per rank, its extra
+    time grew 3.2 s to 4.8 s from 1 to 16 rows where one alone took 1.0 s and 7.2 s); 1: none."""
 
     name: str
     source: str
@@ -103,6 +106,7 @@ class HardwareProfile:
     step_overhead_s: float = 0.0
     compute_units_per_node: int | None = None
     concurrent_slowdown: float = 1.0
+    fsdp_slowdown: float = 1.0
 
     @property
     def device_type(self) -> str:
@@ -126,8 +130,9 @@ class HardwareProfile:
                 problems.append(f"{key}.bandwidth_gbps must be > 0, got {getattr(self, key).bandwidth_gbps}")
         if self.sample_ns_per_logit is not None and not self.sample_ns_per_logit >= 0:
             problems.append(f"sample_ns_per_logit must be >= 0 or null, got {self.sample_ns_per_logit}")
-        if not self.concurrent_slowdown >= 1:
-            problems.append(f"concurrent_slowdown is a factor >= 1, got {self.concurrent_slowdown}")
+        for key in ("concurrent_slowdown", "fsdp_slowdown"):
+            if not getattr(self, key) >= 1:
+                problems.append(f"{key} is a factor >= 1, got {getattr(self, key)}")
         if self.compute_units_per_node is not None and self.compute_units_per_node < 1:
             problems.append(f"compute_units_per_node must be >= 1 or null, got {self.compute_units_per_node}")
         if problems:
@@ -170,6 +175,17 @@ def sampling_s(slots: int, vocab: int, ns_per_logit: float | None) -> float:
     """The sampler's time to draw a token for each of ``slots`` rows over a ``vocab``-token vocabulary at
     ``ns_per_logit`` (a profile's ``sample_ns_per_logit``; None: not measured, 0)."""
     return slots * vocab * (ns_per_logit or 0.0) * 1e-9
+
+
+def share(busy_on_node: int, units: int | None, concurrent_slowdown: float) -> float:
+    """How much slower a rank computes when ``busy_on_node`` ranks of its node compute at once; 1 on a GPU (``units``
+    None). On a CPU, ranks beyond the ``units`` compute units share them, and units computing together slow each
+    other down (``concurrent_slowdown`` when all do, in proportion below)."""
+    if units is None or busy_on_node <= 1:
+        return 1.0
+    together = min(busy_on_node, units)
+    contention = 1.0 + (concurrent_slowdown - 1.0) * ((together - 1) / (units - 1) if units > 1 else 0.0)
+    return max(1.0, busy_on_node / units) * contention
 
 
 SHIPPED = {p.stem: p for p in sorted(PROFILES_DIR.glob("*.yaml"))}
@@ -215,4 +231,4 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 __all__ = ["DecodeCost", "HardwareProfile", "Link", "PassCost", "SHIPPED", "decode_bound_s", "load_hardware",
-           "sampling_s", "save_hardware"]
+           "sampling_s", "save_hardware", "share"]

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchrlhf.plan.hardware import HardwareProfile, Link, sampling_s
+from torchrlhf.plan.hardware import share as hardware_share
 from torchrlhf.trainer.explain import ModelShape
 from torchrlhf.utils.flops import causal_keys
 
@@ -116,15 +117,8 @@ def collective_s(link: Link, nbytes: float, calls: int = 1) -> float:
 
 
 def share(busy_on_node: int, hw: HardwareProfile) -> float:
-    """How much slower a rank computes when ``busy_on_node`` ranks of its node compute at once; 1 on a GPU. On a CPU,
-    ranks beyond the compute units share them, and units computing together slow each other down
-    (``concurrent_slowdown`` when all do, in proportion below)."""
-    units = hw.compute_units_per_node
-    if units is None or busy_on_node <= 1:
-        return 1.0
-    together = min(busy_on_node, units)
-    contention = 1.0 + (hw.concurrent_slowdown - 1.0) * ((together - 1) / (units - 1) if units > 1 else 0.0)
-    return max(1.0, busy_on_node / units) * contention
+    """How much slower a rank computes when ``busy_on_node`` ranks of its node compute at once (`hardware.share`)."""
+    return hardware_share(busy_on_node, hw.compute_units_per_node, hw.concurrent_slowdown)
 
 
 # ------------------------------------------------------------------ stages
@@ -137,7 +131,8 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
     samples (shared-prefix training, in ``prefix_passes`` passes of their own: one per mini-batch), else each sample
     carries its prompt. ``optimizer_steps`` AdamW steps each
     read and write a rank's shard of the trained parameters and their states: `ADAMW_BYTES` per parameter at the
-    memory bandwidth."""
+    memory bandwidth. A data-parallel group's passes compute ``hw.fsdp_slowdown`` times slower, beside FSDP2's
+    traffic."""
     per_rank = math.ceil(samples / role.dp)
     micro = role.micro if train else role.log_prob_micro
     calls = passes * math.ceil(per_rank / micro)
@@ -153,6 +148,8 @@ def pass_s(model: ModelShape, role: Role, hw: HardwareProfile, *, dtype: str, sa
     flops = (model.flops.train if train else model.flops.forward)(tokens, keys, scored) * passes
     cost = hw.train if train else hw.forward
     compute = (calls * cost.call_s + flops / role.ranks / (hw.peak_flops(dtype) * cost.efficiency)) * share(busy, hw)
+    if role.dp > 1:  # FSDP2's prefetched gathers run beside the passes' compute
+        compute *= hw.fsdp_slowdown
     trained = model.adapter_params or model.params
     compute += optimizer_steps * trained / role.ranks * ADAMW_BYTES / (hw.memory_bandwidth_gbps * 1e9) * share(busy, hw)
     b = DTYPE_BYTES[dtype]
