@@ -63,7 +63,7 @@ USAGE = """usage: recipes/ppo.py --config X.yaml [--dry-run | --plan] [--world-s
                       --calibrate wrote for this machine)
   --plan-out FILE     where --plan writes its config (default: <trainer.output_dir>/plan_w<N>.yaml)
   --response-len L    the mean response length --plan assumes (default: rollout.max_tokens)
-  --calibrate         measure this machine's hardware profile (minutes: 6 to 7 on 2 cores) and write it (--hardware-out FILE,
+  --calibrate         measure this machine's hardware profile (6-7 min on 2 cores) and write it (--hardware-out FILE,
                       default ~/.cache/torchrlhf/hardware.yaml); with --config, on its actor's architecture
   --threads N         threads per rank for --calibrate (default 1, as torchrun's ranks)
   key=value           override a config key (+key=value adds one, ~key removes one)"""

@@ -461,8 +461,9 @@ def probe_link(device: torch.device, threads: int) -> Link:
 
 def calibrate(device: str = "cpu", threads: int = 1, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
               name: str | None = None, model_dir: str | None = None) -> HardwareProfile:
-    """Run every probe (6 to 7 minutes on a 2-core CPU) and return the profile (`save_hardware` writes it). ``model_dir``:
-    time the passes and decode on that architecture (its config.json; random weights), else SmolLM2's."""
+    """Run every probe (6 to 7 minutes on a 2-core CPU) and return the profile (`save_hardware` writes it).
+    ``model_dir``: time the passes and decode on that architecture (its config.json; random weights), else
+    SmolLM2's."""
     dev = torch.device(device)
     torch.set_num_threads(threads)
     label = calibration.device_name(dev)

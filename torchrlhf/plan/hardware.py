@@ -83,9 +83,10 @@ class HardwareProfile:
     of each token it samples (softmax, the inverse CDF: `torchrlhf.plan.calibrate.probe_sampling`), a decode step's
     cost per slot that no roofline counts (on a CPU a quarter to a half of a tiny model's step at 32 slots); None: not
     measured, 0. ``fsdp_slowdown``: how much slower a rank of an FSDP2 group computes its passes than one alone,
-    beyond the traffic and the node's contention (``concurrent_slowdown``): FSDP2 prefetches the next gather while a block computes, and on a CPU gloo's threads take
-    that time from the cores (`torchrlhf.plan.calibrate.probe_fsdp`: SmolLM2's shape, 1 thread per rank, its extra
-    time grew 3.2 s to 4.8 s from 1 to 16 rows where one alone took 1.0 s and 7.2 s); 1: none."""
+    beyond the traffic and the node's contention (``concurrent_slowdown``): FSDP2 prefetches the next gather while a
+    block computes, and on a CPU gloo's threads take that time from the cores
+    (`torchrlhf.plan.calibrate.probe_fsdp`: SmolLM2's shape, 1 thread per rank, its extra time grew 3.2 s to 4.8 s
+    from 1 to 16 rows where one alone took 1.0 s and 7.2 s); 1: none."""
 
     name: str
     source: str
